@@ -51,7 +51,7 @@ proto-check: setup
 
 # Snapshot of the released contracts that `buf breaking` compares against.
 proto-baseline: setup
-	cd protos && ../$(BUF) build -o baseline/lorarl-v1.binpb --exclude-path baseline
+	cd protos && ../$(BUF) build -o baseline/lorarl-v1.binpb
 
 assets: setup
 	$(PY) -m assets.build
