@@ -1,0 +1,59 @@
+"""Real gloo transfer group across processes: one sender, two receivers, verified buckets."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from lorarl.v1 import common_pb2
+
+from services.weightsync.collective import WeightTransferGroup
+from services.weightsync.payload import build_manifest, pack, unpack_bucket
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(f"t{i}", torch.randn(3000 + i, generator=g).to(torch.bfloat16 if i % 2 else torch.float32))
+            for i in range(9)]
+
+
+def receiver(rank: int, port: int, manifest_bytes: bytes, queue: mp.Queue) -> None:
+    manifest = common_pb2.WeightManifest.FromString(manifest_bytes)
+    group = WeightTransferGroup("gloo", "127.0.0.1", port, rank, 3, "t", timeout_s=60)
+    got = {}
+    for bucket in manifest.buckets:
+        buf = group.receive(bucket.nbytes)
+        got.update({n: t.clone().float().sum().item() for n, t in unpack_bucket(manifest, bucket.index, buf)})
+    queue.put((rank, got))
+
+
+def test_broadcast_buckets_to_two_receivers() -> None:
+    buckets = list(pack(tensors(), bucket_bytes=16_000))
+    assert len(buckets) >= 3
+    manifest = build_manifest(job_id="j", version=1, mode=common_pb2.SYNC_MODE_ADAPTER,
+                              base_model_fingerprint="f", buckets=buckets)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=receiver, args=(r, port, manifest.SerializeToString(), queue)) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    group = WeightTransferGroup("gloo", "127.0.0.1", port, 0, 3, "t", timeout_s=60)  # blocks until all join
+    sent = group.send(iter(buckets))
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert sent == manifest.total_bytes
+    want = {n: t.float().sum().item() for n, t in tensors()}
+    assert results[1] == want and results[2] == want
