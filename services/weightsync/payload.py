@@ -57,8 +57,22 @@ class PackedBucket:
     specs: list[common_pb2.TensorSpec]
 
     @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
     def checksum(self) -> int:
         return checksum(self.buffer)
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    """What a manifest needs of a bucket whose bytes were dropped (senders that re-pack to stay lean)."""
+
+    index: int
+    nbytes: int
+    checksum: int
+    specs: list[common_pb2.TensorSpec]
 
 
 def pack(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -93,7 +107,7 @@ def pack(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAUL
 
 
 def build_manifest(*, job_id: str, version: int, mode: int, base_model_fingerprint: str,
-                   buckets: list[PackedBucket], lora: common_pb2.LoraSpec | None = None,
+                   buckets: list[PackedBucket] | list[BucketInfo], lora: common_pb2.LoraSpec | None = None,
                    policy_id: str = "") -> common_pb2.WeightManifest:
     """The manifest describing already-packed buckets (tensor specs carry their checksums)."""
     manifest = common_pb2.WeightManifest(
@@ -104,7 +118,7 @@ def build_manifest(*, job_id: str, version: int, mode: int, base_model_fingerpri
         manifest.lora.CopyFrom(lora)
     for b in buckets:
         manifest.tensors.extend(b.specs)
-        manifest.buckets.append(common_pb2.Bucket(index=b.index, nbytes=b.buffer.numel(), checksum=b.checksum))
+        manifest.buckets.append(common_pb2.Bucket(index=b.index, nbytes=b.nbytes, checksum=b.checksum))
     manifest.total_bytes = sum(b.nbytes for b in manifest.buckets)
     manifest.created_at.GetCurrentTime()
     return manifest
@@ -181,3 +195,80 @@ def manifest_digest(manifest: common_pb2.WeightManifest) -> int:
     for t in manifest.tensors:
         h.update(f"{t.name}|{list(t.shape)}|{t.dtype}|{t.checksum};".encode())
     return h.intdigest()
+
+
+class PayloadVerifier:
+    """Checks a payload as its bytes arrive, piece by piece in order: every bucket's xxh64 and every
+    tensor's, both updated incrementally, so a receiver verifies one piece while the next is in flight.
+
+    Errors are kept, not raised, until finish(): a collective receiver must keep draining for its peers.
+    """
+
+    def __init__(self, manifest: common_pb2.WeightManifest) -> None:
+        self.manifest = manifest
+        self._specs = {b.index: sorted((t for t in manifest.tensors if t.bucket == b.index), key=lambda t: t.offset)
+                       for b in manifest.buckets}
+        self._done = {b.index: 0 for b in manifest.buckets}
+        self._short: set[int] = set()
+        self._bucket_hash = {b.index: xxhash.xxh64() for b in manifest.buckets}
+        self._next = {b.index: 0 for b in manifest.buckets}
+        self._tensor_hash = {b.index: xxhash.xxh64() for b in manifest.buckets}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.error: PayloadError | None = None
+
+    def feed(self, index: int, buffer: torch.Tensor, start: int, end: int, short: bool = False) -> None:
+        """Bytes [start, end) of bucket `index` have landed in `buffer`; `short`: nothing more will come."""
+        if self.error is not None:
+            return
+        try:
+            self._feed(index, buffer, start, end)
+            if short:
+                self._short.add(index)
+        except PayloadError as exc:
+            self.error = exc
+
+    def _feed(self, index: int, buffer: torch.Tensor, start: int, end: int) -> None:
+        if index not in self._done:
+            raise PayloadError(f"bucket {index} is not in the manifest")
+        if index in self._short:
+            return  # the bucket was cut short: the rest is missing whatever arrives
+        bucket = self.manifest.buckets[index]
+        if buffer.numel() != bucket.nbytes:
+            raise PayloadError(f"bucket {index}: received {buffer.numel()} bytes, expected {bucket.nbytes}")
+        if start != self._done[index] or end > bucket.nbytes or end < start:
+            raise PayloadError(f"bucket {index}: bytes [{start}, {end}) out of order (have {self._done[index]})")
+        raw = tensor_bytes(buffer)
+        self._bucket_hash[index].update(raw[start:end])
+        specs, k = self._specs[index], self._next[index]
+        while k < len(specs):  # tensors in offset order; the padding between them is only in the bucket hash
+            spec = specs[k]
+            stop = spec.offset + spec.nbytes
+            lo, hi = max(start, spec.offset), min(end, stop)
+            if hi > lo:
+                self._tensor_hash[index].update(raw[lo:hi])
+            if stop > end:
+                break
+            if self._tensor_hash[index].intdigest() != spec.checksum:
+                raise PayloadError(f"tensor {spec.name}: checksum mismatch")
+            self.tensors[spec.name] = (buffer[spec.offset: spec.offset + spec.nbytes]
+                                       .view(PROTO_TO_DTYPE[spec.dtype]).reshape(tuple(spec.shape)))
+            self._tensor_hash[index] = xxhash.xxh64()
+            k += 1
+        self._next[index], self._done[index] = k, end
+        if end == bucket.nbytes and self._bucket_hash[index].intdigest() != bucket.checksum:
+            raise PayloadError(f"bucket {index}: checksum mismatch (got {self._bucket_hash[index].intdigest():#x}, "
+                               f"expected {bucket.checksum:#x})")
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The verified tensors by name; raises the first error, a short bucket, or a missing tensor."""
+        if self.error is not None:
+            raise self.error
+        for b in self.manifest.buckets:
+            if self._done[b.index] != b.nbytes:
+                raise PayloadError(f"bucket {b.index}: received {self._done[b.index]} bytes, expected {b.nbytes} "
+                                   "(short transfer)")
+        missing = [t.name for t in self.manifest.tensors if t.name not in self.tensors]
+        if missing:
+            raise PayloadError(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+        return self.tensors
+

@@ -40,16 +40,20 @@ class Service:
     name: str
     full_name: str
     section: dict[str, Any]
-    # Makes one skeleton RPC (with the channel's credentials) and returns its response.
+    # Makes one RPC (with the channel's credentials) that the service refuses with `expected`.
     call: Callable[[grpc.Channel], Any]
+    expected: grpc.StatusCode = grpc.StatusCode.UNIMPLEMENTED
+    # Text the refusal must contain (default: the method name).
+    detail: str = ""
 
     @property
     def method(self) -> str:
         return self.call.__name__
 
 
-def ListJobs(channel: grpc.Channel) -> Any:  # noqa: N802 - named after the RPC it makes
-    return trainer_pb2_grpc.TrainerServiceStub(channel).ListJobs(trainer_pb2.ListJobsRequest(), timeout=5)
+def GetJob(channel: grpc.Channel) -> Any:  # noqa: N802 - named after the RPC it makes
+    return trainer_pb2_grpc.TrainerServiceStub(channel).GetJob(trainer_pb2.GetJobRequest(job_id="no-such-job"),
+                                                               timeout=5)
 
 
 def GetCapabilities(channel: grpc.Channel) -> Any:  # noqa: N802
@@ -57,15 +61,17 @@ def GetCapabilities(channel: grpc.Channel) -> Any:  # noqa: N802
     return stub.GetCapabilities(rollout_pb2.GetCapabilitiesRequest(), timeout=5)
 
 
-def GetSyncStatus(channel: grpc.Channel) -> Any:  # noqa: N802
+def GetManifest(channel: grpc.Channel) -> Any:  # noqa: N802
     stub = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
-    return stub.GetSyncStatus(weightsync_pb2.GetSyncStatusRequest(), timeout=5)
+    return stub.GetManifest(weightsync_pb2.GetManifestRequest(job_id="no-such-job"), timeout=5)
 
 
 SERVICES = [
-    Service("trainer", "lorarl.v1.TrainerService", {"trainer": {"device": "cpu"}}, ListJobs),
+    Service("trainer", "lorarl.v1.TrainerService", {"trainer": {"device": "cpu"}}, GetJob,
+            grpc.StatusCode.NOT_FOUND, "no-such-job"),
     Service("rollout", "lorarl.v1.RolloutService", {"rollout": {"max_loras": 2}}, GetCapabilities),
-    Service("weightsync", "lorarl.v1.WeightSyncService", {"weightsync": {"keep_versions": 2}}, GetSyncStatus),
+    Service("weightsync", "lorarl.v1.WeightSyncService", {"weightsync": {"keep_versions": 2}}, GetManifest,
+            grpc.StatusCode.NOT_FOUND, "no-such-job"),
 ]
 
 
@@ -207,16 +213,16 @@ def test_service_process_lifecycle(service: Service, launch, busy_port: int) -> 
         assert "invalid bearer token" in bad.details() and TOKEN not in bad.details()
 
     with sync_channel(server.address, token=TOKEN) as authorised:
-        unimplemented = rpc_error(lambda: service.call(authorised))
-        assert unimplemented.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert service.method in unimplemented.details()
+        refused = rpc_error(lambda: service.call(authorised))
+        assert refused.code() == service.expected
+        assert (service.detail or service.method) in refused.details()
         listed = reflected_services(authorised)
         assert service.full_name in listed
         assert "grpc.health.v1.Health" in listed
 
     samples = scrape(info["metrics_port"])
     assert handled_count(samples, service, "UNAUTHENTICATED") == 2
-    assert handled_count(samples, service, "UNIMPLEMENTED") == 1
+    assert handled_count(samples, service, service.expected.name) == 1
     assert handled_count(samples, service, "OK") == 0
 
     # An open health watch is an in-flight stream: it sees NOT_SERVING, and the process still
@@ -304,7 +310,7 @@ def test_mutual_tls_process(launch, pki) -> None:
     trusted = ClientTls(ca_file=str(pki.ca), cert_file=str(pki.client_cert), key_file=str(pki.client_key))
     with sync_channel(server.address, token=TOKEN, tls=trusted) as channel:
         assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
-        assert rpc_error(lambda: ListJobs(channel)).code() == grpc.StatusCode.UNIMPLEMENTED
+        assert rpc_error(lambda: GetJob(channel)).code() == grpc.StatusCode.NOT_FOUND
     for tls in (ClientTls(ca_file=str(pki.ca)), None):  # no client certificate; plaintext
         with sync_channel(server.address, token=TOKEN, tls=tls) as channel:
             assert rpc_error(lambda: health_status(channel)).code() == grpc.StatusCode.UNAVAILABLE

@@ -37,19 +37,29 @@ class GenerateRequest(_message.Message):
     request_id: str
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicySelector, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "token_versions", "finish_reason", "text")
+    __slots__ = ("token_ids", "logprobs", "token_versions", "finish_reason", "text", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     token_versions: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PromptCompletions(_message.Message):
     __slots__ = ("prompt_token_ids", "completions")
@@ -78,25 +88,27 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicySelector, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "token_versions", "finish_reason")
+    __slots__ = ("index", "token_ids", "logprobs", "token_versions", "finish_reason", "top_logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     token_versions: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("engine", "supports_lora", "max_lora_rank", "max_loras", "modes", "base_model_fingerprint", "vocab_size", "max_model_len", "reason")
+    __slots__ = ("engine", "supports_lora", "max_lora_rank", "max_loras", "modes", "base_model_fingerprint", "vocab_size", "max_model_len", "reason", "adapter_window")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +118,7 @@ class GetCapabilitiesResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     engine: str
     supports_lora: bool
     max_lora_rank: int
@@ -115,7 +128,8 @@ class GetCapabilitiesResponse(_message.Message):
     vocab_size: int
     max_model_len: int
     reason: str
-    def __init__(self, engine: _Optional[str] = ..., supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., modes: _Optional[_Iterable[_Union[_common_pb2.SyncMode, str]]] = ..., base_model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    adapter_window: int
+    def __init__(self, engine: _Optional[str] = ..., supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., modes: _Optional[_Iterable[_Union[_common_pb2.SyncMode, str]]] = ..., base_model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reason: _Optional[str] = ..., adapter_window: _Optional[int] = ...) -> None: ...
 
 class GetReplicaStatusRequest(_message.Message):
     __slots__ = ()
@@ -136,18 +150,20 @@ class LoadedPolicy(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., requests_in_flight: _Optional[int] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class GetReplicaStatusResponse(_message.Message):
-    __slots__ = ("replica_id", "policies", "paused", "requests_in_flight", "requests_queued")
+    __slots__ = ("replica_id", "policies", "paused", "requests_in_flight", "requests_queued", "peak_running_requests")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     policies: _containers.RepeatedCompositeFieldContainer[LoadedPolicy]
     paused: bool
     requests_in_flight: int
     requests_queued: int
-    def __init__(self, replica_id: _Optional[str] = ..., policies: _Optional[_Iterable[_Union[LoadedPolicy, _Mapping]]] = ..., paused: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ..., requests_queued: _Optional[int] = ...) -> None: ...
+    peak_running_requests: int
+    def __init__(self, replica_id: _Optional[str] = ..., policies: _Optional[_Iterable[_Union[LoadedPolicy, _Mapping]]] = ..., paused: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ..., requests_queued: _Optional[int] = ..., peak_running_requests: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("manifest", "chunk")

@@ -37,7 +37,7 @@ KL_ESTIMATOR_K2: KlEstimator
 KL_ESTIMATOR_K3: KlEstimator
 
 class LossConfig(_message.Message):
-    __slots__ = ("type", "clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "kl_estimator", "behavior_weight_cap", "max_staleness", "overlong_buffer", "overlong_penalty", "entropy_coef")
+    __slots__ = ("type", "clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "kl_estimator", "behavior_weight_cap", "max_staleness", "overlong_buffer", "overlong_penalty", "entropy_coef", "max_response_tokens")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class LossConfig(_message.Message):
     OVERLONG_BUFFER_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_PENALTY_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     type: LossType
     clip_eps_low: float
     clip_eps_high: float
@@ -60,7 +61,8 @@ class LossConfig(_message.Message):
     overlong_buffer: int
     overlong_penalty: float
     entropy_coef: float
-    def __init__(self, type: _Optional[_Union[LossType, str]] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KlEstimator, str]] = ..., behavior_weight_cap: _Optional[float] = ..., max_staleness: _Optional[int] = ..., overlong_buffer: _Optional[int] = ..., overlong_penalty: _Optional[float] = ..., entropy_coef: _Optional[float] = ...) -> None: ...
+    max_response_tokens: int
+    def __init__(self, type: _Optional[_Union[LossType, str]] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KlEstimator, str]] = ..., behavior_weight_cap: _Optional[float] = ..., max_staleness: _Optional[int] = ..., overlong_buffer: _Optional[int] = ..., overlong_penalty: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., max_response_tokens: _Optional[int] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("learning_rate", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "total_steps", "max_grad_norm", "micro_batch_tokens")

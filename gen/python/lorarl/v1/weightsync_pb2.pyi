@@ -1,11 +1,23 @@
 from lorarl.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ActivationOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACTIVATION_OUTCOME_UNSPECIFIED: _ClassVar[ActivationOutcome]
+    ACTIVATION_OUTCOME_PENDING: _ClassVar[ActivationOutcome]
+    ACTIVATION_OUTCOME_ACTIVE: _ClassVar[ActivationOutcome]
+    ACTIVATION_OUTCOME_FAILED: _ClassVar[ActivationOutcome]
+ACTIVATION_OUTCOME_UNSPECIFIED: ActivationOutcome
+ACTIVATION_OUTCOME_PENDING: ActivationOutcome
+ACTIVATION_OUTCOME_ACTIVE: ActivationOutcome
+ACTIVATION_OUTCOME_FAILED: ActivationOutcome
 
 class ModelCatalog(_message.Message):
     __slots__ = ("tensors",)
@@ -38,10 +50,16 @@ class RegisterJobResponse(_message.Message):
     def __init__(self, mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., reason: _Optional[str] = ..., latest_version: _Optional[int] = ...) -> None: ...
 
 class PublishManifestRequest(_message.Message):
-    __slots__ = ("manifest",)
+    __slots__ = ("manifest", "adapter", "sender_host", "sender_port")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PORT_FIELD_NUMBER: _ClassVar[int]
     manifest: _common_pb2.WeightManifest
-    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
+    adapter: _common_pb2.WeightManifest
+    sender_host: str
+    sender_port: int
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., adapter: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., sender_host: _Optional[str] = ..., sender_port: _Optional[int] = ...) -> None: ...
 
 class PublishManifestResponse(_message.Message):
     __slots__ = ("manifest", "sender_rank", "duplicate")
@@ -70,18 +88,20 @@ class UploadWeightsResponse(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class ReplicaCapabilities(_message.Message):
-    __slots__ = ("supports_lora", "max_lora_rank", "max_loras", "base_model_fingerprint", "engine")
+    __slots__ = ("supports_lora", "max_lora_rank", "max_loras", "base_model_fingerprint", "engine", "collective_backends")
     SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     supports_lora: bool
     max_lora_rank: int
     max_loras: int
     base_model_fingerprint: str
     engine: str
-    def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
+    collective_backends: _containers.RepeatedScalarFieldContainer[_common_pb2.CollectiveBackend]
+    def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., collective_backends: _Optional[_Iterable[_Union[_common_pb2.CollectiveBackend, str]]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("replica_id", "job_ids", "capabilities", "host", "active_versions")
@@ -105,12 +125,14 @@ class SubscribeRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., job_ids: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[ReplicaCapabilities, _Mapping]] = ..., host: _Optional[str] = ..., active_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StageEvent(_message.Message):
-    __slots__ = ("manifest", "rank")
+    __slots__ = ("manifest", "rank", "serve_mode")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    SERVE_MODE_FIELD_NUMBER: _ClassVar[int]
     manifest: _common_pb2.WeightManifest
     rank: int
-    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
+    serve_mode: _common_pb2.SyncMode
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., rank: _Optional[int] = ..., serve_mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ...) -> None: ...
 
 class CommitEvent(_message.Message):
     __slots__ = ("job_id", "version")
@@ -225,19 +247,63 @@ class ReplicaState(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., active_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., connected: _Optional[bool] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class JobSyncStatus(_message.Message):
-    __slots__ = ("job_id", "latest_version", "mode", "replicas")
+    __slots__ = ("job_id", "latest_version", "mode", "replicas", "active_version", "mode_reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     latest_version: int
     mode: _common_pb2.SyncMode
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
-    def __init__(self, job_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ...) -> None: ...
+    active_version: int
+    mode_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., active_version: _Optional[int] = ..., mode_reason: _Optional[str] = ...) -> None: ...
 
 class GetSyncStatusResponse(_message.Message):
     __slots__ = ("jobs",)
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobSyncStatus]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobSyncStatus, _Mapping]]] = ...) -> None: ...
+
+class AwaitActivationRequest(_message.Message):
+    __slots__ = ("job_id", "version", "timeout_seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    timeout_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ReplicaActivation(_message.Message):
+    __slots__ = ("replica_id", "staged", "active", "error", "transport")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    staged: bool
+    active: bool
+    error: str
+    transport: str
+    def __init__(self, replica_id: _Optional[str] = ..., staged: _Optional[bool] = ..., active: _Optional[bool] = ..., error: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class AwaitActivationResponse(_message.Message):
+    __slots__ = ("job_id", "version", "outcome", "error", "failed_replicas", "replicas")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    outcome: ActivationOutcome
+    error: str
+    failed_replicas: _containers.RepeatedScalarFieldContainer[str]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaActivation]
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., outcome: _Optional[_Union[ActivationOutcome, str]] = ..., error: _Optional[str] = ..., failed_replicas: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaActivation, _Mapping]]] = ...) -> None: ...

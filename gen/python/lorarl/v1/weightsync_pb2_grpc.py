@@ -79,6 +79,11 @@ class WeightSyncServiceStub:
                 request_serializer=lorarl_dot_v1_dot_weightsync__pb2.GetSyncStatusRequest.SerializeToString,
                 response_deserializer=lorarl_dot_v1_dot_weightsync__pb2.GetSyncStatusResponse.FromString,
                 _registered_method=True)
+        self.AwaitActivation = channel.unary_unary(
+                '/lorarl.v1.WeightSyncService/AwaitActivation',
+                request_serializer=lorarl_dot_v1_dot_weightsync__pb2.AwaitActivationRequest.SerializeToString,
+                response_deserializer=lorarl_dot_v1_dot_weightsync__pb2.AwaitActivationResponse.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServiceServicer:
@@ -146,6 +151,13 @@ class WeightSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitActivation(self, request, context):
+        """Trainer: waits until a published version is active on every replica of its round, or failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +205,11 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.GetSyncStatus,
                     request_deserializer=lorarl_dot_v1_dot_weightsync__pb2.GetSyncStatusRequest.FromString,
                     response_serializer=lorarl_dot_v1_dot_weightsync__pb2.GetSyncStatusResponse.SerializeToString,
+            ),
+            'AwaitActivation': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitActivation,
+                    request_deserializer=lorarl_dot_v1_dot_weightsync__pb2.AwaitActivationRequest.FromString,
+                    response_serializer=lorarl_dot_v1_dot_weightsync__pb2.AwaitActivationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +455,33 @@ class WeightSyncService:
             '/lorarl.v1.WeightSyncService/GetSyncStatus',
             lorarl_dot_v1_dot_weightsync__pb2.GetSyncStatusRequest.SerializeToString,
             lorarl_dot_v1_dot_weightsync__pb2.GetSyncStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitActivation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorarl.v1.WeightSyncService/AwaitActivation',
+            lorarl_dot_v1_dot_weightsync__pb2.AwaitActivationRequest.SerializeToString,
+            lorarl_dot_v1_dot_weightsync__pb2.AwaitActivationResponse.FromString,
             options,
             channel_credentials,
             insecure,

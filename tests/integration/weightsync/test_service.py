@@ -1,0 +1,240 @@
+"""The real WeightSyncService in-process with the publisher and in-process agents: statuses on the
+wire, AUTO resolution, late joiners, inline and mixed transports, catch-up retries, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from lorarl.v1 import common_pb2, weightsync_pb2
+
+from services.common.errors import FIELD_METADATA_KEY
+from services.weightsync.agent import WeightSyncAgent
+from services.weightsync.payload import build_manifest, pack
+from services.weightsync.publisher import PublishError, WeightPublisher
+from services.weightsync.sinks import MERGED, InMemorySink
+from tests.integration.weightsync.harness import TOKEN, eventually, running_service
+from tests.integration.weightsync.tiny import FINGERPRINT, TinyTrainer, lora_spec
+
+pytestmark = pytest.mark.timeout(180)
+ADAPTER_MODE = common_pb2.SYNC_MODE_ADAPTER
+GLOO = common_pb2.COLLECTIVE_BACKEND_GLOO
+
+
+def caps(lora: bool = True, collective: bool = True, engine: str = "test") -> weightsync_pb2.ReplicaCapabilities:
+    return weightsync_pb2.ReplicaCapabilities(supports_lora=lora, max_lora_rank=64, max_loras=2, engine=engine,
+                                              collective_backends=[GLOO] if collective else [])
+
+
+@contextlib.asynccontextmanager
+async def agent(target: str, replica_id: str, sink: InMemorySink | None = None, **kwargs) -> AsyncIterator[
+        tuple[WeightSyncAgent, InMemorySink]]:
+    sink = sink if sink is not None else InMemorySink()
+    kwargs.setdefault("capabilities", caps())
+    a = WeightSyncAgent(target, sink, replica_id=replica_id, token=TOKEN, reconnect_max_s=0.5, **kwargs)
+    task = asyncio.create_task(a.run())
+    try:
+        await eventually(lambda: a.connected, 10, f"{replica_id} subscribed")
+        yield a, sink
+    finally:
+        a.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+
+
+def run(coro) -> None:
+    asyncio.run(coro)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+async def registered(pub: WeightPublisher, trainer: TinyTrainer, job: str = "job",
+                     mode: int = ADAPTER_MODE):
+    return await pub.register_job(job, base_model_fingerprint=FINGERPRINT, lora=lora_spec(),
+                                  catalog=trainer.catalog(), mode=mode)
+
+
+def test_refusals_carry_the_right_status_and_field(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with running_service(tmp_path) as (running, _), WeightPublisher(running.address, token=TOKEN,
+                                                                               collective=False) as pub:
+            trainer = TinyTrainer()
+            await registered(pub, trainer)
+            trainer.step(1)
+            first = await pub.publish("job", 1, adapter=trainer.adapter())
+            assert first.activation.ok and first.transport == "inline" and first.receivers == 0
+
+            def manifest(version: int, fingerprint: str = FINGERPRINT, **tensors: torch.Tensor):
+                items = tensors or trainer.adapter()
+                return build_manifest(job_id="job", version=version, mode=ADAPTER_MODE,
+                                      base_model_fingerprint=fingerprint, buckets=list(pack(items.items())),
+                                      lora=lora_spec())
+
+            async def refused(m: common_pb2.WeightManifest) -> grpc.aio.AioRpcError:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await pub.stub.PublishManifest(weightsync_pb2.PublishManifestRequest(manifest=m))
+                return info.value
+
+            gap = await refused(manifest(3))
+            assert gap.code() == grpc.StatusCode.FAILED_PRECONDITION and "version gap" in gap.details()
+            wrong_base = await refused(manifest(2, fingerprint="sha256:other"))
+            assert wrong_base.code() == grpc.StatusCode.FAILED_PRECONDITION
+            trainer.step(7)
+            conflict = await refused(manifest(1))  # version 1 again, with other content
+            assert conflict.code() == grpc.StatusCode.ALREADY_EXISTS
+            bad_shape = await refused(manifest(2, **{
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 3),
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4)}))
+            assert bad_shape.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert dict(bad_shape.trailing_metadata())[FIELD_METADATA_KEY] == "manifest.tensors[0]"
+            unknown = await refused(build_manifest(job_id="nope", version=1, mode=ADAPTER_MODE,
+                                                   base_model_fingerprint=FINGERPRINT,
+                                                   buckets=list(pack(trainer.adapter().items()))))
+            assert unknown.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(PublishError, match="ALREADY_EXISTS"):
+                await pub.publish("job", 1, adapter=trainer.adapter())
+
+            # The same version with the same content is an idempotent duplicate: no second round.
+            trainer.step(1)
+            again = await pub.publish("job", 1, adapter=trainer.adapter())
+            assert again.duplicate and again.activation.ok
+            status = (await pub.status("job")).jobs[0]
+            assert (status.latest_version, status.active_version) == (1, 1)
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await pub.await_activation("job", 5, 1)
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+    run(scenario())
+
+
+def test_auto_mode_with_a_replica_that_cannot_run_lora_is_merged_and_says_why(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with (running_service(tmp_path) as (running, _),
+                    agent(running.address, "dense", capabilities=caps()),
+                    agent(running.address, "moe", capabilities=caps(lora=False, engine="vllm-cpu"), job_ids=["j"]),
+                    WeightPublisher(running.address, token=TOKEN) as pub):
+            trainer = TinyTrainer()
+            reg = await registered(pub, trainer, "j", common_pb2.SYNC_MODE_AUTO)
+            assert reg.mode == common_pb2.SYNC_MODE_MERGED
+            assert "moe: engine (vllm-cpu) does not support LoRA (supports_lora=false)" in reg.reason
+            status = (await pub.status("j")).jobs[0]
+            assert status.mode == common_pb2.SYNC_MODE_MERGED and status.mode_reason == reg.reason
+            only_dense = await registered(pub, trainer, "k", common_pb2.SYNC_MODE_AUTO)
+            assert only_dense.mode == ADAPTER_MODE and "all 1 replicas" in only_dense.reason
+
+    run(scenario())
+
+
+def test_mixed_transports_late_joiner_and_local_merge(tmp_path: Path) -> None:
+    """One collective and one inline-only replica in the same round; a late joiner of a MERGED job gets
+    the durable adapter inline with serve_mode MERGED (merge locally)."""
+
+    async def scenario() -> None:
+        async with running_service(tmp_path) as (running, core), WeightPublisher(
+                running.address, token=TOKEN, bucket_bytes=8 << 10) as pub:
+            trainer = TinyTrainer()
+            await registered(pub, trainer, "m", common_pb2.SYNC_MODE_MERGED)
+            async with (agent(running.address, "fast") as (_, fast),
+                        agent(running.address, "slow", capabilities=caps(collective=False)) as (_, slow)):
+                for version in (1, 2):
+                    trainer.step(version)
+                    result = await pub.publish("m", version, adapter=trainer.adapter(), merged=trainer.merged)
+                    assert result.activation.ok, result.activation.error
+                    assert result.transport == "collective" and result.receivers == 1
+                    transports = {r.replica_id: r.transport for r in result.activation.replicas}
+                    assert transports == {"fast": "collective", "slow": "inline"}
+                merged = dict(trainer.merged())
+                assert same(fast.active["m"].tensors, merged) and fast.active["m"].manifest.mode == MERGED
+                assert same(slow.active["m"].tensors, trainer.adapter()) and slow.active["m"].local_merge
+                # Only the adapter is kept on disk, never the merged weights.
+                stored = sorted(f.name for f in core.store.version_dir("m", 2).iterdir())
+                assert stored == ["adapter.binpb", "adapter.json", "adapter.safetensors", "manifest.binpb",
+                                  "manifest.json"]
+
+            async with agent(running.address, "late", capabilities=caps(lora=False)) as (_, late):
+                await eventually(lambda: late.active_versions().get("m") == 2, 20, "late joiner at v2")
+                update = late.active["m"]
+                assert update.local_merge and same(update.tensors, trainer.adapter())
+                assert [e[0] for e in late.events] == ["stage", "commit"]  # only the latest, once
+
+            # FetchWeights serves the durable adapter of the active version to anyone.
+            fetched = [r async for r in pub.stub.FetchWeights(weightsync_pb2.FetchWeightsRequest(job_id="m"))]
+            assert fetched[0].manifest.version == 2 and fetched[0].manifest.mode == ADAPTER_MODE
+            assert sum(len(r.chunk.data) for r in fetched[1:]) == fetched[0].manifest.total_bytes
+            status = {r.replica_id: r for r in (await pub.status("m")).jobs[0].replicas}
+            assert {rid: (s.active_version, s.connected) for rid, s in status.items()} == {
+                "fast": (2, False), "slow": (2, False), "late": (2, False)}
+
+    run(scenario())
+
+
+def test_failed_catch_up_keeps_the_old_version_reports_and_retries(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        broken = {"on": True}
+
+        def flip(manifest, index, piece):
+            if broken["on"]:
+                piece[0] ^= 1  # in place: the received bytes themselves are damaged
+            return piece
+
+        async with running_service(tmp_path) as (running, _), WeightPublisher(running.address, token=TOKEN) as pub:
+            trainer = TinyTrainer()
+            await registered(pub, trainer)
+            trainer.step(1)
+            assert (await pub.publish("job", 1, adapter=trainer.adapter())).activation.ok  # nobody subscribed
+            async with agent(running.address, "r", receive_hook=flip) as (_, sink):
+                async def errored():
+                    replicas = (await pub.status("job")).jobs[0].replicas
+                    return replicas and "checksum mismatch" in replicas[0].last_error and replicas[0]
+
+                state = await eventually(errored, 20, "catch-up failure reported")
+                assert state.active_version == 0 and sink.active_versions() == {}
+                broken["on"] = False
+                await eventually(lambda: sink.active_versions().get("job") == 1, 20, "catch-up after the retry")
+                state = (await pub.status("job")).jobs[0].replicas[0]
+                assert state.active_version == 1 and state.last_error == ""
+
+    run(scenario())
+
+
+def test_upload_is_verified_and_restart_reloads_everything(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        trainer = TinyTrainer()
+        async with running_service(tmp_path) as (running, _), WeightPublisher(running.address, token=TOKEN) as pub:
+            await registered(pub, trainer)
+            trainer.step(1)
+            assert (await pub.publish("job", 1, adapter=trainer.adapter())).activation.ok
+            trainer.step(2)
+            pending = await pub.publish("job", 2, adapter=trainer.adapter(), wait=False)
+            assert pending.uploaded_bytes == pending.payload_bytes
+
+            manifest = (await pub.stub.GetManifest(weightsync_pb2.GetManifestRequest(job_id="job", version=2))).manifest
+
+            async def bad_upload():
+                yield weightsync_pb2.UploadWeightsRequest(job_id="job", version=2)
+                yield weightsync_pb2.UploadWeightsRequest(chunk=common_pb2.WeightChunk(bucket=0, offset=8, data=b"x"))
+
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pub.stub.UploadWeights(bad_upload())
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected 0" in info.value.details()
+            assert manifest.version == 2
+
+        # A new server on the same storage: jobs, versions and bytes come back from disk.
+        async with running_service(tmp_path) as (running, _), WeightPublisher(running.address, token=TOKEN) as pub:
+            status = (await pub.status()).jobs[0]
+            assert (status.job_id, status.latest_version, status.active_version) == ("job", 2, 2)
+            assert (await registered(pub, trainer)).latest_version == 2
+            async with agent(running.address, "after-restart") as (_, sink):
+                await eventually(lambda: sink.active_versions().get("job") == 2, 20, "catch-up from disk")
+                assert same(sink.active["job"].tensors, trainer.adapter())
+            trainer.step(3)
+            assert (await pub.publish("job", 3, adapter=trainer.adapter())).activation.ok
+
+    run(scenario())
