@@ -4,20 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.config import matches, setting
+from services.common.config import in_range, matches, setting
 from services.common.server_config import ServerConfig
 
 
 @dataclass
 class TrainerSettings:
-    """What the trainer itself needs; later issues add model, memory and engine settings."""
+    """What the trainer process itself needs (per-job settings arrive with CreateJob)."""
 
     device: str = setting(
         "cpu",
         check=matches(r"cpu|cuda(:\d+)?|npu(:\d+)?", "a device like 'cpu', 'cuda', 'cuda:1' or 'npu'"),
-        doc="Where base models and adapters live.",
+        doc="Default device for jobs that do not name one.",
     )
-    checkpoint_dir: str = setting("runs/trainer/checkpoints", doc="Default directory for checkpoints.")
+    checkpoint_dir: str = setting("runs/trainer/checkpoints",
+                                  doc="Checkpoints are written under this directory (relative paths resolve here).")
+    export_dir: str = setting("runs/trainer/exports",
+                              doc="Exports are written under this directory (relative paths resolve here).")
+    model_roots: list[str] = setting(default_factory=list,
+                                     doc="If set, base models must lie under one of these directories.")
+    max_jobs: int = setting(4, check=in_range(1, 1024), doc="Jobs held at once.")
+    weightsync_address: str = setting("", doc="host:port of the weight-sync service, for PublishWeights.")
+    sender_host: str = setting("127.0.0.1",
+                               doc="Address rollout replicas reach this trainer at for collective transfers.")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 A LoRA layer keeps the base weight under its original attribute name (``weight`` for a linear,
 ``gate_up_proj``/``down_proj`` for experts), so every base tensor keeps its Hugging Face name and
-the merged model can be streamed in HF names. Adapters live in fp32 whatever the base dtype.
+the merged model can be streamed in HF names. Adapters live in fp32 whatever the base dtype; the
+low-rank update is computed in the activation dtype (fp32 master weights, as in mixed precision).
 
     y = x W^T + scale * dropout(x) A^T B^T,   scale = alpha / r   (rsLoRA: alpha / sqrt(r))
 """
@@ -97,8 +98,10 @@ class LoRALinear(nn.Module):
         out = F.linear(x, self.weight, self.bias)
         if not self.enabled:
             return out
-        h = self.dropout(x).to(self.lora_a.dtype)
-        delta = F.linear(F.linear(h, self.lora_a), self.lora_b) * self.scale
+        # fp32 adapters are master weights; the update runs in the activation dtype (as AMP would), so
+        # a bf16 model saves one bf16 input for backward, not an fp32 copy per projection.
+        a, b = self.lora_a.to(x.dtype), self.lora_b.to(x.dtype)
+        delta = F.linear(F.linear(self.dropout(x), a), b) * self.scale
         return out + delta.to(out.dtype)
 
     def delta_weight(self) -> torch.Tensor:
@@ -151,8 +154,7 @@ class LoRAExperts(nn.Module):
 
     def _lora(self, x: torch.Tensor, proj: str, expert: int) -> torch.Tensor:
         a, b = self._adapter(proj, expert)
-        h = self.dropout(x).to(a.dtype)
-        return (F.linear(F.linear(h, a), b) * self.scale).to(x.dtype)
+        return F.linear(F.linear(self.dropout(x), a.to(x.dtype)), b.to(x.dtype)) * self.scale
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

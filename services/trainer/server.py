@@ -1,29 +1,132 @@
-"""TrainerService over gRPC: a thin servicer plugged into the shared bootstrap.
+"""TrainerService over gRPC: a thin servicer over services.trainer.jobs.JobManager.
 
-Servicer methods translate protobuf messages into calls on plain Python objects and back; the
-bootstrap turns exceptions from services.common.errors into statuses. RPCs not overridden here
-answer UNIMPLEMENTED (the generated base class). Heavy libraries (torch, transformers) must be
-imported lazily by the code that needs them, so `lorarl serve trainer` starts fast.
+Methods translate protobuf messages to plain objects (services.trainer.convert), call the manager
+and translate back; errors raised as services.common.errors exceptions become statuses in the
+bootstrap's interceptor. torch and transformers load lazily with the first job, so
+`lorarl serve trainer` starts fast.
 """
 
 from __future__ import annotations
 
-import grpc
-from lorarl.v1 import trainer_pb2, trainer_pb2_grpc
+from collections.abc import AsyncIterator
+from pathlib import Path
 
+import grpc
+from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+from services.common.errors import InvalidArgumentError
 from services.common.server import Register, serve
+from services.trainer import convert
 from services.trainer.config import TrainerServiceConfig, TrainerSettings
+from services.trainer.jobs import Job, JobManager, resolve_under
+from services.trainer.validation import BufferFullError
 
 NAME = "trainer"
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 CONFIG_TYPE = TrainerServiceConfig
 
 
-class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    """TrainerService RPCs; each will delegate to the trainer once implemented."""
+def job_status(job: Job) -> trainer_pb2.JobStatus:
+    engine = job.engine
+    return trainer_pb2.JobStatus(
+        job_id=job.job_id, config=convert.job_config(job.spec), version=engine.version, step=engine.step,
+        buffered_trajectories=len(job.buffer), base_model_fingerprint=engine.base_model_fingerprint,
+        trainable_parameters=engine.trainable_parameters, total_parameters=engine.total_parameters,
+    )
 
-    def __init__(self, settings: TrainerSettings) -> None:
+
+def item_status(index: int, error: Exception | None) -> common_pb2.ItemStatus:
+    if error is None:
+        return common_pb2.ItemStatus(index=index, code=grpc.StatusCode.OK.value[0])
+    if isinstance(error, BufferFullError):
+        return common_pb2.ItemStatus(index=index, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                     message=str(error))
+    field = getattr(error, "field", "")
+    return common_pb2.ItemStatus(index=index, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                 message=str(error), field=field)
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """TrainerService RPCs, each delegating to a JobManager."""
+
+    def __init__(self, settings: TrainerSettings, jobs: JobManager | None = None) -> None:
         self.settings = settings
+        self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots)
+
+    def _path(self, path: str, root: str, field: str, default_name: str) -> Path:
+        base = Path(root)
+        return resolve_under(path, [base], field, base / default_name)
+
+    async def CreateJob(self, request, context):
+        spec = convert.job_spec(request.config, self.settings.device)
+        job = await self.jobs.create(request.job_id, spec)
+        return trainer_pb2.CreateJobResponse(job=job_status(job))
+
+    async def GetJob(self, request, context):
+        return trainer_pb2.GetJobResponse(job=job_status(self.jobs.get(request.job_id)))
+
+    async def ListJobs(self, request, context):
+        return trainer_pb2.ListJobsResponse(jobs=[job_status(j) for j in self.jobs.list()])
+
+    async def DeleteJob(self, request, context):
+        await self.jobs.delete(request.job_id)
+        return trainer_pb2.DeleteJobResponse()
+
+    async def PushTrajectories(self, request_iterator, context) -> AsyncIterator[trainer_pb2.PushTrajectoriesResponse]:
+        async for request in request_iterator:
+            records = [convert.trajectory_record(t) for t in request.trajectories]
+            errors = self.jobs.push(request.job_id, records)
+            statuses = [item_status(i, e) for i, e in enumerate(errors)]
+            yield trainer_pb2.PushTrajectoriesResponse(
+                statuses=statuses, accepted=sum(e is None for e in errors),
+                buffered_trajectories=len(self.jobs.get(request.job_id).buffer))
+
+    async def TrainStep(self, request, context):
+        inline = [convert.trajectory_record(t) for t in request.trajectories]
+        metrics, version, step = await self.jobs.train_step(request.job_id, request.max_trajectories, inline)
+        return trainer_pb2.TrainStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
+
+    async def ForwardBackward(self, request, context):
+        loss = convert.loss_settings(request.loss, "loss") if request.HasField("loss") else None
+        records = [convert.trajectory_record(t) for t in request.trajectories]
+        metrics = await self.jobs.forward_backward(request.job_id, records, loss)
+        return trainer_pb2.ForwardBackwardResponse(metrics=convert.step_metrics(metrics))
+
+    async def OptimStep(self, request, context):
+        if request.learning_rate < 0:
+            raise InvalidArgumentError("learning_rate", "must be >= 0 (0 keeps the schedule)")
+        metrics, version, step = await self.jobs.optim_step(request.job_id, request.learning_rate or None)
+        return trainer_pb2.OptimStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
+
+    async def ComputeLogprobs(self, request, context):
+        records = [convert.trajectory_record(t) for t in request.trajectories]
+        results = await self.jobs.compute_logprobs(request.job_id, records, request.reference)
+        return trainer_pb2.ComputeLogprobsResponse(results=[trainer_pb2.TokenLogprobs(logprobs=r) for r in results])
+
+    async def SaveCheckpoint(self, request, context):
+        job = self.jobs.get(request.job_id)
+        path = self._path(request.path, self.settings.checkpoint_dir, "path",
+                          f"{request.job_id}/step-{job.engine.step:06d}")
+        info = await self.jobs.save_checkpoint(request.job_id, path)
+        return trainer_pb2.SaveCheckpointResponse(path=str(info.path), version=info.version, step=info.step)
+
+    async def LoadCheckpoint(self, request, context):
+        if not request.path:
+            raise InvalidArgumentError("path", "is required")
+        path = self._path(request.path, self.settings.checkpoint_dir, "path", "")
+        info = await self.jobs.load_checkpoint(request.job_id, path)
+        return trainer_pb2.LoadCheckpointResponse(version=info.version, step=info.step)
+
+    async def Export(self, request, context):
+        if request.mode not in (common_pb2.SYNC_MODE_ADAPTER, common_pb2.SYNC_MODE_MERGED):
+            raise InvalidArgumentError("mode", "must be SYNC_MODE_ADAPTER or SYNC_MODE_MERGED")
+        merged = request.mode == common_pb2.SYNC_MODE_MERGED
+        job = self.jobs.get(request.job_id)
+        kind = "merged" if merged else "adapter"
+        path = self._path(request.path, self.settings.export_dir, "path",
+                          f"{request.job_id}/{kind}-v{job.engine.version:06d}")
+        out = await self.jobs.export(request.job_id, merged, path)
+        return trainer_pb2.ExportResponse(path=str(out))
 
 
 def registration(servicer: TrainerServicer) -> Register:

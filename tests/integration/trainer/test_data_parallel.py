@@ -1,0 +1,76 @@
+"""Two CPU processes over gloo train the same adapters as one process on the full batch."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from services.trainer.distributed import DataParallelEngine, init_distributed, shard_by_group
+from services.trainer.losses import LossSettings
+from services.trainer.torch_engine import TorchEngine
+from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
+from tests.unit.trainer.tiny import dense_model
+
+STEPS = 3
+LOSSES = {
+    "grpo": LossSettings(name="grpo"),  # per-sequence shares across ranks
+    "dapo": LossSettings(name="dapo", clip_eps_high=0.28),  # per-token shares across ranks
+}
+
+
+def batches() -> list[list]:
+    # Five groups: ranks get 3 and 2 groups, so token and sequence counts differ between them.
+    return [synthetic_batch(step, groups=5, group_size=3) for step in range(STEPS)]
+
+
+def spec_for(model_dir: Path, loss: LossSettings):
+    return make_spec(model_dir, lr=1e-2, micro_batch_tokens=24, loss=loss)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    init_distributed("cpu", rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=120)
+    try:
+        for name, loss in LOSSES.items():
+            engine = DataParallelEngine(spec_for(Path(model_dir), loss))
+            losses = [engine.train_step(shard_by_group(b, rank, world_size))["loss"] for b in batches()]
+            tensors = {n: p.detach().contiguous() for n, p in engine.named_trainable_parameters().items()}
+            save_file(tensors, f"{out_dir}/{name}-rank{rank}.safetensors")
+            Path(f"{out_dir}/{name}-rank{rank}.json").write_text(json.dumps(losses))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_on_the_full_batch(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    dense_model().save_pretrained(model_dir)
+    mp.spawn(worker, args=(2, free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+
+    for name, loss in LOSSES.items():
+        single = TorchEngine(spec_for(model_dir, loss))
+        single_losses = [single.train_step(b)["loss"] for b in batches()]
+        expected = {n: p.detach() for n, p in single.named_trainable_parameters().items()}
+        rank0 = load_file(tmp_path / f"{name}-rank0.safetensors")
+        rank1 = load_file(tmp_path / f"{name}-rank1.safetensors")
+        assert rank0.keys() == rank1.keys() == expected.keys()
+        for n in expected:
+            assert torch.equal(rank0[n], rank1[n]), f"{name}: ranks diverged on {n}"
+            torch.testing.assert_close(rank0[n], expected[n], rtol=0, atol=1e-5, msg=f"{name}: {n}")
+        assert any(t.abs().max() > 1e-3 for n, t in rank0.items() if "lora_b" in n)  # adapters moved
+        for rank in (0, 1):
+            losses = json.loads((tmp_path / f"{name}-rank{rank}.json").read_text())
+            assert losses == pytest.approx(single_losses, abs=1e-5)

@@ -1,0 +1,192 @@
+"""TrainerService over a real gRPC server on loopback, on a tiny Qwen3 model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+from services.common.channel import aio_channel
+from services.common.server import start_server
+from services.common.server_config import ServerConfig
+from services.trainer.config import TrainerSettings
+from services.trainer.server import NAME, TrainerServicer, registration
+from tests.unit.trainer.tiny import dense_model
+
+TOKEN = "trainer-test-token"
+PROMPT = [3, 7, 11, 13]
+GOOD = [21, 22, 23]
+BAD = [40, 41, 42]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    dense_model(seed=0).save_pretrained(path)
+    return path
+
+
+def trajectory(completion: list[int], reward: float, **kw) -> common_pb2.Trajectory:
+    fields = dict(prompt_token_ids=PROMPT, completion_token_ids=completion,
+                  behavior_logprobs=[-1.0] * len(completion), token_versions=[0] * len(completion),
+                  reward=reward, group_id="g0", finish_reason=common_pb2.FINISH_REASON_STOP)
+    fields.update(kw)
+    return common_pb2.Trajectory(**fields)
+
+
+async def with_stub(tmp_path: Path, body) -> None:
+    settings = TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), export_dir=str(tmp_path / "export"))
+    config = ServerConfig(port=0)
+    config.auth.token = TOKEN
+    server = await start_server(NAME, config, registration(TrainerServicer(settings)))
+    try:
+        async with aio_channel(f"127.0.0.1:{server.port}", token=TOKEN) as channel:
+            await body(trainer_pb2_grpc.TrainerServiceStub(channel))
+    finally:
+        await server.stop(0)
+
+
+def job_request(model_dir: Path, job_id: str = "job1", **config) -> trainer_pb2.CreateJobRequest:
+    cfg = trainer_pb2.JobConfig(base_model_path=str(model_dir),
+                                lora=common_pb2.LoraSpec(rank=4, alpha=8),
+                                optimizer=trainer_pb2.OptimizerConfig(learning_rate=5e-2), seed=1, **config)
+    return trainer_pb2.CreateJobRequest(job_id=job_id, config=cfg)
+
+
+async def push(stub, job_id: str, *batches: list[common_pb2.Trajectory]) -> list[trainer_pb2.PushTrajectoriesResponse]:
+    async def requests():
+        for batch in batches:
+            yield trainer_pb2.PushTrajectoriesRequest(job_id=job_id, trajectories=batch)
+
+    return [r async for r in stub.PushTrajectories(requests())]
+
+
+@pytest.mark.slow
+def test_training_moves_policy_towards_rewarded_completion(tmp_path: Path, model_dir: Path) -> None:
+    async def body(stub) -> None:
+        created = await stub.CreateJob(job_request(model_dir))
+        assert created.job.version == 0 and created.job.trainable_parameters > 0
+        assert created.job.trainable_parameters < created.job.total_parameters
+        probe = [trajectory(GOOD, 1.0), trajectory(BAD, 0.0)]
+        before = await stub.ComputeLogprobs(trainer_pb2.ComputeLogprobsRequest(job_id="job1", trajectories=probe))
+        for step in range(3):
+            # On-policy behaviour logprobs, as a rollout of the current version would report them.
+            current = await stub.ComputeLogprobs(trainer_pb2.ComputeLogprobsRequest(job_id="job1",
+                                                                                    trajectories=probe))
+            responses = await push(stub, "job1", [
+                trajectory(GOOD, 1.0, token_versions=[step] * 3, behavior_logprobs=current.results[0].logprobs),
+                trajectory(BAD, 0.0, token_versions=[step] * 3, behavior_logprobs=current.results[1].logprobs)])
+            assert responses[0].accepted == 2
+            result = await stub.TrainStep(trainer_pb2.TrainStepRequest(job_id="job1"))
+            assert result.version == step + 1
+            assert {"loss", "grad_norm", "tokens"} <= set(result.metrics.values)
+        after = await stub.ComputeLogprobs(trainer_pb2.ComputeLogprobsRequest(job_id="job1", trajectories=probe))
+        assert sum(after.results[0].logprobs) > sum(before.results[0].logprobs) + 0.1
+        assert sum(after.results[1].logprobs) < sum(before.results[1].logprobs) - 0.1
+        ref = await stub.ComputeLogprobs(trainer_pb2.ComputeLogprobsRequest(job_id="job1", trajectories=probe,
+                                                                            reference=True))
+        assert list(ref.results[0].logprobs) == pytest.approx(list(before.results[0].logprobs), abs=1e-5)
+        status = await stub.GetJob(trainer_pb2.GetJobRequest(job_id="job1"))
+        assert status.job.version == 3 and status.job.buffered_trajectories == 0
+
+    asyncio.run(with_stub(tmp_path, body))
+
+
+@pytest.mark.slow
+def test_bad_trajectories_are_refused_individually(tmp_path: Path, model_dir: Path) -> None:
+    async def body(stub) -> None:
+        await stub.CreateJob(job_request(model_dir, max_buffered_trajectories=3))
+        batch = [
+            trajectory(GOOD, 1.0),
+            trajectory(GOOD, 1.0, behavior_logprobs=[-1.0]),  # length mismatch
+            trajectory([10_000], 1.0, behavior_logprobs=[-1.0], token_versions=[0]),  # outside vocab
+            trajectory(GOOD, 1.0, behavior_logprobs=[-1.0, float("nan"), -1.0]),
+            trajectory(GOOD, 1.0, behavior_logprobs=[-1.0, 0.5, -1.0]),
+            trajectory(GOOD, 1.0, token_versions=[0, 9, 0]),  # ahead of the trainer
+            trajectory(GOOD, float("inf")),
+            trajectory(BAD, 0.0),
+        ]
+        (first,) = await push(stub, "job1", batch)
+        fields = [s.field for s in first.statuses]
+        codes = [s.code for s in first.statuses]
+        assert codes[0] == 0 and codes[-1] == 0
+        assert fields[1:7] == ["behavior_logprobs", "completion_token_ids", "behavior_logprobs",
+                               "behavior_logprobs", "token_versions", "reward"]
+        assert all(c == grpc.StatusCode.INVALID_ARGUMENT.value[0] for c in codes[1:7])
+        assert first.accepted == 2 and first.buffered_trajectories == 2
+        second, third = await push(stub, "job1", [trajectory(BAD, 0.0)], [trajectory(BAD, 0.0)])
+        assert second.accepted == 1
+        assert third.accepted == 0 and third.statuses[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        status = await stub.GetJob(trainer_pb2.GetJobRequest(job_id="job1"))
+        assert status.job.buffered_trajectories == 3  # everything accepted is kept
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.TrainStep(trainer_pb2.TrainStepRequest(
+                job_id="job1", trajectories=[trajectory(GOOD, 1.0, prompt_token_ids=[])]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "trajectories[0].prompt_token_ids" in err.value.details()
+        status = await stub.GetJob(trainer_pb2.GetJobRequest(job_id="job1"))
+        assert status.job.buffered_trajectories == 3 and status.job.version == 0
+
+    asyncio.run(with_stub(tmp_path, body))
+
+
+@pytest.mark.slow
+def test_job_errors_have_clear_statuses(tmp_path: Path, model_dir: Path) -> None:
+    async def body(stub) -> None:
+        async def code_of(call, request) -> tuple[grpc.StatusCode, str]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(request)
+            return err.value.code(), err.value.details()
+
+        code, msg = await code_of(stub.GetJob, trainer_pb2.GetJobRequest(job_id="nope"))
+        assert code == grpc.StatusCode.NOT_FOUND and "nope" in msg
+        code, msg = await code_of(stub.CreateJob, job_request(tmp_path / "missing"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "config.base_model_path" in msg
+        bad_lr = job_request(model_dir)
+        bad_lr.config.optimizer.learning_rate = -1
+        code, msg = await code_of(stub.CreateJob, bad_lr)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "optimizer.learning_rate" in msg
+        bad_lora = job_request(model_dir)
+        bad_lora.config.lora.target_modules.append("attn")
+        code, msg = await code_of(stub.CreateJob, bad_lora)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "target_modules" in msg
+        code, msg = await code_of(stub.CreateJob, job_request(model_dir, job_id="bad id!"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "job_id" in msg
+        await stub.CreateJob(job_request(model_dir))
+        code, _ = await code_of(stub.CreateJob, job_request(model_dir))
+        assert code == grpc.StatusCode.ALREADY_EXISTS
+        code, msg = await code_of(stub.TrainStep, trainer_pb2.TrainStepRequest(job_id="job1"))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "no trajectories" in msg
+        code, msg = await code_of(stub.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(job_id="job1",
+                                                                                           path="/etc/evil"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside" in msg
+
+    asyncio.run(with_stub(tmp_path, body))
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_and_export_over_grpc(tmp_path: Path, model_dir: Path) -> None:
+    async def body(stub) -> None:
+        await stub.CreateJob(job_request(model_dir))
+        await push(stub, "job1", [trajectory(GOOD, 1.0), trajectory(BAD, 0.0)])
+        await stub.TrainStep(trainer_pb2.TrainStepRequest(job_id="job1"))
+        saved = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(job_id="job1"))
+        assert saved.step == 1 and Path(saved.path).is_dir()
+        batch = [trajectory(GOOD, 1.0, token_versions=[1] * 3), trajectory(BAD, 0.0, token_versions=[1] * 3)]
+        first = await stub.TrainStep(trainer_pb2.TrainStepRequest(job_id="job1", trajectories=batch))
+        loaded = await stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(job_id="job1", path=saved.path))
+        assert loaded.step == 1 and loaded.version == 1
+        again = await stub.TrainStep(trainer_pb2.TrainStepRequest(job_id="job1", trajectories=batch))
+        assert again.metrics.values["loss"] == first.metrics.values["loss"]
+        exported = await stub.Export(trainer_pb2.ExportRequest(job_id="job1", mode=common_pb2.SYNC_MODE_ADAPTER))
+        assert (Path(exported.path) / "adapter_model.safetensors").is_file()
+        merged = await stub.Export(trainer_pb2.ExportRequest(job_id="job1", mode=common_pb2.SYNC_MODE_MERGED))
+        assert (Path(merged.path) / "model.safetensors").is_file()
+        await stub.DeleteJob(trainer_pb2.DeleteJobRequest(job_id="job1"))
+        listed = await stub.ListJobs(trainer_pb2.ListJobsRequest())
+        assert list(listed.jobs) == []
+
+    asyncio.run(with_stub(tmp_path, body))

@@ -1,0 +1,35 @@
+"""Tiny random-init Qwen3 / Qwen3-MoE checkpoints on disk, for engine and checkpoint tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.trainer.tiny import dense_model, moe_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a busy machine OpenMP's spin-waiting
+    makes them up to 100x slower; restored afterwards so other test folders keep their setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("dense")
+    dense_model().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("moe")
+    moe_model().save_pretrained(path)
+    return path
