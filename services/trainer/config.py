@@ -25,8 +25,10 @@ class TrainerSettings:
                                      doc="If set, base models must lie under one of these directories.")
     max_jobs: int = setting(4, check=in_range(1, 1024), doc="Jobs held at once.")
     weightsync_address: str = setting("", doc="host:port of the weight-sync service, for PublishWeights.")
-    sender_host: str = setting("127.0.0.1",
-                               doc="Address rollout replicas reach this trainer at for collective transfers.")
+    sender_host: str = setting("", doc="Address rollout replicas reach this trainer at for collective transfers "
+                                       "(empty: the local address of the route to the weight-sync service).")
+    collective: bool = setting(True, doc="Send weights over a collective group (False: inline gRPC only).")
+    bucket_mb: int = setting(1024, check=in_range(1, 1 << 20), doc="Collective bucket size in MiB.")
 
 
 @dataclass

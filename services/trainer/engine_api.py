@@ -221,6 +221,10 @@ class TrainEngine(abc.ABC):
     def iter_merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every merged weight in HF names, streamed layer by layer."""
 
+    @abc.abstractmethod
+    def iter_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every frozen base weight in HF names (the catalog weight sync checks payloads against)."""
+
     @property
     @abc.abstractmethod
     def version(self) -> int: ...

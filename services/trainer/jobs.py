@@ -21,6 +21,7 @@ from services.common.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    UnavailableError,
 )
 from services.trainer.engine_api import JobSpec, Metrics, TrainEngine, TrajectoryRecord, create_engine
 from services.trainer.validation import BufferFullError, InvalidTrajectory, TrajectoryBuffer, validate_trajectory
@@ -202,3 +203,67 @@ class JobManager:
         job = self.get(job_id)
         fn = job.engine.export_merged if merged else job.engine.export_adapter
         return await self._run(job, fn, path)
+
+    # ------------------------------------------------------------ weight sync
+
+    async def publish(self, job_id: str, publisher: Any, mode: int, wait: bool, timeout_s: float) -> PublishOutcome:
+        """Publishes the job's current version through weight sync (a WeightPublisher).
+
+        The engine is locked while the payload is packed and sent, so training cannot change it
+        underneath; waiting for the replicas to activate happens outside the lock.
+        """
+        import grpc
+
+        from services.trainer.convert import lora_spec
+        from services.weightsync.catalog import catalog_from_tensors
+        from services.weightsync.publisher import PublishError
+
+        job = self.get(job_id)
+        engine = job.engine
+        try:
+            async with job.lock:
+                version = engine.version
+                if version == 0:
+                    raise FailedPreconditionError(
+                        f"job {job_id!r} is at version 0 (the base model every replica already serves); "
+                        "train a step before publishing")
+                if job_id not in publisher.jobs:
+                    catalog = await asyncio.to_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
+                    await publisher.register_job(job_id, base_model_fingerprint=engine.base_model_fingerprint,
+                                                 lora=lora_spec(job.spec.lora), catalog=catalog, mode=mode)
+                result = await publisher.publish(
+                    job_id, version, wait=False,
+                    adapter=lambda: [(n, t.detach().clone()) for n, t in engine.iter_adapter_tensors()],
+                    merged=engine.iter_merged_tensors)
+            registration = publisher.jobs[job_id]
+            outcome = PublishOutcome(version=version, mode=registration.mode, mode_reason=registration.reason,
+                                     duplicate=result.duplicate, payload_bytes=result.payload_bytes,
+                                     transport=result.transport, send_error=result.send_error)
+            if wait:
+                activation = await publisher.await_activation(job_id, version, timeout_s)
+                outcome.activated = activation.ok
+                outcome.error = activation.error or ("" if activation.ok else activation.outcome_name)
+                outcome.failed_replicas = list(activation.failed_replicas)
+            return outcome
+        except PublishError as e:
+            raise FailedPreconditionError(f"weight sync refused version: {e}") from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise UnavailableError(f"weight-sync service unreachable: {e.details()}") from None
+            raise FailedPreconditionError(f"weight sync answered {e.code().name}: {e.details()}") from None
+
+
+@dataclass
+class PublishOutcome:
+    """What PublishWeights reports back."""
+
+    version: int
+    mode: int
+    mode_reason: str
+    duplicate: bool
+    payload_bytes: int
+    transport: str
+    send_error: str = ""
+    activated: bool = False
+    error: str = ""
+    failed_replicas: list[str] = field(default_factory=list)

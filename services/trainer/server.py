@@ -8,13 +8,15 @@ bootstrap's interceptor. torch and transformers load lazily with the first job, 
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-from services.common.errors import InvalidArgumentError
+from services.common.auth import server_token
+from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.common.server import Register, serve
 from services.trainer import convert
 from services.trainer.config import TrainerServiceConfig, TrainerSettings
@@ -49,9 +51,28 @@ def item_status(index: int, error: Exception | None) -> common_pb2.ItemStatus:
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     """TrainerService RPCs, each delegating to a JobManager."""
 
-    def __init__(self, settings: TrainerSettings, jobs: JobManager | None = None) -> None:
+    def __init__(self, settings: TrainerSettings, jobs: JobManager | None = None, token: str | None = None) -> None:
         self.settings = settings
         self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots)
+        self.token = token
+        self._publisher = None
+
+    def publisher(self):
+        """The weight-sync client, made on first use (the same bearer token as this server's)."""
+        if self._publisher is None:
+            if not self.settings.weightsync_address:
+                raise FailedPreconditionError("trainer.weightsync_address is not set; this trainer cannot publish")
+            from services.weightsync.publisher import WeightPublisher
+
+            self._publisher = WeightPublisher(
+                self.settings.weightsync_address, token=self.token, host=self.settings.sender_host or None,
+                collective=self.settings.collective, bucket_bytes=self.settings.bucket_mb << 20,
+                device=self.settings.device)
+        return self._publisher
+
+    async def close(self) -> None:
+        if self._publisher is not None:
+            await self._publisher.close()
 
     def _path(self, path: str, root: str, field: str, default_name: str) -> Path:
         base = Path(root)
@@ -128,6 +149,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         out = await self.jobs.export(request.job_id, merged, path)
         return trainer_pb2.ExportResponse(path=str(out))
 
+    async def PublishWeights(self, request, context):
+        if request.mode not in (common_pb2.SYNC_MODE_UNSPECIFIED, common_pb2.SYNC_MODE_ADAPTER,
+                                common_pb2.SYNC_MODE_MERGED, common_pb2.SYNC_MODE_AUTO):
+            raise InvalidArgumentError("mode", f"unknown sync mode {request.mode}")
+        self.jobs.get(request.job_id)
+        started = time.perf_counter()
+        outcome = await self.jobs.publish(request.job_id, self.publisher(), request.mode or common_pb2.SYNC_MODE_AUTO,
+                                          request.wait_for_activation, float(request.timeout_seconds or 600))
+        return trainer_pb2.PublishWeightsResponse(
+            seconds=time.perf_counter() - started, version=outcome.version, mode=outcome.mode,
+            mode_reason=outcome.mode_reason, duplicate=outcome.duplicate, activated=outcome.activated,
+            error=outcome.error or outcome.send_error, failed_replicas=outcome.failed_replicas,
+            payload_bytes=outcome.payload_bytes, transport=outcome.transport)
+
 
 def registration(servicer: TrainerServicer) -> Register:
     """Adds `servicer` to a server; returns the service names for health and reflection."""
@@ -141,5 +176,5 @@ def registration(servicer: TrainerServicer) -> Register:
 
 async def serve_forever(config: TrainerServiceConfig) -> None:
     """Runs the trainer service until SIGTERM/SIGINT."""
-    servicer = TrainerServicer(config.trainer)
-    await serve(NAME, config.server, registration(servicer))
+    servicer = TrainerServicer(config.trainer, token=server_token(config.server.auth))
+    await serve(NAME, config.server, registration(servicer), on_shutdown=servicer.close)

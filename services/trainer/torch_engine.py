@@ -346,3 +346,6 @@ class TorchEngine(TrainEngine):
 
     def iter_merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from iter_merged_weights(self.model)
+
+    def iter_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from iter_merged_weights(self.model, merge=False)

@@ -88,7 +88,7 @@ class LoraSpec(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., expert_mode: _Optional[_Union[ExpertAdapterMode, str]] = ..., use_rslora: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "logprobs", "stop_token_ids")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "logprobs", "stop_token_ids", "ignore_eos")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -107,7 +108,8 @@ class SamplingParams(_message.Message):
     seed: int
     logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("id", "job_id", "group_id", "prompt_token_ids", "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "rewards", "finish_reason", "metrics")

@@ -338,17 +338,39 @@ class ExportResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
-    __slots__ = ("job_id", "mode")
+    __slots__ = ("job_id", "mode", "wait_for_activation", "timeout_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     mode: _common_pb2.SyncMode
-    def __init__(self, job_id: _Optional[str] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ...) -> None: ...
+    wait_for_activation: bool
+    timeout_seconds: int
+    def __init__(self, job_id: _Optional[str] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., wait_for_activation: _Optional[bool] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
-    __slots__ = ("manifest", "seconds")
+    __slots__ = ("manifest", "seconds", "version", "mode", "mode_reason", "duplicate", "activated", "error", "failed_replicas", "payload_bytes", "transport")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MODE_REASON_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     manifest: _common_pb2.WeightManifest
     seconds: float
-    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    version: int
+    mode: _common_pb2.SyncMode
+    mode_reason: str
+    duplicate: bool
+    activated: bool
+    error: str
+    failed_replicas: _containers.RepeatedScalarFieldContainer[str]
+    payload_bytes: int
+    transport: str
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., seconds: _Optional[float] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., mode_reason: _Optional[str] = ..., duplicate: _Optional[bool] = ..., activated: _Optional[bool] = ..., error: _Optional[str] = ..., failed_replicas: _Optional[_Iterable[str]] = ..., payload_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,100 @@
+"""TrainerService.PublishWeights through the real weight-sync service to a subscribed replica."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb2
+
+from services.common.channel import aio_channel
+from services.common.server import start_server
+from services.common.server_config import ServerConfig
+from services.trainer.config import TrainerSettings
+from services.trainer.server import NAME, TrainerServicer, registration
+from services.weightsync.agent import WeightSyncAgent
+from services.weightsync.sinks import InMemorySink
+from tests.integration.trainer.test_trainer_service import BAD, GOOD, job_request, push, trajectory
+from tests.integration.weightsync.harness import TOKEN, eventually, running_service
+from tests.unit.trainer.tiny import dense_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+GLOO = common_pb2.COLLECTIVE_BACKEND_GLOO
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    dense_model(seed=0).save_pretrained(path)
+    return path
+
+
+@contextlib.asynccontextmanager
+async def trainer(tmp_path: Path, weightsync: str, collective: bool):
+    settings = TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), export_dir=str(tmp_path / "export"),
+                               weightsync_address=weightsync, collective=collective)
+    config = ServerConfig(port=0)
+    config.auth.token = TOKEN
+    servicer = TrainerServicer(settings, token=TOKEN)
+    server = await start_server(NAME, config, registration(servicer), on_shutdown=servicer.close)
+    try:
+        async with aio_channel(f"127.0.0.1:{server.port}", token=TOKEN) as channel:
+            yield trainer_pb2_grpc.TrainerServiceStub(channel), servicer
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("collective", [True, False], ids=["gloo", "inline"])
+def test_published_adapter_reaches_replica(tmp_path: Path, model_dir: Path, collective: bool) -> None:
+    async def body() -> None:
+        async with running_service(tmp_path / "ws") as (ws, _), \
+                trainer(tmp_path, f"127.0.0.1:{ws.port}", collective) as (stub, servicer):
+            sink = InMemorySink()
+            caps = weightsync_pb2.ReplicaCapabilities(supports_lora=True, max_lora_rank=64, max_loras=4,
+                                                      collective_backends=[GLOO] if collective else [])
+            agent = WeightSyncAgent(f"127.0.0.1:{ws.port}", sink, replica_id="r0", capabilities=caps,
+                                    token=TOKEN, job_ids=["job1"])
+            task = asyncio.create_task(agent.run())
+            try:
+                await eventually(lambda: agent.connected, 10, "replica subscribed")
+                await stub.CreateJob(job_request(model_dir))
+                with pytest.raises(Exception, match="version 0"):
+                    await stub.PublishWeights(trainer_pb2.PublishWeightsRequest(job_id="job1"))
+                await push(stub, "job1", [trajectory(GOOD, 1.0), trajectory(BAD, 0.0)])
+                await stub.TrainStep(trainer_pb2.TrainStepRequest(job_id="job1"))
+                published = await stub.PublishWeights(trainer_pb2.PublishWeightsRequest(
+                    job_id="job1", wait_for_activation=True, timeout_seconds=60))
+                assert published.activated, published.error
+                assert published.version == 1 and published.mode == common_pb2.SYNC_MODE_ADAPTER
+                assert published.transport == ("collective" if collective else "inline")
+                assert sink.active_versions() == {"job1": 1}
+                engine = servicer.jobs.get("job1").engine
+                expected = dict(engine.iter_adapter_tensors())
+                got = sink.active["job1"].tensors
+                assert got.keys() == expected.keys()
+                assert all(torch.equal(got[k], expected[k]) for k in expected)
+                again = await stub.PublishWeights(trainer_pb2.PublishWeightsRequest(job_id="job1"))
+                assert again.duplicate
+            finally:
+                agent.stop()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 10)
+
+    asyncio.run(body())
+
+
+def test_publish_without_weightsync_is_failed_precondition(tmp_path: Path, model_dir: Path) -> None:
+    import grpc
+
+    async def body() -> None:
+        async with trainer(tmp_path, "", True) as (stub, _):
+            await stub.CreateJob(job_request(model_dir))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.PublishWeights(trainer_pb2.PublishWeightsRequest(job_id="job1"))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "weightsync_address" in err.value.details()
+
+    asyncio.run(body())
