@@ -230,7 +230,8 @@ class JobManager:
                 if job_id not in publisher.jobs:
                     catalog = await asyncio.to_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
                     await publisher.register_job(job_id, base_model_fingerprint=engine.base_model_fingerprint,
-                                                 lora=lora_spec(job.spec.lora), catalog=catalog, mode=mode)
+                                                 lora=lora_spec(job.spec.lora), catalog=catalog, mode=mode,
+                                                 start_version=version - 1)
                 result = await publisher.publish(
                     job_id, version, wait=False,
                     adapter=lambda: [(n, t.detach().clone()) for n, t in engine.iter_adapter_tensors()],

@@ -160,11 +160,12 @@ class WeightPublisher:
     # ---------------------------------------------------------------------------------- jobs
 
     async def register_job(self, job_id: str, *, base_model_fingerprint: str, lora: common_pb2.LoraSpec,
-                           catalog: weightsync_pb2.ModelCatalog, mode: int = common_pb2.SYNC_MODE_AUTO
-                           ) -> JobRegistration:
+                           catalog: weightsync_pb2.ModelCatalog, mode: int = common_pb2.SYNC_MODE_AUTO,
+                           start_version: int = 0) -> JobRegistration:
         """Registers (or re-attaches to) a job; the answer says the resolved mode, why, and the latest version."""
         response = await self.stub.RegisterJob(weightsync_pb2.RegisterJobRequest(
-            job_id=job_id, base_model_fingerprint=base_model_fingerprint, lora=lora, mode=mode, catalog=catalog),
+            job_id=job_id, base_model_fingerprint=base_model_fingerprint, lora=lora, mode=mode, catalog=catalog,
+            start_version=start_version),
             timeout=60)
         registration = JobRegistration(job_id, response.mode, response.reason, response.latest_version,
                                        base_model_fingerprint, lora)

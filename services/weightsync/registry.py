@@ -78,7 +78,16 @@ def _check_payload(manifest: common_pb2.WeightManifest, field: str) -> None:
 
 
 def _same_job(a: weightsync_pb2.RegisterJobRequest, b: weightsync_pb2.RegisterJobRequest) -> bool:
+    """Same job identity; start_version is a position in its history, not part of its identity."""
+    a, b = _without_start(a), _without_start(b)
     return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+def _without_start(request: weightsync_pb2.RegisterJobRequest) -> weightsync_pb2.RegisterJobRequest:
+    copy = weightsync_pb2.RegisterJobRequest()
+    copy.CopyFrom(request)
+    copy.start_version = 0
+    return copy
 
 
 class VersionRegistry:
@@ -99,7 +108,7 @@ class VersionRegistry:
                 adapter = sv.adapter if stored.mode == MERGED else None
                 job.versions[v] = VersionRecord(sv.manifest, sv.adapter, payload_digest(sv.manifest, adapter),
                                                 sv.durable)
-            job.latest_version = max([job.active_version, *job.versions])
+            job.latest_version = max([job.active_version, stored.request.start_version, *job.versions])
             self.jobs[job_id] = job
             logger.info("reloaded job %s: latest version %d, active %d", job_id, job.latest_version,
                         job.active_version, extra={"job_id": job_id})
@@ -136,11 +145,17 @@ class VersionRegistry:
             if not _same_job(existing.request, request):
                 raise AlreadyExistsError(f"job {request.job_id!r} is already registered with a different "
                                          "fingerprint, LoRA spec, mode or catalog")
+            if request.start_version > existing.latest_version:
+                existing.latest_version = request.start_version
+                existing.request.start_version = request.start_version
+                if self.store is not None:
+                    self.store.save_job(existing.request, existing.mode, existing.reason)
             return existing, False
         if choice.mode not in (ADAPTER, MERGED):
             raise ValueError("the mode choice must be resolved")
         spec = JobSpec(request.job_id, request.base_model_fingerprint, request.lora, request.catalog)
         job = JobRecord(request, spec, choice.mode, choice.reason)
+        job.latest_version = request.start_version
         if self.store is not None:
             self.store.save_job(request, choice.mode, choice.reason)
         self.jobs[request.job_id] = job

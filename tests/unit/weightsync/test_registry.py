@@ -167,3 +167,21 @@ def test_version_lookup() -> None:
     reg.set_active("job", 1)
     assert reg.version("job", 0).version == 1
     assert isinstance(reg.job("job").request, weightsync_pb2.RegisterJobRequest)
+
+
+def test_resumed_trainer_starts_history_at_its_version(tmp_path: Path) -> None:
+    reg = VersionRegistry(DurableStore(tmp_path), keep_versions=3)
+    request = register_request()
+    request.start_version = 4
+    job, new = reg.register(request, ModeChoice(ADAPTER, "test"))
+    assert new and job.latest_version == 4
+    with pytest.raises(AlreadyExistsError, match="older than the latest"):
+        publish(reg, 4)
+    publish(reg, 5)
+    lower = register_request()
+    lower.start_version = 2  # never moves history back
+    assert reg.register(lower, ModeChoice(ADAPTER, "test"))[0].latest_version == 5
+    higher = register_request()
+    higher.start_version = 9  # a trainer resumed further along: history jumps forward, and survives a reload
+    assert reg.register(higher, ModeChoice(ADAPTER, "test"))[0].latest_version == 9
+    assert VersionRegistry(DurableStore(tmp_path)).job("job").latest_version == 9

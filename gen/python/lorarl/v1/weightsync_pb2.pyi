@@ -26,18 +26,20 @@ class ModelCatalog(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class RegisterJobRequest(_message.Message):
-    __slots__ = ("job_id", "base_model_fingerprint", "lora", "mode", "catalog")
+    __slots__ = ("job_id", "base_model_fingerprint", "lora", "mode", "catalog", "start_version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     CATALOG_FIELD_NUMBER: _ClassVar[int]
+    START_VERSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     base_model_fingerprint: str
     lora: _common_pb2.LoraSpec
     mode: _common_pb2.SyncMode
     catalog: ModelCatalog
-    def __init__(self, job_id: _Optional[str] = ..., base_model_fingerprint: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraSpec, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., catalog: _Optional[_Union[ModelCatalog, _Mapping]] = ...) -> None: ...
+    start_version: int
+    def __init__(self, job_id: _Optional[str] = ..., base_model_fingerprint: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraSpec, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., catalog: _Optional[_Union[ModelCatalog, _Mapping]] = ..., start_version: _Optional[int] = ...) -> None: ...
 
 class RegisterJobResponse(_message.Message):
     __slots__ = ("mode", "reason", "latest_version")
