@@ -30,7 +30,7 @@ $(BUF): tools/buf/package.json
 	touch $@
 
 demo: setup
-	$(VENV)/bin/lorarl demo
+	$(VENV)/bin/lorarl demo --fresh
 
 test: setup
 	$(PY) -m ruff check .

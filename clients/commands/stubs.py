@@ -8,8 +8,6 @@ from typing import Any
 
 #: Subcommand -> what it will do.
 PLANNED = {
-    "run": "run a training job against running services",
-    "train": "train a LoRA adapter in-process",
     "eval": "evaluate a policy on a task",
     "export": "export an adapter or merged model",
 }

@@ -69,7 +69,9 @@ def GetManifest(channel: grpc.Channel) -> Any:  # noqa: N802
 SERVICES = [
     Service("trainer", "lorarl.v1.TrainerService", {"trainer": {"device": "cpu"}}, GetJob,
             grpc.StatusCode.NOT_FOUND, "no-such-job"),
-    Service("rollout", "lorarl.v1.RolloutService", {"rollout": {"max_loras": 2}}, GetCapabilities),
+    # No model_path: the replica serves without an engine and says so.
+    Service("rollout", "lorarl.v1.RolloutService", {"rollout": {"max_loras": 2}}, GetCapabilities,
+            grpc.StatusCode.FAILED_PRECONDITION, "rollout.model_path"),
     Service("weightsync", "lorarl.v1.WeightSyncService", {"weightsync": {"keep_versions": 2}}, GetManifest,
             grpc.StatusCode.NOT_FOUND, "no-such-job"),
 ]

@@ -1,0 +1,175 @@
+"""`lorarl run CONFIG [key=value ...]` and `lorarl train CONFIG --trainer A --rollout A --weightsync A`.
+
+run:   starts the three services on loopback (own processes, free ports, a generated token), runs
+       the job, and stops them on success, failure or Ctrl-C; resumes from the run directory's last
+       checkpoint when one exists.
+train: the same loop against services already running (compose stack, other hosts); the token
+       comes from $LORARL_AUTH_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from services.common.config import ConfigError, to_dict
+
+
+def add_parsers(subparsers: Any) -> None:
+    run = subparsers.add_parser("run", help="start the services on loopback and run a job", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(run)
+    run.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in the output dir")
+    run.set_defaults(handler=run_command)
+    train = subparsers.add_parser("train", help="run a job against services already running", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(train)
+    train.add_argument("--trainer", required=True, metavar="HOST:PORT")
+    train.add_argument("--rollout", required=True, metavar="HOST:PORT")
+    train.add_argument("--weightsync", required=True, metavar="HOST:PORT",
+                       help="the weight-sync service the trainer and rollouts use (checked for reachability)")
+    train.set_defaults(handler=train_command)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="job YAML file (see examples/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. loop.steps=10")
+    parser.add_argument("--dry-run", action="store_true", help="validate the config, print the plan, and exit")
+
+
+def load(args: argparse.Namespace):
+    from clients.job_config import load_job_config
+
+    try:
+        return load_job_config(args.config, list(args.overrides))
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return None
+
+
+def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
+    """Service config sections for a local stack serving this job."""
+    window = cfg.loop.max_staleness + 2
+    return {
+        "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}")},
+        "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
+                    "export_dir": str(out / "exports"), "collective": cfg.sync.collective},
+        "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
+                    "dtype": cfg.model.dtype,
+                    "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.rollout.max_lora_rank,
+                    "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0"},
+    }
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from clients.plan import print_plan
+    from clients.stack import LocalStack
+
+    cfg = load(args)
+    if cfg is None:
+        return 2
+    if args.dry_run:
+        return print_plan(cfg)
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.fresh:
+        (out / "state.json").unlink(missing_ok=True)
+    threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
+    stack = LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=threads)
+    try:
+        with stack:
+            print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {stack.address('rollout')}, "
+                  f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
+            return asyncio.run(drive(cfg, stack.address("trainer"), stack.address("rollout"), stack.token, out))
+    except KeyboardInterrupt:
+        print("lorarl: interrupted; services stopped. Run the same command again to resume.", file=sys.stderr)
+        return 130
+
+
+def train_command(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    if cfg is None:
+        return 2
+    if args.dry_run:
+        from clients.plan import print_plan
+
+        return print_plan(cfg)
+    token = os.environ.get("LORARL_AUTH_TOKEN")
+    out = Path(cfg.output.dir)
+    try:
+        return asyncio.run(drive(cfg, args.trainer, args.rollout, token, out))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def drive(cfg, trainer_address: str, rollout_address: str, token: str | None, out: Path) -> int:
+    """Creates (or resumes) the job, runs the loop, and writes the plot and summary."""
+    from lorarl.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+    from clients.datasets import load_examples
+    from clients.loop import RLLoop
+    from clients.rewards import load_reward
+    from clients.run_log import RunLog
+    from services.common.channel import aio_channel
+
+    reward = load_reward(cfg.data.reward)
+    train = load_examples(cfg.data.source, "train", cfg.data.train_path)
+    test = load_examples(cfg.data.source, "test", cfg.data.test_path)
+    log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
+                 progress=cfg.output.progress, config=to_dict(cfg))
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    async with aio_channel(trainer_address, token=token) as tch, aio_channel(rollout_address, token=token) as rch:
+        trainer = trainer_pb2_grpc.TrainerServiceStub(tch)
+        rollout = rollout_pb2_grpc.RolloutServiceStub(rch)
+        state = await create_or_resume(cfg, trainer, out)
+
+        async def checkpoint(s) -> None:
+            saved = await trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(
+                job_id=cfg.job_id, path=f"{cfg.job_id}/step-{s.step:06d}"))
+            write_state(out, {"step": s.step, "version": s.version, "cursor": s.cursor, "checkpoint": saved.path})
+
+        loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=checkpoint)
+        try:
+            await loop.run()
+        finally:
+            log.close()
+    plot = log.plot()
+    summary = log.summary()
+    (out / "summary.txt").write_text(summary + "\n")
+    print("\n" + summary + f"\nplot: {plot}\nmetrics: {log.jsonl_path}", flush=True)
+    return 0
+
+
+def write_state(out: Path, state: dict[str, Any]) -> None:
+    tmp = out / "state.json.tmp"
+    tmp.write_text(json.dumps(state))
+    tmp.replace(out / "state.json")
+
+
+async def create_or_resume(cfg, trainer, out: Path):
+    """A new job, or the job restored from the run directory's last checkpoint (and re-published)."""
+    from lorarl.v1 import trainer_pb2
+
+    from clients.loop import SYNC_MODES, LoopState, job_config_proto
+
+    model_path = str(Path(cfg.model.path).resolve())
+    await trainer.CreateJob(trainer_pb2.CreateJobRequest(job_id=cfg.job_id, config=job_config_proto(cfg, model_path)))
+    state_file = out / "state.json"
+    if not state_file.exists():
+        return LoopState()
+    saved = json.loads(state_file.read_text())
+    loaded = await trainer.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(job_id=cfg.job_id,
+                                                                           path=saved["checkpoint"]))
+    print(f"lorarl: resumed from {saved['checkpoint']} (step {loaded.step}, version {loaded.version})", flush=True)
+    if loaded.version > 0:
+        published = await trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
+            job_id=cfg.job_id, mode=SYNC_MODES[cfg.sync.mode], wait_for_activation=True, timeout_seconds=600))
+        if not published.activated:
+            raise RuntimeError(f"could not re-publish the resumed policy: {published.error}")
+    return LoopState(step=int(saved["step"]), version=int(loaded.version), cursor=int(saved["cursor"]))

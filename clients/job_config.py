@@ -1,0 +1,150 @@
+"""The RL job a user runs: one YAML file, dotted overrides on the command line, validated up front.
+
+    lorarl run examples/demo.yaml loop.steps=20 trainer.lora.rank=16
+
+Every key is checked before any service starts: a wrong key, type or value is a ConfigError naming
+the dotted key (services.common.config does the work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.common.config import ConfigError, in_range, setting
+
+SyncModeName = Literal["adapter", "merged", "auto"]
+LoopMode = Literal["sync", "async"]
+LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = setting("assets/models/qwen3-tiny", doc="Local Hugging Face model directory (base policy).")
+    dtype: Literal["float32", "bfloat16"] = setting("float32", doc="Trainer dtype.")
+    shape: str = setting("", doc="Known shape (e.g. 'qwen3-8b') for --dry-run plans when the weights are absent.")
+
+
+@dataclass
+class DataConfig:
+    source: str = setting("tasks", doc="'tasks' (the shipped synthetic tasks), 'jsonl' or 'gsm8k'.")
+    train_path: str = setting("", doc="Train file for jsonl/gsm8k (fields prompt/answer, or question/answer).")
+    test_path: str = setting("", doc="Held-out file for jsonl/gsm8k.")
+    reward: str = setting("exact", doc="Reward by name ('exact', 'exact_format', 'format', 'gsm8k') or "
+                                       "'module:function'.")
+    chat_template: bool = setting(True, doc="Render prompts with the model's chat template.")
+    eval_size: int = setting(0, check=in_range(0), doc="Held-out problems evaluated (0: all).")
+    seed: int = setting(0, check=in_range(0), doc="Shuffle seed of the train stream.")
+
+    def validate(self) -> None:
+        if self.source not in ("tasks", "jsonl", "gsm8k"):
+            raise ConfigError("source", f"expected 'tasks', 'jsonl' or 'gsm8k', got {self.source!r}")
+        if self.source != "tasks" and not (self.train_path and self.test_path):
+            raise ConfigError("train_path", f"data.source={self.source} needs data.train_path and data.test_path")
+
+
+@dataclass
+class LoraSection:
+    rank: int = setting(8, check=in_range(1, 512))
+    alpha: float = setting(16.0, check=in_range(0.0))
+    dropout: float = setting(0.0, check=in_range(0.0, 0.99))
+    target_modules: list[str] = setting(default_factory=lambda: ["all-linear"])
+    expert_mode: Literal["none", "per_expert", "shared"] = setting("per_expert")
+    use_rslora: bool = setting(False)
+
+
+@dataclass
+class LossSection:
+    type: LossName = setting("grpo")
+    clip_eps_low: float = setting(0.2, check=in_range(0.0, 1.0))
+    clip_eps_high: float = setting(0.2, check=in_range(0.0, 10.0))
+    dual_clip: float = setting(0.0, check=in_range(0.0))
+    kl_coef: float = setting(0.0, check=in_range(0.0))
+    behavior_weight_cap: float = setting(0.0, check=in_range(0.0),
+                                         doc="Decoupled PPO: cap on behaviour importance weights (async mode).")
+    entropy_coef: float = setting(0.0)
+
+
+@dataclass
+class OptimizerSection:
+    learning_rate: float = setting(2e-3, check=in_range(1e-12, 10.0))
+    weight_decay: float = setting(0.0, check=in_range(0.0))
+    warmup_steps: int = setting(0, check=in_range(0))
+    max_grad_norm: float = setting(1.0, check=in_range(0.0))
+    micro_batch_tokens: int = setting(0, check=in_range(0))
+
+
+@dataclass
+class TrainerSection:
+    device: str = setting("cpu")
+    seed: int = setting(0, check=in_range(0))
+    lora: LoraSection = field(default_factory=LoraSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+
+
+@dataclass
+class RolloutSection:
+    engine: Literal["vllm", "hf"] = setting("vllm")
+    group_size: int = setting(8, check=in_range(1, 64), doc="Completions per prompt (GRPO group).")
+    temperature: float = setting(1.0, check=in_range(0.0, 10.0))
+    top_p: float = setting(1.0, check=in_range(0.0, 1.0))
+    max_tokens: int = setting(8, check=in_range(1, 65536))
+    eval_max_tokens: int = setting(8, check=in_range(1, 65536))
+    kv_cache_gib: float = setting(1.0, check=in_range(0.0625))
+    max_lora_rank: int = setting(16)
+
+
+@dataclass
+class LoopSection:
+    mode: LoopMode = setting("async", doc="'sync': generate, then train, then sync; 'async': generate while "
+                                          "training, at most max_staleness versions behind.")
+    steps: int = setting(40, check=in_range(1))
+    prompts_per_step: int = setting(16, check=in_range(1))
+    max_staleness: int = setting(1, check=in_range(0, 64))
+    eval_every: int = setting(10, check=in_range(0), doc="Evaluate every K steps (0: only before and after).")
+    checkpoint_every: int = setting(0, check=in_range(0), doc="Checkpoint every K steps (0: only at the end).")
+    time_limit_s: float = setting(0.0, check=in_range(0.0), doc="Stop after this much wall time (0: no limit).")
+
+
+@dataclass
+class SyncSection:
+    mode: SyncModeName = setting("auto", doc="'adapter', 'merged' or 'auto' (adapter if every replica can).")
+    collective: bool = setting(True, doc="Bytes over a gloo/nccl/hccl group (False: inline gRPC).")
+
+
+@dataclass
+class OutputSection:
+    dir: str = setting("runs/demo", doc="Metrics, plots, checkpoints and service logs go here.")
+    tensorboard: bool = setting(True, doc="Write TensorBoard event files (if tensorboard is installed).")
+    wandb: bool = setting(False, doc="Log to Weights & Biases (if installed).")
+    progress: bool = setting(True, doc="Show a progress line.")
+
+
+@dataclass
+class JobFileConfig:
+    """The whole job file."""
+
+    job_id: str = setting("demo", doc="Job name (letters, digits, '_', '.', '-').")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    loop: LoopSection = field(default_factory=LoopSection)
+    sync: SyncSection = field(default_factory=SyncSection)
+    output: OutputSection = field(default_factory=OutputSection)
+
+    def validate(self) -> None:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
+            raise ConfigError("job_id", f"1-64 letters, digits, '_', '.', '-'; got {self.job_id!r}")
+        if self.rollout.max_lora_rank < self.trainer.lora.rank and self.sync.mode != "merged":
+            raise ConfigError("rollout.max_lora_rank",
+                              f"{self.rollout.max_lora_rank} is below trainer.lora.rank={self.trainer.lora.rank}")
+
+
+def load_job_config(path: str | None, overrides: list[str]) -> JobFileConfig:
+    from services.common.config import load_config
+
+    return load_config(JobFileConfig, path, overrides=overrides, env={})

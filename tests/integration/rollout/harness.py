@@ -1,0 +1,151 @@
+"""The rollout service for integration tests: a real core and gRPC server on a loop in a background thread.
+
+Tests talk to it with blocking stubs (concurrency through `stub.X.future`) and reach the core with
+`harness.call(coroutine)`. Also: LoadWeights streams from tensors, and transformers(+PEFT) references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+from collections.abc import Coroutine, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from services.common.channel import sync_channel
+from services.common.server_config import AuthConfig, ServerConfig
+from services.rollout.client import load_weights_stream
+from services.rollout.config import RolloutServiceConfig, RolloutSettings
+from services.rollout.core import RolloutCore
+from services.rollout.factory import start_core
+from services.rollout.model_files import ModelFiles
+from services.rollout.payloads import complete_weights, merge_adapter
+from services.rollout.schema import LoraSettings
+from services.rollout.server import start_rollout
+
+T = TypeVar("T")
+TOKEN = "rollout-test-token"
+
+
+class RolloutHarness:
+    def __init__(self, settings: RolloutSettings) -> None:
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-harness", daemon=True)
+        self.core: RolloutCore
+        self.channel: grpc.Channel
+        self.stub: rollout_pb2_grpc.RolloutServiceStub
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 600) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> RolloutHarness:
+        self._thread.start()
+        self.core = self.call(start_core(self.settings))
+        server = ServerConfig(port=0, metrics_port=-1, shutdown_grace_s=0.5, auth=AuthConfig(token=TOKEN))
+        config = RolloutServiceConfig(server=server, rollout=self.settings)
+        self.running, _ = self.call(start_rollout(config, self.core))
+        self.channel = sync_channel(self.running.address, token=TOKEN)
+        self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        return self
+
+    def close(self) -> None:
+        self.channel.close()
+        self.call(self.running.stop(0))
+        self.call(self.core.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def lora_spec(lora: LoraSettings) -> common_pb2.LoraSpec:
+    return common_pb2.LoraSpec(rank=lora.rank, alpha=lora.alpha, use_rslora=lora.use_rslora)
+
+
+def load_requests(job_id: str, version: int, tensors: Mapping[str, torch.Tensor], mode: int, fingerprint: str,
+                  lora: LoraSettings | None = None, chunk_bytes: int = 1 << 20, corrupt: bool = False
+                  ) -> Iterator[rollout_pb2.LoadWeightsRequest]:
+    """A LoadWeights stream for these tensors; with `corrupt`, one byte of the first chunk is flipped."""
+    spec = lora_spec(lora) if lora is not None else None
+    for i, request in enumerate(load_weights_stream(job_id, version, tensors, mode, fingerprint, spec, chunk_bytes)):
+        if corrupt and i == 1:
+            data = bytearray(request.chunk.data)
+            data[0] ^= 0xFF
+            request.chunk.data = bytes(data)
+        yield request
+
+
+def merged_weights(model_dir: Path, adapter: Mapping[str, torch.Tensor], lora: LoraSettings,
+                   extra: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every checkpoint weight with the adapter merged in (the trainer's arithmetic), plus `extra` overrides."""
+    files = ModelFiles(model_dir)
+    merged = merge_adapter(adapter, lora, files) if adapter else {}
+    merged.update(extra or {})
+    return dict(complete_weights(merged, files))
+
+
+def save_checkpoint(model_dir: Path, weights: Mapping[str, torch.Tensor]) -> Path:
+    """A copy of `model_dir` (config, tokenizer) with these weights, for transformers references."""
+    from safetensors.torch import save_file
+
+    out = Path(tempfile.mkdtemp(prefix="lorarl-rollout-ref-"))
+    for file in model_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, out / file.name)
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+@torch.no_grad()
+def reference_greedy(model_dir: Path, prompt: tuple[int, ...], max_new: int,
+                     adapter: Mapping[str, torch.Tensor] | None = None, lora: LoraSettings | None = None
+                     ) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from transformers (+ PEFT for an adapter), fp32, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        assert lora is not None
+        targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter})
+        model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,
+                                                 use_rslora=lora.use_rslora, lora_dropout=0.0))
+        result = set_peft_model_state_dict(model, dict(adapter))
+        assert not result.unexpected_keys, result.unexpected_keys
+        model.eval()
+    ids = list(prompt)
+    tokens, logprobs = [], []
+    past = None
+    step = ids
+    for _ in range(max_new):
+        out = model(input_ids=torch.tensor([step]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+        token = int(lp.argmax())
+        tokens.append(token)
+        logprobs.append(float(lp[token]))
+        step = [token]
+    return tokens, logprobs
+
+
+def greedy(max_tokens: int, **extra: Any) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def generate(stub: rollout_pb2_grpc.RolloutServiceStub, prompt: tuple[int, ...], sampling: common_pb2.SamplingParams,
+             job_id: str = "", version: int = 0, timeout: float = 120) -> rollout_pb2.Completion:
+    response = stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=prompt)], sampling=sampling,
+        policy=rollout_pb2.PolicySelector(job_id=job_id, version=version)), timeout=timeout)
+    return response.results[0].completions[0]
+
+
+def field_of(error: grpc.RpcError) -> str | None:
+    return dict(error.trailing_metadata() or ()).get("lorarl-field")

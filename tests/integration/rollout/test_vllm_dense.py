@@ -1,0 +1,334 @@
+"""The rollout service on real vLLM (fp32, enforce_eager) behind gRPC, dense model: one engine for the module.
+
+Parity with transformers+PEFT, merged == adapter, the transformers engine as a cross-check, version
+tags across a switch mid-generation, batching of concurrent requests, and a clear status for each
+bad input while other requests carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from lorarl.v1 import common_pb2, rollout_pb2
+
+from services.rollout.config import RolloutSettings
+from services.rollout.factory import start_core
+from services.rollout.payloads import PolicyPayload
+from services.rollout.schema import GenerateInput, LoraSettings, Mode, PolicyRef, Sampling
+from services.trainer.fingerprint import base_model_fingerprint
+from tests.integration.rollout.harness import (
+    RolloutHarness,
+    field_of,
+    generate,
+    greedy,
+    load_requests,
+    merged_weights,
+    reference_greedy,
+)
+from tests.unit.rollout.models import LORA, PROMPT, dense_model_dir, random_adapter
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ADAPTER = common_pb2.SYNC_MODE_ADAPTER
+MERGED = common_pb2.SYNC_MODE_MERGED
+N_TOKENS = 24
+QUEUE_LIMIT = 48
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return dense_model_dir()
+
+
+@pytest.fixture(scope="module")
+def service(model_dir: Path) -> Iterator[RolloutHarness]:
+    settings = RolloutSettings(model_path=str(model_dir), engine="vllm", dtype="float32", max_model_len=512,
+                               kv_cache_gib=0.5, max_loras=4, adapter_window=3, max_queued_requests=QUEUE_LIMIT)
+    harness = RolloutHarness(settings).start()
+    yield harness
+    harness.close()
+
+
+@pytest.fixture(scope="module")
+def fingerprint(model_dir: Path) -> str:
+    return base_model_fingerprint(model_dir)
+
+
+@pytest.fixture(scope="module")
+def adapter(model_dir: Path) -> dict[str, torch.Tensor]:
+    return random_adapter(model_dir, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, adapter: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], list[float]]]:
+    return {"base": reference_greedy(model_dir, PROMPT, N_TOKENS),
+            "adapter": reference_greedy(model_dir, PROMPT, N_TOKENS, adapter, LORA)}
+
+
+def load(service: RolloutHarness, job: str, version: int, tensors: dict, mode: int, fingerprint: str,
+         lora: LoraSettings = LORA, **kwargs: object) -> rollout_pb2.LoadWeightsResponse:
+    lora = lora if mode == ADAPTER else None
+    return service.stub.LoadWeights(load_requests(job, version, tensors, mode, fingerprint, lora, **kwargs),
+                                    timeout=120)
+
+
+def test_capabilities_status_and_internals(service: RolloutHarness, fingerprint: str) -> None:
+    caps = service.stub.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
+    assert caps.engine == "vllm" and caps.supports_lora and caps.reason == ""
+    assert list(caps.modes) == [ADAPTER, MERGED]
+    assert (caps.max_lora_rank, caps.max_loras, caps.adapter_window) == (16, 4, 3)
+    assert (caps.vocab_size, caps.max_model_len, caps.base_model_fingerprint) == (264, 512, fingerprint)
+    probe = service.call(service.core.engine.probe())
+    assert probe and all(probe.values()), probe
+    status = service.stub.GetReplicaStatus(rollout_pb2.GetReplicaStatusRequest())
+    assert status.replica_id and not status.paused
+
+
+def test_adapter_version_matches_transformers_peft(service: RolloutHarness, adapter, reference, fingerprint) -> None:
+    base = generate(service.stub, PROMPT, greedy(N_TOKENS))
+    assert list(base.token_ids) == reference["base"][0]
+    assert list(base.token_versions) == [0] * N_TOKENS
+    assert load(service, "peft", 1, adapter, ADAPTER, fingerprint).version == 1
+    out = generate(service.stub, PROMPT, greedy(N_TOKENS), "peft", 1)
+    tokens, logprobs = reference["adapter"]
+    assert list(out.token_ids) == tokens
+    torch.testing.assert_close(torch.tensor(list(out.logprobs)), torch.tensor(logprobs), atol=2e-4, rtol=0)
+    assert list(out.token_versions) == [1] * N_TOKENS
+    assert out.finish_reason == common_pb2.FINISH_REASON_LENGTH and out.text
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="peft"))
+
+
+def test_several_jobs_side_by_side_on_one_base(service: RolloutHarness, model_dir, adapter, reference,
+                                                fingerprint) -> None:
+    load(service, "one", 1, adapter, ADAPTER, fingerprint)
+    load(service, "two", 1, random_adapter(model_dir, seed=2), ADAPTER, fingerprint)
+    alone = list(generate(service.stub, PROMPT, greedy(N_TOKENS), "two").token_ids)
+
+    def call(job: str) -> grpc.Future:
+        return service.stub.Generate.future(rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=greedy(N_TOKENS),
+            policy=rollout_pb2.PolicySelector(job_id=job)), timeout=60)
+
+    expected = {"": reference["base"][0], "one": reference["adapter"][0], "two": alone}
+    futures = [(job, call(job)) for job in ("", "one", "two", "one", "", "two")]
+    for job, future in futures:
+        assert list(future.result().results[0].completions[0].token_ids) == expected[job], job
+    for job in ("one", "two"):
+        service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id=job))
+
+
+def test_merged_equals_adapter_and_the_transformers_engine_agrees(service: RolloutHarness, model_dir, adapter,
+                                                                 reference, fingerprint) -> None:
+    load(service, "merged", 1, merged_weights(model_dir, adapter, LORA), MERGED, fingerprint)
+    out = generate(service.stub, PROMPT, greedy(N_TOKENS), "merged")
+    assert list(out.token_ids) == reference["adapter"][0]
+    assert list(out.token_versions) == [1] * N_TOKENS
+    torch.testing.assert_close(torch.tensor(list(out.logprobs)), torch.tensor(reference["adapter"][1]), atol=2e-4,
+                               rtol=0)
+    base_blocked = pytest.raises(grpc.RpcError)
+    with base_blocked as info:
+        generate(service.stub, PROMPT, greedy(4))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "merged" in info.value.details()
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="merged"))
+    assert list(generate(service.stub, PROMPT, greedy(N_TOKENS)).token_ids) == reference["base"][0]
+
+    async def hf_engine() -> dict[str, list[int]]:
+        settings = RolloutSettings(model_path=str(model_dir), engine="hf", dtype="float32")
+        core = await start_core(settings)
+        sampling = Sampling(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
+        outputs = {}
+        for name, policy in [("base", PolicyRef()), ("adapter", PolicyRef("a")), ("merged", PolicyRef("m"))]:
+            if name == "adapter":
+                await core.load(PolicyPayload("a", 1, Mode.ADAPTER, Mode.ADAPTER, fingerprint, adapter, LORA))
+            if name == "merged":
+                await core.unload("a")
+                await core.load(PolicyPayload("m", 1, Mode.ADAPTER, Mode.MERGED, fingerprint, adapter, LORA))
+            [result] = await core.generate(GenerateInput(name, (PROMPT,), sampling, policy))
+            outputs[name] = result.completions[0].token_ids
+        await core.close()
+        return outputs
+
+    hf = asyncio.run(hf_engine())
+    assert hf == {"base": reference["base"][0], "adapter": reference["adapter"][0], "merged": reference["adapter"][0]}
+
+
+def test_version_tags_across_a_merged_switch_mid_generation(service: RolloutHarness, model_dir, fingerprint) -> None:
+    first = merged_weights(model_dir, random_adapter(model_dir, seed=11), LORA)
+    second = merged_weights(model_dir, random_adapter(model_dir, seed=12), LORA)
+    load(service, "switch", 1, first, MERGED, fingerprint)
+    total = 400
+    stream = service.stub.GenerateStream(rollout_pb2.GenerateStreamRequest(
+        prompt=rollout_pb2.Prompt(token_ids=PROMPT), sampling=greedy(total),
+        policy=rollout_pb2.PolicySelector(job_id="switch")), timeout=120)
+    unary = service.stub.Generate.future(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=greedy(total),
+        policy=rollout_pb2.PolicySelector(job_id="switch")), timeout=120)
+    tokens, versions, finishes, switched = [], [], [], None
+    for message in stream:
+        tokens += message.token_ids
+        versions += message.token_versions
+        if message.finish_reason:
+            finishes.append(message.finish_reason)
+        if switched is None and len(tokens) >= 30:
+            switched = threading.Thread(target=load, args=(service, "switch", 2, second, MERGED, fingerprint))
+            switched.start()
+    assert switched is not None
+    switched.join(60)
+    assert finishes == [common_pb2.FINISH_REASON_LENGTH] and len(tokens) == total
+    k = versions.index(2)
+    assert 30 <= k < total and versions == [1] * k + [2] * (total - k)
+    # The tokens after the switch are exactly what v2 produces from the prompt plus the tokens before it.
+    rest = generate(service.stub, PROMPT + tuple(tokens[:k]), greedy(total - k), "switch", 2)
+    assert list(rest.token_ids) == tokens[k:]
+    # A unary request (tokens delivered at the end) is interrupted and continued the same way.
+    out = unary.result().results[0].completions[0]
+    k = list(out.token_versions).index(2)
+    assert len(out.token_ids) == total and list(out.token_versions) == [1] * k + [2] * (total - k)
+    assert out.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="switch"))
+
+
+def test_pinned_adapter_request_finishes_on_its_version_while_a_new_one_loads(service: RolloutHarness, model_dir,
+                                                                             fingerprint) -> None:
+    load(service, "pin", 1, random_adapter(model_dir, seed=21), ADAPTER, fingerprint)
+    future = service.stub.Generate.future(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=greedy(300),
+        policy=rollout_pb2.PolicySelector(job_id="pin", version=1)), timeout=120)
+    time.sleep(0.2)
+    load(service, "pin", 2, random_adapter(model_dir, seed=22), ADAPTER, fingerprint)
+    out = future.result().results[0].completions[0]
+    assert list(out.token_versions) == [1] * 300 and out.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert set(generate(service.stub, PROMPT, greedy(5), "pin").token_versions) == {2}
+    status = service.stub.GetReplicaStatus(rollout_pb2.GetReplicaStatusRequest())
+    assert {(p.job_id, p.version, p.active) for p in status.policies if p.job_id == "pin"} == {("pin", 1, False),
+                                                                                            ("pin", 2, True)}
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="pin"))
+
+
+def test_concurrent_requests_are_batched(service: RolloutHarness) -> None:
+    sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=3)
+    request = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=sampling)
+    start = time.perf_counter()
+    for _ in range(2):
+        service.stub.Generate(request, timeout=60)
+    single = (time.perf_counter() - start) / 2
+    count = 16
+    start = time.perf_counter()
+    futures = [service.stub.Generate.future(request, timeout=120) for _ in range(count)]
+    results = [f.result() for f in futures]
+    concurrent = time.perf_counter() - start
+    assert all(len(r.results[0].completions[0].token_ids) == 64 for r in results)
+    assert concurrent < 0.5 * count * single, f"{count} concurrent took {concurrent:.2f} s, one alone {single:.2f} s"
+    status = service.stub.GetReplicaStatus(rollout_pb2.GetReplicaStatusRequest())
+    assert status.peak_running_requests > 1
+
+
+def test_bad_inputs_get_clear_statuses_while_others_continue(service: RolloutHarness, model_dir, adapter,
+                                                            fingerprint) -> None:
+    background = service.stub.GenerateStream(rollout_pb2.GenerateStreamRequest(
+        prompt=rollout_pb2.Prompt(token_ids=PROMPT), sampling=greedy(300)), timeout=120)
+    load(service, "bad", 1, adapter, ADAPTER, fingerprint)
+
+    def code_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str, str | None]:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        return info.value.code(), info.value.details(), field_of(info.value)
+
+    def gen(prompt: list[int], **sampling: object) -> Callable[[], object]:
+        params = common_pb2.SamplingParams(max_tokens=4, **sampling)
+        return lambda: service.stub.Generate(rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=prompt)], sampling=params))
+
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(gen([]))[::2] == (invalid, "prompts[0]")
+    assert code_of(gen(list(range(200)) * 3))[::2] == (invalid, "prompts[0]")
+    assert code_of(gen([1, 264]))[::2] == (invalid, "prompts[0].token_ids[1]")
+    assert code_of(gen([1, 2], temperature=-1.0))[::2] == (invalid, "sampling.temperature")
+    assert code_of(gen([1, 2], top_p=2.0))[::2] == (invalid, "sampling.top_p")
+    assert code_of(gen([1, 2], n=1000))[::2] == (invalid, "sampling.n")
+    assert code_of(lambda: generate(service.stub, PROMPT, greedy(4), "no-such-job"))[:1] == (grpc.StatusCode.NOT_FOUND,)
+    code, details, _ = code_of(lambda: generate(service.stub, PROMPT, greedy(4), "bad", 99))
+    assert code == grpc.StatusCode.NOT_FOUND and "bad v99" in details
+    code, details, _ = code_of(lambda: load(service, "bad", 2, random_adapter(model_dir, rank=32), ADAPTER,
+                                            fingerprint, LoraSettings(32, 64.0, ())))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "max_lora_rank" in details
+    code, details, _ = code_of(lambda: load(service, "bad", 2, adapter, ADAPTER, "sha256:someone-else"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "sha256:someone-else" in details
+    code, details, _ = code_of(lambda: service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="nope")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, details, _ = code_of(gen(list(PROMPT), n=QUEUE_LIMIT, ignore_eos=True))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_requests" in details
+
+    tokens = [t for message in background for t in message.token_ids]
+    assert len(tokens) == 300  # the request in flight was never disturbed
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="bad"))
+
+
+def test_failed_loads_keep_the_previous_version_serving(service: RolloutHarness, model_dir, adapter,
+                                                        fingerprint) -> None:
+    load(service, "keep", 1, adapter, ADAPTER, fingerprint)
+    before = generate(service.stub, PROMPT, greedy(N_TOKENS), "keep")
+    wrong_shape = {n: (t[:, :-1] if "lora_A" in n else t) for n, t in adapter.items()}
+    failures = [
+        (lambda: load(service, "keep", 2, wrong_shape, ADAPTER, fingerprint), grpc.StatusCode.FAILED_PRECONDITION),
+        (lambda: load(service, "keep", 2, adapter, ADAPTER, fingerprint, corrupt=True),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: load(service, "keep", 2, {"model.norm.weight": torch.ones(128)}, MERGED, fingerprint),
+         grpc.StatusCode.FAILED_PRECONDITION),
+    ]
+    for call, code in failures:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == code, info.value.details()
+    after = generate(service.stub, PROMPT, greedy(N_TOKENS), "keep")
+    assert list(after.token_ids) == list(before.token_ids) and set(after.token_versions) == {1}
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="keep"))
+
+
+def test_pause_resume_and_abort(service: RolloutHarness) -> None:
+    service.stub.Pause(rollout_pb2.PauseRequest())
+    future = service.stub.Generate.future(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=greedy(8)), timeout=60)
+    time.sleep(0.5)
+    assert not future.done()
+    assert service.stub.GetReplicaStatus(rollout_pb2.GetReplicaStatusRequest()).paused
+    service.stub.Resume(rollout_pb2.ResumeRequest())
+    assert len(future.result().results[0].completions[0].token_ids) == 8
+
+    unary = service.stub.Generate.future(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=greedy(450), request_id="unary"), timeout=60)
+    stream = service.stub.GenerateStream(rollout_pb2.GenerateStreamRequest(
+        prompt=rollout_pb2.Prompt(token_ids=PROMPT), sampling=greedy(450), request_id="long"), timeout=60)
+    first = next(stream)
+    assert service.stub.Abort(rollout_pb2.AbortRequest(request_ids=["long"])).aborted == 1
+    rest = list(stream)
+    assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) < 450
+    assert service.stub.Abort(rollout_pb2.AbortRequest(request_ids=["unary"])).aborted == 1
+    partial = unary.result().results[0].completions[0]
+    assert partial.finish_reason == common_pb2.FINISH_REASON_ABORT and 0 < len(partial.token_ids) < 450
+    assert len(partial.logprobs) == len(partial.token_versions) == len(partial.token_ids)
+
+
+def test_weight_sync_sink_with_a_local_merge(service: RolloutHarness, model_dir, adapter, reference,
+                                             fingerprint) -> None:
+    from services.rollout.sink import RolloutSink
+    from services.weightsync.payload import build_manifest, pack
+    from services.weightsync.sinks import PolicyUpdate
+
+    sink = RolloutSink(service.core, service.loop)
+    manifest = build_manifest(job_id="sync", version=1, mode=ADAPTER, base_model_fingerprint=fingerprint,
+                              buckets=list(pack(sorted(adapter.items()))), lora=common_pb2.LoraSpec(rank=8, alpha=16))
+    sink.stage(PolicyUpdate(manifest, adapter, MERGED))  # the replica is told to merge the adapter itself
+    assert sink.active_versions().get("sync", 0) == 0
+    sink.commit("sync", 1)
+    assert sink.active_versions()["sync"] == 1
+    assert list(generate(service.stub, PROMPT, greedy(N_TOKENS), "sync").token_ids) == reference["adapter"][0]
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="sync"))

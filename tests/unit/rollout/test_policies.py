@@ -1,0 +1,103 @@
+"""Policy bookkeeping: resolution, the adapter window, drained unloads, slots, merged exclusivity."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from services.rollout.policies import LoadedVersion, PolicyTable, State
+from services.rollout.schema import AdapterHandle, Mode, PolicyRef
+
+
+def add_adapter(table: PolicyTable, job: str, version: int, commit: bool = True) -> LoadedVersion:
+    table.check_stage(job, version, Mode.ADAPTER)
+    for victim in table.make_room(job):
+        table.remove(victim)
+    loaded = LoadedVersion(job, version, Mode.ADAPTER,
+                           adapter=AdapterHandle(f"{job}-v{version}", table.new_adapter_id(), rank=8))
+    table.add(loaded)
+    if commit:
+        for drained in table.commit(job, version):
+            table.remove(drained)
+    return loaded
+
+
+def test_latest_and_pinned_resolution() -> None:
+    table = PolicyTable(window=3, capacity=4)
+    add_adapter(table, "a", 1)
+    add_adapter(table, "a", 2)
+    assert table.resolve(PolicyRef("a")).version == 2
+    assert table.resolve(PolicyRef("a", 1)).adapter.name == "a-v1"
+    assert table.resolve(PolicyRef()).version == 0
+    with pytest.raises(NotFoundError, match="servable versions: \\[1, 2\\]"):
+        table.resolve(PolicyRef("a", 5))
+    with pytest.raises(NotFoundError, match="jobs: \\['a'\\]"):
+        table.resolve(PolicyRef("b"))
+    with pytest.raises(NotFoundError, match="base model has no versions"):
+        table.resolve(PolicyRef("", 3))
+
+
+def test_staged_versions_are_not_servable_until_committed() -> None:
+    table = PolicyTable(window=3, capacity=4)
+    add_adapter(table, "a", 1)
+    add_adapter(table, "a", 2, commit=False)
+    assert table.resolve(PolicyRef("a")).version == 1
+    with pytest.raises(NotFoundError, match="staged"):
+        table.resolve(PolicyRef("a", 2))
+    table.commit("a", 2)
+    assert table.active_versions() == {"a": 2}
+
+
+def test_commit_retires_beyond_the_window_and_release_reports_drained_versions() -> None:
+    table = PolicyTable(window=2, capacity=4)
+    v1 = add_adapter(table, "a", 1)
+    table.acquire(v1.served)
+    add_adapter(table, "a", 2)
+    add_adapter(table, "a", 3, commit=False)
+    drained = table.commit("a", 3)
+    assert drained == [] and v1.state is State.RETIRING  # still in flight
+    with pytest.raises(NotFoundError, match="retiring"):
+        table.resolve(PolicyRef("a", 1))
+    assert table.release(v1.served) is v1
+
+
+def test_make_room_frees_idle_old_versions_and_refuses_when_all_are_busy() -> None:
+    table = PolicyTable(window=3, capacity=3)
+    v1 = add_adapter(table, "a", 1)
+    add_adapter(table, "a", 2)
+    add_adapter(table, "b", 1)
+    assert table.make_room("a") == [v1]
+    table.acquire(v1.served)
+    with pytest.raises(ResourceExhaustedError, match="a v1 \\(1 in flight\\)"):
+        table.make_room("a")
+
+
+def test_merged_job_owns_the_weights() -> None:
+    table = PolicyTable(window=3, capacity=4)
+    add_adapter(table, "a", 1)
+    table.check_stage("m", 1, Mode.MERGED)
+    table.add(LoadedVersion("m", 1, Mode.MERGED, weights_token="t1"))
+    table.commit("m", 1)
+    with pytest.raises(FailedPreconditionError, match="merged m v1"):
+        table.resolve(PolicyRef())
+    with pytest.raises(FailedPreconditionError, match="merged m v1"):
+        table.resolve(PolicyRef("a"))
+    with pytest.raises(FailedPreconditionError, match="another merged job"):
+        table.check_stage("n", 1, Mode.MERGED)
+    with pytest.raises(FailedPreconditionError, match="served as merged"):
+        table.check_stage("m", 2, Mode.ADAPTER)
+    table.add(LoadedVersion("m", 2, Mode.MERGED, weights_token="t2"))
+    table.commit("m", 2)
+    assert [v.version for v in table.all_versions() if v.job_id == "m"] == [2]
+    assert table.resolve(PolicyRef("m")).version == 2
+
+
+def test_retire_job_splits_idle_and_busy_versions() -> None:
+    table = PolicyTable(window=3, capacity=4)
+    v1 = add_adapter(table, "a", 1)
+    v2 = add_adapter(table, "a", 2)
+    table.acquire(v2.served)
+    idle, busy = table.retire_job("a")
+    assert idle == [v1] and busy == [v2]
+    with pytest.raises(NotFoundError):
+        table.retire_job("zzz")

@@ -1,0 +1,74 @@
+"""Canary for the vLLM internals services/rollout/vllm_worker_ext.py relies on.
+
+Fails loudly, naming the symbol, when a vLLM upgrade moves or changes them; the integration tests
+then check behaviour on a live engine (probe, adapter parity, MoE reload parity). Two checks guard
+workarounds for vLLM CPU reload bugs: if vLLM starts re-prepacking MoE experts itself on a weight
+update, our extra prepack would pack twice, so this test must fail and the workaround must go.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def source(obj: object) -> str:
+    return inspect.getsource(obj)  # type: ignore[arg-type]
+
+
+def test_lora_manager_internals_used_by_the_memory_loader() -> None:
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
+
+    assert issubclass(LRUCacheWorkerLoRAManager, WorkerLoRAManager)
+    assert list(inspect.signature(WorkerLoRAManager._load_adapter).parameters) == ["self", "lora_request"]
+    init = source(WorkerLoRAManager.__init__)
+    for attr in ("self._lora_model_cls", "self.vocab_size", "self.lora_config", "self.max_position_embeddings",
+                 "self._adapter_manager"):
+        assert attr in init, f"WorkerLoRAManager no longer sets {attr}"
+    manager_init = source(LoRAModelManager.__init__)
+    for attr in ("self.supported_lora_modules", "self.packed_modules_mapping", "self.model"):
+        assert attr in manager_init, f"LoRAModelManager no longer sets {attr}"
+    params = inspect.signature(LoRAModel.from_lora_tensors).parameters
+    for name in ("lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper",
+                 "skip_prefixes"):
+        assert name in params, f"LoRAModel.from_lora_tensors lost its {name!r} parameter"
+    helper = PEFTHelper.from_dict({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                   "vllm_max_position_embeddings": 128})
+    assert helper.vllm_lora_scaling_factor == 2.0 and callable(helper.validate_legal)
+    assert parse_fine_tuned_lora_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")[0] \
+        == "model.layers.0.self_attn.q_proj"
+    assert LoRARequest("x-v1", 1, "lorarl-mem://x-v1").lora_path.startswith("lorarl-mem://")
+
+
+def test_worker_extension_and_reload_entry_points() -> None:
+    from vllm.config import ParallelConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    assert "worker_extension_cls" in ParallelConfig.__dataclass_fields__
+    assert callable(Worker.reload_weights)
+    params = inspect.signature(GPUModelRunner.reload_weights).parameters
+    assert {"weights_iterator", "is_checkpoint_format"} <= set(params)
+    assert "self.lora_manager" in source(LoRAModelRunnerMixin.load_lora_model)
+
+
+def test_cpu_reload_bugs_worked_around_are_still_there() -> None:
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    setup = source(UnquantizedFusedMoEMethod._setup_kernel)
+    assert "if not is_weight_update:" in setup and "fused_experts.process_weights_after_loading" in setup, (
+        "vLLM changed how MoE experts are (re)processed on a weight update: re-check _repack_cpu_moe_experts")
+    prepack = source(CPUUnquantizedExperts.process_weights_after_loading)
+    assert "cpu_prepack_moe_weight" in prepack and callable(CPUUnquantizedExperts._padded_intermediate_size)
+    assert "dispatch_cpu_unquantized_gemm" in source(UnquantizedEmbeddingMethod.process_weights_after_loading)
