@@ -7,6 +7,7 @@ temporary folder and fails when the committed copy is stale.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -39,7 +40,7 @@ def generate(out_dir: Path) -> None:
         f"--grpc_python_out={out_dir}",
         *files,
     ]
-    with _cwd(PROTO_ROOT):
+    with contextlib.chdir(PROTO_ROOT):
         code = protoc.main(args)
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
@@ -50,22 +51,6 @@ def generate(out_dir: Path) -> None:
             if not init.exists():
                 init.write_text(HEADER)
             node = node.parent
-
-
-class _cwd:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.old = Path.cwd()
-
-    def __enter__(self) -> None:
-        import os
-
-        os.chdir(self.path)
-
-    def __exit__(self, *exc: object) -> None:
-        import os
-
-        os.chdir(self.old)
 
 
 def tree_snapshot(root: Path) -> dict[str, bytes]:
