@@ -11,6 +11,7 @@ vllm_engine     GenerationEngine on vLLM AsyncLLM (continuous batching, run-time
 vllm_worker_ext the one module touching vLLM internals: in-memory adapters and weight staging in the worker
 hf_engine       GenerationEngine on transformers (no vLLM needed; the reference in parity tests)
 sink            PolicySink for the weight-sync agent (stage / commit / abort / active_versions)
+sync            starts the weight-sync agent of a replica (subscribe, stage, commit, report)
 payloads        checks a payload against the served model; completes merged weights; local merges
 loading         the LoadWeights stream (manifest, chunks, checksums)
 client          LoadWeights request streams for clients

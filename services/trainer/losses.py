@@ -187,6 +187,9 @@ def policy_loss(inputs: LossInputs, settings: LossSettings, norm_tokens: int = 0
         "pg_loss": float(loss.detach()),
         "clip_fraction": float(aggregate(clipped_mask, mask, "token-mean")),
         "ratio_mean": float(aggregate(ratio.detach(), mask, "token-mean")),
+        # How far the sampler's logprobs are from the trainer's own (0 on-policy with exact sync).
+        "behavior_logprob_abs_diff": float(aggregate((inputs.logp.detach() - inputs.behavior_logp).abs(), mask,
+                                                     "token-mean")),
         "importance_weight_mean": float(aggregate(weight, mask, "token-mean")),
         "stale_token_fraction": stale_frac,
         "tokens": float(mask.sum()),

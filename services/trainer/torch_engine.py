@@ -53,7 +53,7 @@ from services.trainer.losses import AGGREGATION, LossInputs, LossSettings, polic
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Metrics averaged over loss weight (the micro-batch's share of the loss) vs over its share of tokens.
 LOSS_WEIGHTED = ("loss", "pg_loss", "kl", "entropy")
-TOKEN_WEIGHTED = ("clip_fraction", "ratio_mean", "importance_weight_mean")
+TOKEN_WEIGHTED = ("clip_fraction", "ratio_mean", "importance_weight_mean", "behavior_logprob_abs_diff")
 ENTROPY_CHUNK_ROWS = 256
 
 

@@ -51,6 +51,10 @@ def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
     history = steps(out)
     assert len(history) == 8
     assert max(r["policy/version_lag"] for r in history) <= (0 if mode == "sync" else 1)
+    if mode == "sync":
+        # On-policy: the rollout's per-token logprobs after each sync equal the trainer's own.
+        diffs = [r["train/behavior_logprob_abs_diff"] for r in history]
+        assert max(diffs) < 1e-3, diffs
     rewards = [r["rollout/reward_mean"] for r in history]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
     assert (out / "learning_curve.png").stat().st_size > 0
@@ -59,10 +63,14 @@ def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
 
 def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:
     out = tmp_path / "moe"
-    result = lorarl("run", "examples/moe-merged.yaml", f"output.dir={out}", "loop.steps=6", *COMMON)
+    result = lorarl("run", "examples/moe-merged.yaml", f"output.dir={out}", "loop.steps=6", "loop.mode=sync",
+                    *COMMON)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     accuracy = evals(out)
     assert accuracy[-1] >= accuracy[0] + 0.05, accuracy
+    # The merged weights the rollout serves give the trainer's own logprobs (base + adapter).
+    diffs = [r["train/behavior_logprob_abs_diff"] for r in steps(out)]
+    assert max(diffs) < 1e-3, diffs
     trainer_log = (out / "services" / "trainer.log").read_text()
     assert "SYNC_MODE_MERGED" in trainer_log
 
