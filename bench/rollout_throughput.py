@@ -313,21 +313,10 @@ def _suffix(args: argparse.Namespace) -> str:
 
 
 def write_results(title: str, body: list[str]) -> None:
-    """This run under its own sub-heading of the "Rollout throughput" section; other sections are kept."""
-    lines = RESULTS.read_text().splitlines() if RESULTS.exists() else ["# Benchmark results"]
-    block = [title, "", *body, ""]
-    if HEADING not in lines:
-        lines = [*lines, "", HEADING, "", *block]
-    else:
-        start = lines.index(HEADING)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(("# ", "## "))), len(lines))
-        if title in lines[start:end]:
-            first = lines.index(title, start)
-            last = next((i for i in range(first + 1, end) if lines[i].startswith("### ")), end)
-            lines = [*lines[:first], *block, *lines[last:]]
-        else:
-            lines = [*lines[:end], *([""] if lines[end - 1].strip() else []), *block, *lines[end:]]
-    RESULTS.write_text("\n".join(lines).rstrip("\n") + "\n")
+    """This run under its own sub-heading of this benchmark's section of bench/RESULTS.md."""
+    from bench.results import write_results as write_section
+
+    write_section(HEADING, title, body, RESULTS)
 
 
 def main() -> int:

@@ -203,28 +203,11 @@ def subsection_title(args: argparse.Namespace) -> str:
             f"({args.prompt_tokens}+{args.completion_tokens}) tokens")
 
 
-def _replace_block(lines: list[str], title: str, block: list[str], level: str) -> list[str]:
-    """Swaps the block under ``title`` (up to the next heading of the same or a higher level)."""
-    start = lines.index(title)
-    stops = tuple("#" * n + " " for n in range(1, len(level) + 1))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(stops)), len(lines))
-    return lines[:start] + block + lines[end:]
-
-
 def write_results(title: str, body: list[str]) -> None:
-    """Puts this run's table under its own sub-heading (one per device/dtype/shape) of this benchmark's
-    section in bench/RESULTS.md, replacing an older run of the same setup; other sections are kept."""
-    lines = RESULTS.read_text().splitlines() if RESULTS.exists() else ["# Benchmark results"]
-    block = [title, "", *body, ""]
-    if HEADING not in lines:
-        lines = [*lines, "", HEADING, "", *block]
-    elif title in lines:
-        lines = _replace_block(lines, title, block, "###")
-    else:
-        start = lines.index(HEADING)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(("# ", "## "))), len(lines))
-        lines = [*lines[:end], *([""] if lines[end - 1].strip() else []), *block, *lines[end:]]
-    RESULTS.write_text("\n".join(lines).rstrip("\n") + "\n")
+    """This run under its own sub-heading of this benchmark's section of bench/RESULTS.md."""
+    from bench.results import write_results as write_section
+
+    write_section(HEADING, title, body, RESULTS)
 
 
 def main() -> int:
