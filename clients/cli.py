@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from clients.commands import demo, run, serve, stubs
+from clients.commands import demo, evaluate, run, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve.add_parser(subcommands)
     run.add_parsers(subcommands)
-    stubs.add_parsers(subcommands)
+    evaluate.add_parsers(subcommands)
     demo.add_parser(subcommands)
     return parser
 

@@ -49,6 +49,7 @@ class LocalStack:
     threads_per_service: int = 1
     stop_timeout_s: float = 20.0
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
+    services: tuple[str, ...] = SERVICES
 
     def __enter__(self) -> LocalStack:
         try:
@@ -75,7 +76,7 @@ class LocalStack:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for name in SERVICES:
+        for name in self.services:
             section = dict(self.sections.get(name, {}))
             if name == "trainer" and "weightsync" in self.processes:
                 section.setdefault("weightsync_address", self.address("weightsync"))

@@ -139,10 +139,14 @@ async def drive(cfg, trainer_address: str, rollout_address: str, token: str | No
             await loop.run()
         finally:
             log.close()
+        from lorarl.v1 import common_pb2
+
+        exported = await trainer.Export(trainer_pb2.ExportRequest(job_id=cfg.job_id, mode=common_pb2.SYNC_MODE_ADAPTER,
+                                                                  path=f"{cfg.job_id}/final-adapter"))
     plot = log.plot()
     summary = log.summary()
     (out / "summary.txt").write_text(summary + "\n")
-    print("\n" + summary + f"\nplot: {plot}\nmetrics: {log.jsonl_path}", flush=True)
+    print("\n" + summary + f"\nplot: {plot}\nmetrics: {log.jsonl_path}\nadapter (PEFT): {exported.path}", flush=True)
     return 0
 
 

@@ -98,3 +98,19 @@ def test_bad_config_fails_before_start_naming_the_key(tmp_path: Path) -> None:
     result = lorarl("run", "examples/demo.yaml", f"output.dir={tmp_path}", "loop.max_staleness=-1")
     assert result.returncode == 2 and "loop.max_staleness" in result.stderr
     assert not (tmp_path / "services").exists()
+
+
+def test_exported_adapter_evaluates_like_the_run_ended(tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=4", *COMMON)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    adapter = out / "exports" / "demo" / "final-adapter"
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert f"adapter (PEFT): {adapter}" in result.stdout
+    evaluated = lorarl("eval", "examples/demo.yaml", f"output.dir={out}", "data.eval_size=100",
+                       "--adapter", str(adapter))
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    scores = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert scores["eval/accuracy"] == pytest.approx(evals(out)[-1])
+    base = lorarl("eval", "examples/demo.yaml", f"output.dir={out}", "data.eval_size=100")
+    assert json.loads(base.stdout.strip().splitlines()[-1])["eval/accuracy"] == pytest.approx(evals(out)[0])
