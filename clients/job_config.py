@@ -75,8 +75,23 @@ class OptimizerSection:
 
 
 @dataclass
+class ParallelSection:
+    tensor: int = setting(1, check=in_range(1, 1024), doc="Tensor-parallel size (megatron engine).")
+    pipeline: int = setting(1, check=in_range(1, 1024), doc="Pipeline-parallel size (megatron engine).")
+    expert: int = setting(1, check=in_range(1, 1024), doc="Expert-parallel size (megatron engine, MoE).")
+    data: int = setting(1, check=in_range(1, 1024), doc="Data-parallel size.")
+
+    @property
+    def world_size(self) -> int:
+        # Megatron's expert-parallel group is carved out of the data x tensor ranks, not added to them.
+        return self.tensor * self.pipeline * self.data
+
+
+@dataclass
 class TrainerSection:
-    device: str = setting("cpu")
+    device: str = setting("cpu", doc="cpu, cuda or npu (the first of the trainer's devices).")
+    engine: Literal["torch", "megatron"] = setting("torch", doc="'torch' (transformers) or 'megatron' (TP/PP/EP).")
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     seed: int = setting(0, check=in_range(0))
     lora: LoraSection = field(default_factory=LoraSection)
     loss: LossSection = field(default_factory=LossSection)
@@ -93,6 +108,8 @@ class RolloutSection:
     eval_max_tokens: int = setting(8, check=in_range(1, 65536))
     kv_cache_gib: float = setting(1.0, check=in_range(0.0625))
     max_lora_rank: int = setting(16)
+    replicas: int = setting(1, check=in_range(1, 1024), doc="Rollout services (vLLM engines) in the job.")
+    tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices per rollout replica (vLLM TP).")
 
 
 @dataclass
@@ -122,6 +139,15 @@ class OutputSection:
 
 
 @dataclass
+class PlacementSection:
+    """Where the job runs, for the --dry-run plan: how many devices, how much memory each."""
+
+    nodes: int = setting(1, check=in_range(1, 4096))
+    devices_per_node: int = setting(0, check=in_range(0, 64), doc="Accelerators per node (0: CPU only).")
+    device_memory_gib: float = setting(0.0, check=in_range(0.0), doc="Memory per accelerator (0: unknown).")
+
+
+@dataclass
 class JobFileConfig:
     """The whole job file."""
 
@@ -133,6 +159,7 @@ class JobFileConfig:
     loop: LoopSection = field(default_factory=LoopSection)
     sync: SyncSection = field(default_factory=SyncSection)
     output: OutputSection = field(default_factory=OutputSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
 
     def validate(self) -> None:
         import re
@@ -142,6 +169,20 @@ class JobFileConfig:
         if self.rollout.max_lora_rank < self.trainer.lora.rank and self.sync.mode != "merged":
             raise ConfigError("rollout.max_lora_rank",
                               f"{self.rollout.max_lora_rank} is below trainer.lora.rank={self.trainer.lora.rank}")
+        parallel = self.trainer.parallel
+        if self.trainer.engine == "torch" and (parallel.tensor, parallel.pipeline, parallel.expert) != (1, 1, 1):
+            raise ConfigError("trainer.parallel", "tensor/pipeline/expert parallelism needs trainer.engine=megatron")
+        if parallel.expert > 1 and (parallel.data * parallel.tensor) % parallel.expert:
+            raise ConfigError("trainer.parallel.expert", f"{parallel.expert} must divide data x tensor ranks "
+                                                         f"({parallel.data * parallel.tensor})")
+        if self.placement.devices_per_node:
+            needed = parallel.world_size + self.rollout.replicas * self.rollout.tensor_parallel_size
+            have = self.placement.nodes * self.placement.devices_per_node
+            if needed > have:
+                raise ConfigError("placement.devices_per_node",
+                                  f"the job needs {needed} devices (trainer {parallel.world_size} + rollout "
+                                  f"{self.rollout.replicas} x {self.rollout.tensor_parallel_size}) but "
+                                  f"placement has {self.placement.nodes} x {self.placement.devices_per_node} = {have}")
 
 
 def load_job_config(path: str | None, overrides: list[str]) -> JobFileConfig:

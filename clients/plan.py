@@ -1,19 +1,24 @@
-"""`--dry-run`: check a job config and print a memory plan, without starting anything.
+"""`--dry-run`: check a job config and print a memory and placement plan, without starting anything.
 
 Sizes come from the model's config.json when the weights are present; otherwise from the
-``model.shape`` named in the job file (known Qwen3 shapes), so configs for real models can be
-checked on a machine that has neither the weights nor the accelerators.
+``model.shape`` named in the job file (published shapes below), so configs for real models can be
+checked on a machine that has neither the weights nor the accelerators. The plan counts weights,
+adapters, Adam moments and the KV cache per device; activations are not estimated, so a plan that
+fits with little headroom may still run out of memory.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
+ADAPTER_BYTES = 4  # adapters and their Adam moments stay fp32 whatever the base dtype
+HEADROOM = 0.9  # share of a device the plan may fill before calling it "does not fit"
 
-#: Published Qwen3 shapes (config.json fields) for planning without the weights.
+#: Published shapes (config.json fields) for planning without the weights.
 KNOWN_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
@@ -24,37 +29,138 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                           head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                           num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False),
+    # Qwen3.6-27B (Qwen3_5ForConditionalGeneration, text_config): hybrid layers, every 4th one full
+    # (gated) attention, the others Gated DeltaNet linear attention; one MTP layer; a vision tower.
+    "qwen3.6-27b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                        head_dim=256, intermediate_size=17408, vocab_size=248320, tie_word_embeddings=False,
+                        attn_output_gate=True, full_attention_interval=4, linear_num_key_heads=16,
+                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_conv_kernel_dim=4, mtp_num_hidden_layers=1,
+                        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304,
+                                           out_hidden_size=5120)),
 }
 
 
 def model_shape(cfg) -> dict[str, Any]:
+    """The text model's config fields (a multimodal config's ``text_config``, vision kept alongside)."""
     config = Path(cfg.model.path) / "config.json"
     if config.is_file():
-        return json.loads(config.read_text())
-    shape = getattr(cfg.model, "shape", "")
-    if shape in KNOWN_SHAPES:
-        return KNOWN_SHAPES[shape]
-    raise ValueError(f"model.path {cfg.model.path!r} has no config.json and model.shape {shape!r} is not one of "
-                     f"{sorted(KNOWN_SHAPES)}")
+        shape = json.loads(config.read_text())
+    elif getattr(cfg.model, "shape", "") in KNOWN_SHAPES:
+        shape = KNOWN_SHAPES[cfg.model.shape]
+    else:
+        raise ValueError(f"model.path {cfg.model.path!r} has no config.json and model.shape "
+                         f"{getattr(cfg.model, 'shape', '')!r} is not one of {sorted(KNOWN_SHAPES)}")
+    if "text_config" in shape:
+        shape = {**shape["text_config"], "vision_config": shape.get("vision_config")}
+    return shape
 
 
-def count(shape: dict[str, Any], rank: int) -> dict[str, int]:
-    """Base parameters, and all-linear LoRA parameters (experts per expert) at ``rank``."""
+def _is_full_attention(shape: dict[str, Any], layer: int) -> bool:
+    types = shape.get("layer_types")
+    if types:
+        return types[layer] == "full_attention"
+    interval = shape.get("full_attention_interval")
+    return not interval or (layer + 1) % interval == 0
+
+
+def _vision_params(vision: dict[str, Any] | None) -> int:
+    """ViT blocks (attention + MLP) and the merger into the text width; patch embedding ignored."""
+    if not vision:
+        return 0
+    w, inter = vision["hidden_size"], vision["intermediate_size"]
+    return vision["depth"] * (4 * w * w + 2 * w * inter) + 4 * w * (4 * w) + 4 * w * vision.get("out_hidden_size", w)
+
+
+def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> dict[str, int]:
+    """Base parameters, the expert share of them, and all-linear LoRA parameters at ``rank``.
+
+    LoRA counts what the trainer adapts with ``all-linear``: the attention projections of full
+    attention layers and every MLP projection (experts: one adapter each with ``per_expert``, one for
+    all with ``shared``, none with ``none``); linear-attention (Gated DeltaNet) projections are frozen.
+    """
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     hd = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
-    attn = h * q + 2 * h * kv + q * h
-    attn_lora = rank * ((h + q) + 2 * (h + kv) + (q + h))
-    experts = shape.get("num_experts", 0)
+    q_out = 2 * q if shape.get("attn_output_gate") else q
+    attn = h * q_out + 2 * h * kv + q * h
+    attn_lora = rank * ((h + q_out) + 2 * (h + kv) + (q + h))
+    if shape.get("linear_num_value_heads"):
+        keys = shape["linear_num_key_heads"] * shape["linear_key_head_dim"]
+        values = shape["linear_num_value_heads"] * shape["linear_value_head_dim"]
+        conv = 2 * keys + values
+        linear_attn = h * conv + h * values + 2 * h * shape["linear_num_value_heads"] + conv * shape.get(
+            "linear_conv_kernel_dim", 4) + values * h
+    else:
+        linear_attn = attn
+    experts = shape.get("num_experts") or shape.get("num_local_experts") or 0
     if experts:
         inter = shape["moe_intermediate_size"]
-        mlp = experts * 3 * h * inter + experts * h
-        mlp_lora = experts * rank * 3 * (h + inter)
+        expert_params = experts * 3 * h * inter
+        mlp = expert_params + experts * h
+        adapted = {"per_expert": experts, "shared": 1, "none": 0}[expert_mode]
+        mlp_lora = adapted * rank * 3 * (h + inter)
     else:
         inter = shape["intermediate_size"]
-        mlp, mlp_lora = 3 * h * inter, rank * 3 * (h + inter)
+        expert_params, mlp, mlp_lora = 0, 3 * h * inter, rank * 3 * (h + inter)
+    full = sum(_is_full_attention(shape, i) for i in range(layers))
+    mtp = shape.get("mtp_num_hidden_layers", 0) * (attn + mlp + 2 * h * h)
     embed = shape["vocab_size"] * h * (1 if shape.get("tie_word_embeddings") else 2)
-    return {"base": embed + layers * (attn + mlp), "lora": layers * (attn_lora + mlp_lora), "experts": experts}
+    base = embed + full * attn + (layers - full) * linear_attn + layers * mlp + mtp
+    return {"base": base + _vision_params(shape.get("vision_config")), "vision": _vision_params(
+        shape.get("vision_config")), "expert_params": layers * expert_params,
+        "lora": full * attn_lora + layers * mlp_lora, "lora_experts": layers * mlp_lora if experts else 0,
+        "experts": experts}
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One process group's devices: which node and which device indices there."""
+
+    role: str
+    node: int
+    devices: tuple[int, ...]
+
+
+def place(cfg) -> list[Slot]:
+    """Trainer ranks fill node 0 (then the next nodes) first; each rollout replica's TP group then
+    takes the next free devices of one node (a vLLM TP group never spans nodes)."""
+    per_node = cfg.placement.devices_per_node
+    free = [list(range(per_node)) for _ in range(cfg.placement.nodes)]
+    slots: list[Slot] = []
+    ranks = cfg.trainer.parallel.world_size
+    node = 0
+    while ranks:
+        take = min(ranks, len(free[node]))
+        if take:
+            slots.append(Slot("trainer", node, tuple(free[node][:take])))
+            del free[node][:take]
+            ranks -= take
+        node += 1
+    tp = cfg.rollout.tensor_parallel_size
+    for replica in range(cfg.rollout.replicas):
+        node = next((n for n, devices in enumerate(free) if len(devices) >= tp), None)
+        if node is None:
+            raise ValueError(f"rollout replica {replica} needs {tp} devices on one node; none is left "
+                             "(fewer replicas, a smaller rollout.tensor_parallel_size, or more nodes)")
+        slots.append(Slot(f"rollout-{replica}", node, tuple(free[node][:tp])))
+        del free[node][:tp]
+    return slots
 
 
 def print_plan(cfg) -> int:
@@ -63,22 +169,58 @@ def print_plan(cfg) -> int:
     except ValueError as e:
         print(f"lorarl: bad config: model.path: {e}")
         return 2
-    n = count(shape, cfg.trainer.lora.rank)
-    bytes_per = 2 if cfg.model.dtype == "bfloat16" else 4
-    base_gib = n["base"] * bytes_per / GIB
-    adapter_gib = n["lora"] * 4 / GIB
-    optimizer_gib = n["lora"] * 8 / GIB
+    n = count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)
+    dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    par = cfg.trainer.parallel
+    base_bytes = n["base"] * dtype_bytes
+    # Per trainer device: dense weights split by TP x PP, experts additionally by EP.
+    dense_bytes = (n["base"] - n["expert_params"]) * dtype_bytes
+    trainer_base = dense_bytes / (par.tensor * par.pipeline) + n["expert_params"] * dtype_bytes / (
+        par.tensor * par.pipeline * par.expert)
+    adapters = ((n["lora"] - n["lora_experts"]) / (par.tensor * par.pipeline) + n["lora_experts"] / (
+        par.tensor * par.pipeline * par.expert)) * ADAPTER_BYTES
+    adam = 2 * adapters
+    rollout_base = base_bytes / cfg.rollout.tensor_parallel_size
+    kv = cfg.rollout.kv_cache_gib * GIB
     moe_on_cpu = bool(n["experts"]) and cfg.rollout.engine == "vllm" and cfg.trainer.device == "cpu"
     mode = cfg.sync.mode if cfg.sync.mode != "auto" else ("merged" if moe_on_cpu else "adapter (if replicas can)")
+
     print(f"job {cfg.job_id}: {cfg.loop.mode} loop, {cfg.loop.steps} steps x {cfg.loop.prompts_per_step} prompts x "
           f"{cfg.rollout.group_size} samples, staleness <= {cfg.loop.max_staleness}")
-    print(f"model {cfg.model.path}: {n['base'] / 1e9:.2f} B parameters ({base_gib:.1f} GiB in {cfg.model.dtype})"
-          + (f", {n['experts']} experts" if n["experts"] else ""))
-    print(f"trainer ({cfg.trainer.device}): base {base_gib:.1f} GiB + adapters {adapter_gib * 1024:.0f} MiB "
-          f"(rank {cfg.trainer.lora.rank}, {100 * n['lora'] / n['base']:.2f}% of base) + Adam state "
-          f"{optimizer_gib * 1024:.0f} MiB + activations")
-    print(f"rollout ({cfg.rollout.engine}): base {base_gib:.1f} GiB + KV cache {cfg.rollout.kv_cache_gib} GiB")
-    print(f"weight sync: {mode}; per version {adapter_gib * 1024:.0f} MiB (adapter, fp32) vs "
-          f"{base_gib * 1024:.0f} MiB (merged)")
+    extras = [f"{n['experts']} experts"] if n["experts"] else []
+    if n["vision"]:
+        extras.append(f"vision tower {human_count(n['vision'])} (frozen, not adapted)")
+    print(f"model {cfg.model.path}: {human_count(n['base'])} parameters ({human_bytes(base_bytes)} in "
+          f"{cfg.model.dtype})" + (f", {', '.join(extras)}" if extras else ""))
+    print(f"adapters: rank {cfg.trainer.lora.rank}, {human_count(n['lora'])} parameters "
+          f"({100 * n['lora'] / n['base']:.2f}% of base), {human_bytes(n['lora'] * ADAPTER_BYTES)} fp32")
+    print(f"trainer ({cfg.trainer.engine} engine, {cfg.trainer.device}, TP {par.tensor} x PP {par.pipeline} x "
+          f"DP {par.data}, EP {par.expert}): per device base {human_bytes(trainer_base)} + adapters "
+          f"{human_bytes(adapters)} + Adam {human_bytes(adam)} + activations")
+    print(f"rollout ({cfg.rollout.engine}, {cfg.rollout.replicas} replica(s) x TP {cfg.rollout.tensor_parallel_size}):"
+          f" per device base {human_bytes(rollout_base)} + KV cache {human_bytes(kv)}")
+    print(f"weight sync: {mode}; per version {human_bytes(n['lora'] * ADAPTER_BYTES)} (adapter, fp32) vs "
+          f"{human_bytes(base_bytes)} (merged)")
+    if cfg.placement.devices_per_node:
+        try:
+            slots = place(cfg)
+        except ValueError as e:
+            print(f"lorarl: bad config: placement: {e}")
+            return 2
+        for node in range(cfg.placement.nodes):
+            here = [f"{s.role} (devices {s.devices[0]}-{s.devices[-1]})" if len(s.devices) > 1
+                    else f"{s.role} (device {s.devices[0]})" for s in slots if s.node == node]
+            print(f"node {node}: " + (", ".join(here) if here else "idle"))
+        memory = cfg.placement.device_memory_gib * GIB
+        if memory:
+            need = {"trainer": trainer_base + adapters + adam, "rollout": rollout_base + kv}
+            for role, used in need.items():
+                verdict = "fits" if used <= HEADROOM * memory else "DOES NOT FIT"
+                print(f"{role}: {human_bytes(used)} of {human_bytes(memory)} per device before activations: "
+                      f"{verdict}")
+                if used > HEADROOM * memory:
+                    print(f"lorarl: bad config: placement.device_memory_gib: the {role} needs "
+                          f"{human_bytes(used)} per device (more parallelism or more devices)")
+                    return 2
     print("config OK")
     return 0

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clients.progress import ProgressBar
+
 
 class RunLog:
     """Appends metric dicts (each with a ``step``) to every configured sink."""
@@ -20,7 +22,7 @@ class RunLog:
         self.jsonl_path = out_dir / "metrics.jsonl"
         self._jsonl = self.jsonl_path.open("a")
         self.total_steps = total_steps
-        self.progress = progress
+        self.progress = ProgressBar(total_steps) if progress else None
         self.rows: list[dict[str, float]] = []
         self._tb = None
         if tensorboard:
@@ -52,22 +54,12 @@ class RunLog:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        if self.progress:
-            self._print(metrics)
-
-    def _print(self, m: dict[str, float]) -> None:
-        step = int(m.get("step", 0))
-        if "eval/accuracy" in m:
-            line = (f"[eval] step {step:>3}/{self.total_steps}  held-out accuracy {m['eval/accuracy']:.3f}  "
-                    f"mean reward {m['eval/mean_reward']:.3f}  ({m.get('time_s', 0):.0f} s)")
-        else:
-            line = (f"step {step:>3}/{self.total_steps}  reward {m.get('rollout/reward_mean', 0):.3f}  "
-                    f"acc {m.get('rollout/accuracy', 0):.3f}  v{int(m.get('train/version', 0))}  "
-                    f"lag {int(m.get('policy/version_lag', 0))}  "
-                    f"{m.get('rollout/tokens_per_s', 0):.0f} tok/s  {m.get('time_s', 0):.0f} s")
-        print(line, flush=True)
+        if self.progress is not None:
+            self.progress.update(metrics)
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()

@@ -32,10 +32,11 @@ def lorarl_command() -> list[str]:
 
 @dataclass
 class ServiceProcess:
-    name: str
+    name: str  # the process: "trainer", or "rollout-1" when the job runs several rollout replicas
     process: subprocess.Popen[bytes]
     address: str
     log_path: Path
+    service: str = ""
 
 
 @dataclass
@@ -50,6 +51,9 @@ class LocalStack:
     stop_timeout_s: float = 20.0
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
     services: tuple[str, ...] = SERVICES
+    rollout_replicas: int = 1
+    #: Extra environment per process name, e.g. {"rollout-1": {"CUDA_VISIBLE_DEVICES": "2,3"}}.
+    process_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __enter__(self) -> LocalStack:
         try:
@@ -63,7 +67,14 @@ class LocalStack:
         self.stop()
 
     def address(self, name: str) -> str:
+        """A process's address; "rollout" names the first replica when there are several."""
+        if name not in self.processes and name == "rollout" and "rollout-0" in self.processes:
+            name = "rollout-0"
         return self.processes[name].address
+
+    def addresses(self, service: str) -> list[str]:
+        """Every process of ``service`` (all rollout replicas), in start order."""
+        return [p.address for p in self.processes.values() if p.service == service]
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, "LORARL_AUTH_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
@@ -82,13 +93,19 @@ class LocalStack:
                 section.setdefault("weightsync_address", self.address("weightsync"))
             if name == "rollout" and "weightsync" in self.processes:
                 section.setdefault("weightsync_address", self.address("weightsync"))
+            if name == "rollout" and self.rollout_replicas > 1:
+                for i in range(self.rollout_replicas):
+                    replica = {**section, "replica_id": f"rollout-{i}"}
+                    self.processes[f"rollout-{i}"] = self._launch(f"rollout-{i}", replica, service="rollout")
+                continue
             self.processes[name] = self._launch(name, section)
 
-    def _launch(self, name: str, section: dict[str, Any]) -> ServiceProcess:
+    def _launch(self, name: str, section: dict[str, Any], service: str = "") -> ServiceProcess:
+        service = service or name
         config = {
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": -1, "log_format": "text",
                        "shutdown_grace_s": 5, "auth": {"token_env": "LORARL_AUTH_TOKEN", "required": True}},
-            name: section,
+            service: section,
         }
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -97,15 +114,16 @@ class LocalStack:
         log_path = self.workdir / f"{name}.log"
         with log_path.open("ab") as log:
             process = subprocess.Popen(
-                [*lorarl_command(), "serve", name, "--config", str(config_path), "--ready-file", str(ready)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+                [*lorarl_command(), "serve", service, "--config", str(config_path), "--ready-file", str(ready)],
+                stdout=log, stderr=subprocess.STDOUT, env={**self.env(), **self.process_env.get(name, {})},
+                start_new_session=True)
         try:
             info = wait_for_ready_file(ready, timeout=self.start_timeout_s, process=process)
         except (RuntimeError, TimeoutError) as e:
             process.kill()
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{name} service did not start: {e}\n--- {log_path} ---\n{tail}") from None
-        return ServiceProcess(name, process, info["address"], log_path)
+        return ServiceProcess(name, process, info["address"], log_path, service)
 
     def stop(self) -> None:
         """SIGTERM everything (reverse start order), then SIGKILL whatever outlives the bound."""

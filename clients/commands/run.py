@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -31,7 +32,8 @@ def add_parsers(subparsers: Any) -> None:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(train)
     train.add_argument("--trainer", required=True, metavar="HOST:PORT")
-    train.add_argument("--rollout", required=True, metavar="HOST:PORT")
+    train.add_argument("--rollout", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                       help="one or more rollout replicas (comma-separated); prompts are split across them")
     train.add_argument("--weightsync", required=True, metavar="HOST:PORT",
                        help="the weight-sync service the trainer and rollouts use (checked for reachability)")
     train.set_defaults(handler=train_command)
@@ -56,14 +58,19 @@ def load(args: argparse.Namespace):
 def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     """Service config sections for a local stack serving this job."""
     window = cfg.loop.max_staleness + 2
+    # Weights move over the accelerator's own collective when there is one (untested here: CPU only).
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(cfg.trainer.device.split(":", 1)[0], "gloo")
     return {
-        "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}")},
+        "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}"),
+                       "collective_backend": backend},
         "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
                     "export_dir": str(out / "exports"), "collective": cfg.sync.collective},
         "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
                     "dtype": cfg.model.dtype,
                     "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.rollout.max_lora_rank,
-                    "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0"},
+                    "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0",
+                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                    "collective_backends": sorted({backend, "gloo"})},
     }
 
 
@@ -80,13 +87,20 @@ def run_command(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.fresh:
         (out / "state.json").unlink(missing_ok=True)
+    if cfg.placement.nodes > 1:
+        print("lorarl: bad config: placement.nodes: `lorarl run` starts every service on this host; for several "
+              "nodes start `lorarl serve` on each and run `lorarl train` (see examples/models/README.md)",
+              file=sys.stderr)
+        return 2
     threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
-    stack = LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=threads)
+    stack = LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=threads,
+                       rollout_replicas=cfg.rollout.replicas, process_env=visible_devices(cfg))
     try:
         with stack:
-            print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {stack.address('rollout')}, "
+            rollouts = stack.addresses("rollout")
+            print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {', '.join(rollouts)}, "
                   f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
-            return asyncio.run(drive(cfg, stack.address("trainer"), stack.address("rollout"), stack.token, out))
+            return asyncio.run(drive(cfg, stack.address("trainer"), rollouts, stack.token, out))
     except KeyboardInterrupt:
         print("lorarl: interrupted; services stopped. Run the same command again to resume.", file=sys.stderr)
         return 130
@@ -102,19 +116,37 @@ def train_command(args: argparse.Namespace) -> int:
         return print_plan(cfg)
     token = os.environ.get("LORARL_AUTH_TOKEN")
     out = Path(cfg.output.dir)
+    rollouts = [a.strip() for a in args.rollout.split(",") if a.strip()]
     try:
-        return asyncio.run(drive(cfg, args.trainer, args.rollout, token, out))
+        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out))
     except KeyboardInterrupt:
         return 130
 
 
-async def drive(cfg, trainer_address: str, rollout_address: str, token: str | None, out: Path) -> int:
+def visible_devices(cfg) -> dict[str, dict[str, str]]:
+    """Per-process device masks from the placement plan (one node, accelerators only)."""
+    from clients.plan import place
+
+    device = cfg.trainer.device.split(":", 1)[0]
+    if not cfg.placement.devices_per_node or device == "cpu":
+        return {}
+    variable = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}[device]
+    masks = {}
+    for slot in place(cfg):
+        name = slot.role if slot.role == "trainer" or cfg.rollout.replicas > 1 else "rollout"
+        masks[name] = {variable: ",".join(str(d) for d in slot.devices)}
+    return masks
+
+
+async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], token: str | None,
+                out: Path) -> int:
     """Creates (or resumes) the job, runs the loop, and writes the plot and summary."""
     from lorarl.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
     from clients.datasets import load_examples
     from clients.loop import RLLoop
     from clients.rewards import load_reward
+    from clients.rollout_pool import RolloutPool
     from clients.run_log import RunLog
     from services.common.channel import aio_channel
 
@@ -124,9 +156,13 @@ async def drive(cfg, trainer_address: str, rollout_address: str, token: str | No
     log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
                  progress=cfg.output.progress, config=to_dict(cfg))
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    async with aio_channel(trainer_address, token=token) as tch, aio_channel(rollout_address, token=token) as rch:
+    if isinstance(rollout_addresses, str):
+        rollout_addresses = [rollout_addresses]
+    async with contextlib.AsyncExitStack() as channels:
+        tch = await channels.enter_async_context(aio_channel(trainer_address, token=token))
         trainer = trainer_pb2_grpc.TrainerServiceStub(tch)
-        rollout = rollout_pb2_grpc.RolloutServiceStub(rch)
+        rollout = RolloutPool([rollout_pb2_grpc.RolloutServiceStub(
+            await channels.enter_async_context(aio_channel(address, token=token))) for address in rollout_addresses])
         state = await create_or_resume(cfg, trainer, out)
 
         async def checkpoint(s) -> None:

@@ -134,6 +134,7 @@ class VllmEngine:
             enforce_eager=s.enforce_eager,
             seed=s.seed,
             max_num_seqs=s.max_num_seqs,
+            tensor_parallel_size=s.tensor_parallel_size,
             kv_cache_memory_bytes=int(s.kv_cache_gib * (1 << 30)),
             max_logprobs=max(s.max_logprobs, 1),
             logprobs_mode=s.logprobs_mode,

@@ -75,6 +75,20 @@ def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:
     assert "SYNC_MODE_MERGED" in trainer_log
 
 
+def test_two_rollout_replicas_share_the_batches(tmp_path: Path) -> None:
+    """`rollout.replicas=2`: two vLLM services, each activating every version, each serving half."""
+    out = tmp_path / "replicas"
+    result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=3",
+                    "rollout.replicas=2", *COMMON)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(steps(out)) == 3
+    # On-policy on both replicas: the logprobs they sampled with equal the trainer's.
+    assert max(r["train/behavior_logprob_abs_diff"] for r in steps(out)) < 1e-3
+    for replica in ("rollout-0", "rollout-1"):
+        log = (out / "services" / f"{replica}.log").read_text()
+        assert "serving demo v3" in log, log[-2000:]
+
+
 def test_stopped_run_resumes_from_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "resume"
     first = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=2",

@@ -1,0 +1,114 @@
+"""Job configs for real models are checked by a dry run: validation, memory plan and placement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clients.cli import main
+from clients.commands.run import visible_devices
+from clients.job_config import load_job_config
+from clients.plan import KNOWN_SHAPES, count, human_bytes, human_count, place
+from services.common.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
+JOB_FILES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples/models").glob("*.yaml"))
+
+
+def dry_run(capsys, path: Path, *overrides: str) -> tuple[int, str]:
+    code = main(["run", str(path), *overrides, "--dry-run"])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_every_example_job_passes_the_dry_run(capsys) -> None:
+    names = {p.name for p in JOB_FILES}
+    assert {"demo.yaml", "moe-merged.yaml", "qwen3-0.6b.yaml", "qwen3-8b.yaml", "qwen3-30b-a3b.yaml",
+            "qwen3.6-27b.yaml", "qwen3.6-27b-multinode.yaml"} <= names
+    for path in JOB_FILES:
+        code, out = dry_run(capsys, path)
+        assert code == 0, f"{path.name}: {out}"
+        assert out.rstrip().endswith("config OK"), path.name
+
+
+def test_published_parameter_counts() -> None:
+    """The planner's counts match the published sizes (0.6B, 8.2B, 32.8B, 30.5B, 27.8B)."""
+    expected = {"qwen3-0.6b": 0.596e9, "qwen3-8b": 8.19e9, "qwen3-32b": 32.8e9, "qwen3-30b-a3b": 30.5e9,
+                "qwen3.6-27b": 27.8e9}
+    for name, params in expected.items():
+        assert count(KNOWN_SHAPES[name], 16)["base"] == pytest.approx(params, rel=0.01), name
+
+
+def test_tiny_models_are_read_from_their_config(capsys) -> None:
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml")
+    assert code == 0 and "1.02 M parameters (3.9 MiB in float32)" in out
+    code, out = dry_run(capsys, ROOT / "examples/moe-merged.yaml")
+    assert "1.81 M parameters" in out and "8 experts" in out and "weight sync: merged" in out
+
+
+def test_expert_mode_changes_the_adapter_size() -> None:
+    shape = KNOWN_SHAPES["qwen3-30b-a3b"]
+    per_expert, shared, none = (count(shape, 16, mode)["lora"] for mode in ("per_expert", "shared", "none"))
+    assert per_expert > 40 * shared and shared > none > 0
+
+
+def test_units_follow_the_size() -> None:
+    assert human_count(1_016_832) == "1.02 M" and human_count(8.19e9) == "8.19 B" and human_count(900) == "900"
+    assert human_bytes(3 << 20) == "3.0 MiB" and human_bytes(5 << 30) == "5.0 GiB"
+
+
+def test_placement_of_the_multinode_job(capsys) -> None:
+    cfg = load_job_config(str(ROOT / "examples/models/qwen3.6-27b-multinode.yaml"), [])
+    slots = place(cfg)
+    assert slots[0].role == "trainer" and slots[0].node == 0 and slots[0].devices == (0,)
+    rollouts = [s for s in slots if s.role.startswith("rollout")]
+    assert len(rollouts) == 31 and {s.node for s in rollouts} == {0, 1, 2, 3}
+    used = [(s.node, d) for s in slots for d in s.devices]
+    assert len(used) == len(set(used)) == 32  # every device used once
+    _, out = dry_run(capsys, ROOT / "examples/models/qwen3.6-27b-multinode.yaml")
+    assert "node 3: rollout-23 (device 0)" in out
+
+
+def test_tensor_parallel_groups_stay_on_one_node(capsys) -> None:
+    cfg = load_job_config(str(ROOT / "examples/models/qwen3-30b-a3b.yaml"), [])
+    assert [s.devices for s in place(cfg)] == [(0,), (1, 2), (3, 4), (5, 6)]
+    # 8 devices for 8 ranks, but two TP-3 groups cannot be packed into 2 nodes x 4 beside 2 trainer ranks.
+    code, out = dry_run(capsys, ROOT / "examples/models/qwen3-30b-a3b.yaml", "rollout.tensor_parallel_size=3",
+                        "rollout.replicas=2", "trainer.engine=megatron", "trainer.parallel.tensor=2",
+                        "placement.nodes=2", "placement.devices_per_node=4")
+    assert code == 2 and "needs 3 devices on one node" in out
+
+
+def test_too_few_devices_is_a_config_error_naming_the_key(capsys) -> None:
+    code, out = dry_run(capsys, ROOT / "examples/models/qwen3-8b.yaml", "rollout.replicas=8")
+    assert code == 2 and "placement.devices_per_node" in out and "needs 9 devices" in out
+
+
+def test_a_plan_that_does_not_fit_fails(capsys) -> None:
+    code, out = dry_run(capsys, ROOT / "examples/models/qwen3.6-27b.yaml", "placement.device_memory_gib=48")
+    assert code == 2 and "DOES NOT FIT" in out and "placement.device_memory_gib" in out
+
+
+def test_parallelism_needs_the_megatron_engine() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.parallel:"):
+        load_job_config(str(ROOT / "examples/demo.yaml"), ["trainer.parallel.tensor=2"])
+    with pytest.raises(ConfigError, match=r"trainer\.parallel\.expert"):
+        load_job_config(str(ROOT / "examples/demo.yaml"),
+                        ["trainer.engine=megatron", "trainer.parallel.tensor=2", "trainer.parallel.expert=3"])
+
+
+def test_run_refuses_several_nodes(capsys) -> None:
+    code = main(["run", str(ROOT / "examples/models/qwen3.6-27b-multinode.yaml")])
+    assert code == 2 and "lorarl train" in capsys.readouterr().err
+
+
+def test_device_masks_per_process() -> None:
+    cfg = load_job_config(str(ROOT / "examples/models/qwen3-30b-a3b.yaml"), [])
+    masks = visible_devices(cfg)
+    assert masks["trainer"] == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert masks["rollout-2"] == {"CUDA_VISIBLE_DEVICES": "5,6"}
+    single = load_job_config(str(ROOT / "examples/models/qwen3-0.6b.yaml"), ["trainer.device=npu"])
+    assert visible_devices(single) == {"trainer": {"ASCEND_RT_VISIBLE_DEVICES": "0"},
+                                       "rollout": {"ASCEND_RT_VISIBLE_DEVICES": "1"}}
+    assert visible_devices(load_job_config(str(ROOT / "examples/demo.yaml"), [])) == {}

@@ -1,0 +1,93 @@
+"""The progress display: what it shows, and how it draws on a terminal vs into a log file."""
+
+from __future__ import annotations
+
+import io
+
+from clients.progress import ProgressBar, bar, format_duration
+from clients.run_log import RunLog
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def step_row(step: int, **extra: float) -> dict[str, float]:
+    return {"step": float(step), "rollout/reward_mean": 0.5, "rollout/accuracy": 0.25, "train/version": float(step),
+            "policy/version_lag": 1.0, "rollout/tokens_per_s": 1234.0, "time_s": 10.0 * step, **extra}
+
+
+def test_bar_and_durations() -> None:
+    assert bar(0, 10, width=10) == "[..........]"
+    assert bar(5, 10, width=10) == "[#####.....]"
+    assert bar(12, 10, width=10) == "[##########]"
+    assert format_duration(42) == "42s"
+    assert format_duration(125) == "2m05s"
+    assert format_duration(3 * 3600 + 61) == "3h01m"
+
+
+def test_step_line_shows_what_a_user_watches() -> None:
+    clock = FakeClock()
+    progress = ProgressBar(40, stream=io.StringIO(), clock=clock)
+    clock.now += 4.0
+    progress.update(step_row(2))  # first step seen: counts from step 1, 4 s ago
+    clock.now += 4.0
+    progress.update(step_row(3))
+    line = progress.stream.getvalue().splitlines()[-1]
+    assert "3/40" in line and "reward 0.500" in line and "acc 0.250" in line
+    assert "v3 lag 1" in line and "1234 tok/s" in line
+    assert "0.25 step/s" in line  # 2 steps in 8 s
+    assert "ETA 2m28s" in line  # 37 steps left at 0.25 step/s
+
+
+def test_log_file_gets_one_line_per_step_and_eval() -> None:
+    out = io.StringIO()
+    progress = ProgressBar(4, stream=out)
+    progress.update(step_row(1))
+    progress.update({"step": 1.0, "eval/accuracy": 0.75, "eval/mean_reward": 0.8, "time_s": 12.0})
+    progress.update(step_row(2))
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in out.getvalue()
+    assert lines[1].startswith("[eval] step 1/4  held-out accuracy 0.750")
+
+
+def test_terminal_redraws_one_line_and_keeps_evals() -> None:
+    term = Terminal()
+    progress = ProgressBar(4, stream=term)
+    progress.update(step_row(1))
+    progress.update(step_row(2))
+    progress.update({"step": 2.0, "eval/accuracy": 0.5, "eval/mean_reward": 0.5, "time_s": 20.0})
+    progress.update(step_row(3))
+    progress.close()
+    text = term.getvalue()
+    assert text.count("\r") == 3  # every step redraws in place
+    lines = text.split("\n")
+    # The bar (last drawn at step 2) is finished with a newline before the eval line, which stays.
+    assert lines[0].rsplit("\r", 1)[-1].strip().startswith("[############............] 2/4")
+    assert lines[1].startswith("[eval] step 2/4")
+    assert "3/4" in lines[2] and lines[3] == ""
+
+
+def test_run_log_writes_jsonl_and_summary(tmp_path) -> None:
+    log = RunLog(tmp_path, total_steps=2, tensorboard=False, progress=False)
+    log({"step": 0.0, "eval/accuracy": 0.25, "eval/mean_reward": 0.3, "time_s": 0.0})
+    log(step_row(1))
+    log(step_row(2, **{"policy/version_lag": 2.0}))
+    log({"step": 2.0, "eval/accuracy": 0.75, "eval/mean_reward": 0.8, "time_s": 20.0})
+    log.close()
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 4
+    summary = log.summary()
+    assert "0.250 -> 0.750 (+50.0 points)" in summary
+    assert "steps: 2" in summary and "max policy version lag: 2" in summary
+    assert log.plot().stat().st_size > 1000
