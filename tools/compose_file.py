@@ -1,0 +1,118 @@
+"""Reads Compose files the way `docker compose config` does, for checks that run without Docker.
+
+Covers what deploy/ uses: YAML anchors and merge keys, `${VAR}` interpolation (with :-, -, :?,
+?, :+, + and $$), and merging override files in order. Merge rules are the Compose
+Specification's for the keys that occur here: mappings merge key by key; `command`,
+`entrypoint` and `healthcheck.test` are replaced; other sequences (devices, volumes, ports, ...)
+are concatenated without duplicates.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: Sequences an override replaces instead of extending.
+REPLACED = frozenset({"command", "entrypoint", "test"})
+_VARIABLE = re.compile(
+    r"\$(?:(?P<escaped>\$)|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+    r"|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+class ComposeError(ValueError):
+    """A Compose file cannot be read, interpolated or merged."""
+
+
+def interpolate(value: Any, env: Mapping[str, str], where: str = "") -> Any:
+    """`value` with every `${VAR...}` in its strings (keys included) replaced from `env`."""
+    if isinstance(value, str):
+        return _VARIABLE.sub(lambda m: _substitute(m, env, where), value)
+    if isinstance(value, Mapping):
+        return {interpolate(k, env, where): interpolate(v, env, f"{where}.{k}".lstrip(".")) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(item, env, f"{where}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def _substitute(match: re.Match[str], env: Mapping[str, str], where: str) -> str:
+    if match["escaped"]:
+        return "$"
+    name = match["braced"] or match["plain"]
+    op, arg = match["op"], match["arg"] or ""
+    value = env.get(name)
+    unset_or_empty = value is None or (value == "" and op is not None and op.startswith(":"))
+    if op in (":-", "-"):
+        return arg if unset_or_empty else value  # type: ignore[return-value]
+    if op in (":?", "?"):
+        if unset_or_empty:
+            raise ComposeError(f"{where}: required variable {name} is missing a value: {arg}")
+        return value  # type: ignore[return-value]
+    if op in (":+", "+"):
+        return "" if unset_or_empty else arg
+    return value or ""
+
+
+def merge(base: Any, override: Any, key: str = "") -> Any:
+    """`override` merged onto `base` with the Compose merge rules described in the module docstring."""
+    if isinstance(base, Mapping) and isinstance(override, Mapping):
+        merged = dict(base)
+        for name, value in override.items():
+            merged[name] = merge(merged[name], value, name) if name in merged else value
+        return merged
+    if isinstance(base, list) and isinstance(override, list) and key not in REPLACED:
+        return base + [item for item in override if item not in base]
+    return override
+
+
+def read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A Compose file's top-level mapping, anchors and merge keys resolved, not yet interpolated."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ComposeError(f"{path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ComposeError(f"{path}: a Compose file holds a mapping")
+    return data
+
+
+def load(paths: Sequence[str | os.PathLike[str]], env: Mapping[str, str]) -> dict[str, Any]:
+    """The project `docker compose -f A -f B config` would see: each file interpolated, then merged."""
+    if not paths:
+        raise ComposeError("no Compose file given")
+    project: dict[str, Any] = {}
+    for path in paths:
+        project = merge(project, interpolate(read(path), env))
+    return project
+
+
+def depends_on(service: Mapping[str, Any]) -> list[str]:
+    """Names a service depends on (short list form or long mapping form)."""
+    value = service.get("depends_on") or []
+    return list(value)
+
+
+def start_order(services: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Service names with every dependency before its dependents (file order among equals)."""
+    order: list[str] = []
+    visiting: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        if name in visiting:
+            raise ComposeError(f"services: dependency cycle through {name!r}")
+        visiting.add(name)
+        for dependency in depends_on(services.get(name, {})):
+            visit(dependency)
+        visiting.discard(name)
+        order.append(name)
+
+    for name in services:
+        visit(name)
+    return order
