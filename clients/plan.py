@@ -75,9 +75,9 @@ def _vision_params(vision: dict[str, Any] | None) -> int:
 def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> dict[str, int]:
     """Base parameters, the expert share of them, and all-linear LoRA parameters at ``rank``.
 
-    LoRA counts what the trainer adapts with ``all-linear``: the attention projections of full
-    attention layers and every MLP projection (experts: one adapter each with ``per_expert``, one for
-    all with ``shared``, none with ``none``); linear-attention (Gated DeltaNet) projections are frozen.
+    LoRA counts what the trainer adapts with ``all-linear``: every attention projection (full and
+    Gated DeltaNet linear attention) and every MLP projection (experts: one adapter each with
+    ``per_expert``, one for all with ``shared``, none with ``none``); vision towers stay frozen.
     """
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     hd = shape.get("head_dim") or h // shape["num_attention_heads"]
@@ -89,10 +89,12 @@ def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> 
         keys = shape["linear_num_key_heads"] * shape["linear_key_head_dim"]
         values = shape["linear_num_value_heads"] * shape["linear_value_head_dim"]
         conv = 2 * keys + values
-        linear_attn = h * conv + h * values + 2 * h * shape["linear_num_value_heads"] + conv * shape.get(
-            "linear_conv_kernel_dim", 4) + values * h
+        heads = shape["linear_num_value_heads"]
+        linear_attn = h * conv + h * values + 2 * h * heads + conv * shape.get("linear_conv_kernel_dim", 4) + values * h
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj (conv1d and the gates' scalars stay frozen)
+        linear_lora = rank * ((h + conv) + (h + values) + 2 * (h + heads) + (values + h))
     else:
-        linear_attn = attn
+        linear_attn, linear_lora = attn, attn_lora
     experts = shape.get("num_experts") or shape.get("num_local_experts") or 0
     if experts:
         inter = shape["moe_intermediate_size"]
@@ -107,10 +109,10 @@ def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> 
     mtp = shape.get("mtp_num_hidden_layers", 0) * (attn + mlp + 2 * h * h)
     embed = shape["vocab_size"] * h * (1 if shape.get("tie_word_embeddings") else 2)
     base = embed + full * attn + (layers - full) * linear_attn + layers * mlp + mtp
-    return {"base": base + _vision_params(shape.get("vision_config")), "vision": _vision_params(
-        shape.get("vision_config")), "expert_params": layers * expert_params,
-        "lora": full * attn_lora + layers * mlp_lora, "lora_experts": layers * mlp_lora if experts else 0,
-        "experts": experts}
+    vision = _vision_params(shape.get("vision_config"))
+    return {"base": base + vision, "vision": vision, "expert_params": layers * expert_params,
+            "lora": full * attn_lora + (layers - full) * linear_lora + layers * mlp_lora,
+            "lora_experts": layers * mlp_lora if experts else 0, "experts": experts}
 
 
 def human_count(n: float) -> str:

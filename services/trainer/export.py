@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from services.trainer.lora import DENSE_TARGETS, LoraConfig, iter_merged_weights, peft_state_dict
+from services.trainer.lora import LINEAR_TARGETS, LoraConfig, iter_merged_weights, peft_state_dict
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
@@ -37,9 +37,9 @@ def peft_adapter_config(lora: LoraConfig, base_model_path: str, target_modules: 
 
 
 def adapted_module_names(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Leaf module names (q_proj, gate_proj, ...) that carry adapters, for target_modules."""
+    """Leaf module names (q_proj, in_proj_qkv, ...) that carry adapters, for target_modules."""
     names = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in tensors}
-    return sorted(names & set(DENSE_TARGETS)) or sorted(names)
+    return sorted(names & set(LINEAR_TARGETS)) or sorted(names)
 
 
 def _atomic_dir(final: Path) -> Path:

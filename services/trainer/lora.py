@@ -22,6 +22,11 @@ from torch import nn
 
 ALL_LINEAR = "all-linear"
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Qwen3.5 / Qwen3.6 Gated DeltaNet (linear-attention) projections; vLLM serves LoRA on all five
+#: (packed as in_proj_qkvz = [in_proj_qkv, in_proj_z], in_proj_ba = [in_proj_b, in_proj_a], out_proj).
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+#: What "all-linear" adapts: every decoder linear of the supported families (absent names match nothing).
+LINEAR_TARGETS = DENSE_TARGETS + LINEAR_ATTENTION_TARGETS
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 ExpertMode = Literal["none", "per_expert", "shared"]
 
@@ -46,12 +51,15 @@ class LoraConfig:
             raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        unknown = set(self.target_modules) - {ALL_LINEAR, *DENSE_TARGETS}
+        unknown = set(self.target_modules) - {ALL_LINEAR, *LINEAR_TARGETS}
         if unknown:
             raise ValueError(
                 f"lora.target_modules has unknown names {sorted(unknown)}; "
-                f"use {ALL_LINEAR!r} or names from {list(DENSE_TARGETS)}"
+                f"use {ALL_LINEAR!r} or names from {list(LINEAR_TARGETS)}"
             )
+        if "in_proj_z" in self.target_modules and "in_proj_qkv" not in self.target_modules:
+            # vLLM packs them as in_proj_qkvz and cannot load an adapter with in_proj_z alone.
+            raise ValueError("lora.target_modules: in_proj_z needs in_proj_qkv too (vLLM serves them packed)")
         if self.expert_mode not in ("none", "per_expert", "shared"):
             raise ValueError(f"lora.expert_mode must be none, per_expert or shared, got {self.expert_mode!r}")
 
@@ -61,7 +69,7 @@ class LoraConfig:
 
     def targets(self) -> frozenset[str]:
         if ALL_LINEAR in self.target_modules:
-            return frozenset(DENSE_TARGETS)
+            return frozenset(LINEAR_TARGETS)
         return frozenset(self.target_modules)
 
 
