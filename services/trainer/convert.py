@@ -10,7 +10,7 @@ from __future__ import annotations
 from lorarl.v1 import common_pb2, trainer_pb2
 
 from services.common.errors import InvalidArgumentError
-from services.trainer.engine_api import JobSpec, Limits, OptimizerSettings, TrajectoryRecord
+from services.trainer.engine_api import JobSpec, Limits, MegatronSettings, OptimizerSettings, TrajectoryRecord
 from services.trainer.lora import LoraConfig
 from services.trainer.losses import LossSettings
 
@@ -98,6 +98,12 @@ def optimizer_settings(cfg: trainer_pb2.OptimizerConfig, field: str = "config.op
                   max_grad_norm=_or(cfg.max_grad_norm, 1.0), micro_batch_tokens=cfg.micro_batch_tokens)
 
 
+def megatron_settings(cfg: trainer_pb2.MegatronConfig, field: str = "config.megatron") -> MegatronSettings:
+    return _build(field, MegatronSettings, tensor_parallel_size=cfg.tensor_parallel_size or 1,
+                  pipeline_parallel_size=cfg.pipeline_parallel_size or 1,
+                  expert_parallel_size=cfg.expert_parallel_size or 1)
+
+
 def job_spec(cfg: trainer_pb2.JobConfig, default_device: str) -> JobSpec:
     """JobConfig -> JobSpec; every bad value is INVALID_ARGUMENT naming its field."""
     if not cfg.base_model_path:
@@ -108,7 +114,7 @@ def job_spec(cfg: trainer_pb2.JobConfig, default_device: str) -> JobSpec:
         "config", JobSpec, base_model_path=cfg.base_model_path, device=cfg.device or default_device,
         dtype=cfg.dtype or "float32", lora=lora_config(cfg.lora), loss=loss_settings(cfg.loss),
         optimizer=optimizer_settings(cfg.optimizer), full_finetune=cfg.full_finetune, seed=cfg.seed,
-        engine=cfg.engine or "torch", limits=limits,
+        engine=cfg.engine or "torch", limits=limits, megatron=megatron_settings(cfg.megatron),
     )
 
 
@@ -131,6 +137,10 @@ def job_config(spec: JobSpec) -> trainer_pb2.JobConfig:
         full_finetune=spec.full_finetune, seed=spec.seed, engine=spec.engine,
         max_sequence_tokens=spec.limits.max_sequence_tokens,
         max_buffered_trajectories=spec.limits.max_buffered_trajectories,
+        megatron=trainer_pb2.MegatronConfig(
+            tensor_parallel_size=spec.megatron.tensor_parallel_size,
+            pipeline_parallel_size=spec.megatron.pipeline_parallel_size,
+            expert_parallel_size=spec.megatron.expert_parallel_size),
     )
 
 

@@ -1,4 +1,4 @@
-"""What every trainer engine offers (torch today, Megatron later), and the plain data it works on.
+"""What every trainer engine offers (torch, Megatron), and the plain data it works on.
 
 The gRPC servicer only ever talks to a `TrainEngine`, so engines are swappable and testable without
 a server. Everything here is plain Python, no protobuf (torch comes in through the LoRA and loss
@@ -90,13 +90,31 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class MegatronSettings:
+    """Model-parallel sizes for ``engine="megatron"``; mirrors lorarl.v1.MegatronConfig.
+
+    The job's world size (torch.distributed ranks) divided by tp * pp is the data-parallel size.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"megatron.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """Everything needed to build an engine; mirrors lorarl.v1.JobConfig.
 
     ``seed`` is the job's only seed: it seeds adapter initialisation (overriding ``lora.seed``),
     the torch/python RNGs and therefore LoRA dropout. ``recompute_proximal`` forces decoupled PPO
     (proximal logprobs recomputed before the step); it is also on whenever
-    ``loss.behavior_weight_cap > 0`` or ``loss.max_staleness > 0``.
+    ``loss.behavior_weight_cap > 0`` or ``loss.max_staleness > 0``. ``megatron`` holds the
+    model-parallel sizes of the Megatron engine (defaults for every other engine).
     """
 
     base_model_path: str
@@ -110,6 +128,7 @@ class JobSpec:
     engine: str = "torch"
     limits: Limits = field(default_factory=Limits)
     recompute_proximal: bool = False
+    megatron: MegatronSettings = field(default_factory=MegatronSettings)
 
     def __post_init__(self) -> None:
         if not self.base_model_path:
@@ -122,6 +141,8 @@ class JobSpec:
             raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.engine != "megatron" and self.megatron != MegatronSettings():
+            raise ValueError(f"megatron.* settings apply to engine 'megatron' only, not {self.engine!r}")
         if self.full_finetune and self.loss.kl_coef:
             raise ValueError("loss.kl_coef must be 0 with full_finetune (the reference is the base with adapters off)")
 
@@ -256,4 +277,8 @@ def create_engine(spec: JobSpec) -> TrainEngine:
         from services.trainer.torch_engine import TorchEngine
 
         return TorchEngine.create(spec)
+    if spec.engine == "megatron":
+        from services.trainer.megatron.engine import MegatronEngine
+
+        return MegatronEngine.create(spec)
     raise ValueError(f"engine {spec.engine!r} is not available in this build")

@@ -87,7 +87,7 @@ class OptimizerConfig(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., micro_batch_tokens: _Optional[int] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("base_model_path", "device", "dtype", "lora", "loss", "optimizer", "full_finetune", "seed", "engine", "max_sequence_tokens", "max_buffered_trajectories")
+    __slots__ = ("base_model_path", "device", "dtype", "lora", "loss", "optimizer", "full_finetune", "seed", "engine", "max_sequence_tokens", "max_buffered_trajectories", "megatron")
     BASE_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class JobConfig(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BUFFERED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    MEGATRON_FIELD_NUMBER: _ClassVar[int]
     base_model_path: str
     device: str
     dtype: str
@@ -110,7 +111,18 @@ class JobConfig(_message.Message):
     engine: str
     max_sequence_tokens: int
     max_buffered_trajectories: int
-    def __init__(self, base_model_path: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraSpec, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., full_finetune: _Optional[bool] = ..., seed: _Optional[int] = ..., engine: _Optional[str] = ..., max_sequence_tokens: _Optional[int] = ..., max_buffered_trajectories: _Optional[int] = ...) -> None: ...
+    megatron: MegatronConfig
+    def __init__(self, base_model_path: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraSpec, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., full_finetune: _Optional[bool] = ..., seed: _Optional[int] = ..., engine: _Optional[str] = ..., max_sequence_tokens: _Optional[int] = ..., max_buffered_trajectories: _Optional[int] = ..., megatron: _Optional[_Union[MegatronConfig, _Mapping]] = ...) -> None: ...
+
+class MegatronConfig(_message.Message):
+    __slots__ = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    expert_parallel_size: int
+    def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., expert_parallel_size: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "config", "version", "step", "buffered_trajectories", "base_model_fingerprint", "trainable_parameters", "total_parameters")

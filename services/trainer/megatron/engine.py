@@ -1,0 +1,212 @@
+"""The Megatron trainer engine: a frozen megatron-core GPTModel (TP/EP sharded) plus parallel LoRA.
+
+Trains with exactly the torch engine's step (services.trainer.policy_engine: advantages,
+micro-batches, loss shares, AdamW, schedule, checkpoints); only the model differs: logits come from
+megatron's GPTModel, the reference policy switches the hooked adapters off, parameters are named by
+their full-model megatron names, and exports are converted to HF / PEFT names.
+
+Multi-rank: every rank of the model-parallel group makes the same calls with the same batch (as
+the TP ranks of one replica must); gradients, norms and exports are reduced or gathered inside.
+Checkpoints and exports hold full (gathered) tensors, written by rank 0, so they are independent of
+the TP/EP layout. Data parallelism is not supported yet: the world size must equal tp * pp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from services.trainer import checkpoint as ckpt
+from services.trainer.batching import PackedBatch
+from services.trainer.engine_api import CheckpointInfo, JobSpec
+from services.trainer.fingerprint import base_model_fingerprint
+from services.trainer.megatron.export import iter_hf_weights, peft_tensors, save_merged, save_peft
+from services.trainer.megatron.lora import inject_megatron_lora
+from services.trainer.megatron.model import build_gpt_model, compute_logits
+from services.trainer.megatron.parallel import ParallelSettings
+from services.trainer.policy_engine import TORCH_DTYPES, PolicyEngine, device_for, seed_everything, token_logprobs
+
+
+def parallel_settings(spec: JobSpec) -> ParallelSettings:
+    m = spec.megatron
+    return ParallelSettings(tp=m.tensor_parallel_size, pp=m.pipeline_parallel_size, ep=m.expert_parallel_size)
+
+
+def _checkpoint_elements(model_dir: str) -> int:
+    """Parameters of the HF checkpoint, from the safetensors headers (no tensor is read)."""
+    total = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+class MegatronEngine(PolicyEngine):
+    """TrainEngine on megatron-core: LoRA adapters on a frozen GPTModel, TP/EP aware."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        if spec.full_finetune:
+            raise ValueError("engine 'megatron' trains LoRA adapters only (full_finetune is a torch-engine baseline)")
+        settings = parallel_settings(spec)
+        if settings.pp > 1:
+            raise ValueError("engine 'megatron' runs megatron.pipeline_parallel_size 1 for now")
+        self.spec = spec
+        self.device = device_for(spec.device)
+        seed_everything(spec.seed)
+        self._fingerprint = base_model_fingerprint(spec.base_model_path)
+        built = build_gpt_model(spec.base_model_path, settings, device=spec.device, dtype=TORCH_DTYPES[spec.dtype])
+        world = dist.get_world_size()
+        if settings.data_parallel_size(world) != 1:
+            raise ValueError(f"engine 'megatron' needs world size == tp * pp (no data parallelism yet), got world "
+                             f"{world} for tp={settings.tp}, pp={settings.pp}")
+        self.model, self.layout = built.model, built.layout
+        self.model.eval()
+        self.lora = inject_megatron_lora(self.model, spec.lora, spec.seed, self.layout)
+        self._base_elements = _checkpoint_elements(spec.base_model_path)
+        self._init_training(self.lora.named_parameters())
+
+    @classmethod
+    def create(cls, spec: JobSpec) -> MegatronEngine:
+        return cls(spec)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    # ------------------------------------------------------------ sizes (whole model, not this rank's shard)
+
+    @property
+    def trainable_parameters(self) -> int:
+        return sum(math.prod(s) for s in self._checkpoint_shapes().values())
+
+    @property
+    def total_parameters(self) -> int:
+        return self._base_elements + self.trainable_parameters
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layout.vocab_size
+
+    # ------------------------------------------------------------ model hooks of PolicyEngine
+
+    def _completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Right padding is harmless under a causal mask, so the padded rows need no attention mask.
+        logits = compute_logits(self.model, batch.input_ids, self.layout.vocab_size)
+        index = batch.target_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        return token_logprobs(logits.gather(1, index), batch.completion_ids, entropy_grad)
+
+    def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
+        return self.lora.disabled()
+
+    def _set_training(self, training: bool) -> None:
+        # Only LoRA dropout depends on the mode: the base is frozen with zero dropout, and megatron's MoE
+        # layer refuses training mode under TP without sequence parallelism, so the base stays in eval.
+        for adapter in self.lora.adapters:
+            adapter.train(training)
+
+    def _sync_gradients(self) -> None:
+        self.lora.sync_gradients()
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        """torch.nn.utils.clip_grad_norm_'s rule on the norm of the whole (all ranks') adapter gradient."""
+        norm = self.lora.grad_norm()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self._trainable:
+            p.grad.mul_(coef.to(p.grad.device))
+        return float(norm)
+
+    # ------------------------------------------------------------ checkpoints: full tensors, rank 0 writes
+
+    def _checkpoint_param_names(self) -> list[str]:
+        return self.lora.full_names()
+
+    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for ad in self.lora.adapters:
+            for peer in ad.spec.ep_names or [ad.spec.name]:
+                shapes[f"{peer}.lora_A"] = (ad.rank, ad.spec.in_features)
+                shapes[f"{peer}.lora_B"] = (ad.spec.out_features, ad.rank)
+        return shapes
+
+    def _training_state(self, data_cursor: Any) -> ckpt.TrainingState:
+        names = self._checkpoint_param_names()
+        local = list(self._named_trainable)
+        opt = self.optimizer.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        if opt["state"]:
+            moments = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = self.lora.gather({n: opt["state"][i][key] for i, n in enumerate(local)})
+                moments[key] = full
+            step = opt["state"][0]["step"]
+            state = {i: {"step": step.clone(), "exp_avg": moments["exp_avg"][n], "exp_avg_sq": moments["exp_avg_sq"][n]}
+                     for i, n in enumerate(names)}
+        groups = [{**g, "params": list(range(len(names)))} for g in opt["param_groups"]]
+        rng_tensors, rng = ckpt.capture_rng(self.device)
+        return ckpt.TrainingState(step=self._step, version=self._version, params=self.lora.full_tensors(),
+                                  optimizer={"state": state, "param_groups": groups}, param_names=names,
+                                  rng_tensors=rng_tensors, rng=rng, data_cursor=data_cursor)
+
+    def _restore_training_state(self, state: ckpt.TrainingState) -> None:
+        self.lora.load_full(state.params)
+        local = list(self._named_trainable)
+        index = {n: i for i, n in enumerate(state.param_names)}
+        opt_state: dict[int, dict[str, Any]] = {}
+        if state.optimizer["state"]:
+            moments = {key: self.lora.shard({n: state.optimizer["state"][index[n]][key] for n in state.param_names})
+                       for key in ("exp_avg", "exp_avg_sq")}
+            opt_state = {i: {"step": state.optimizer["state"][index[n]]["step"].clone(),
+                             "exp_avg": moments["exp_avg"][n].to(self.device),
+                             "exp_avg_sq": moments["exp_avg_sq"][n].to(self.device)}
+                         for i, n in enumerate(local)}
+        groups = [{**g, "params": list(range(len(local)))} for g in state.optimizer["param_groups"]]
+        self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+
+    def _writes_checkpoint(self) -> bool:
+        return self.rank == 0
+
+    def _barrier(self) -> None:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+
+    def save_checkpoint(self, path: str | Path, data_cursor: Any = None) -> CheckpointInfo:
+        info = super().save_checkpoint(path, data_cursor)
+        self._barrier()  # no rank reads the checkpoint before rank 0 has written it
+        return info
+
+    # ------------------------------------------------------------ export (collectives: every rank calls)
+
+    def iter_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from peft_tensors(self.lora.full_tensors(), self.layout).items()
+
+    def iter_merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from iter_hf_weights(self.model, self.layout, self.lora, self.spec.lora.scale)
+
+    def iter_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from iter_hf_weights(self.model, self.layout)
+
+    def export_adapter(self, path: str | Path) -> Path:
+        tensors = dict(self.iter_adapter_tensors())
+        if self.rank == 0:
+            save_peft(tensors, self.spec.lora, self.spec.base_model_path, path)
+        self._barrier()
+        return Path(path)
+
+    def export_merged(self, path: str | Path) -> Path:
+        weights = self.iter_merged_tensors()
+        if self.rank == 0:
+            save_merged(weights, self.spec.base_model_path, path)
+        else:
+            for _ in weights:  # the stream is a collective: follow it to the end
+                pass
+        self._barrier()
+        return Path(path)

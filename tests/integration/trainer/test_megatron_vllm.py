@@ -1,0 +1,70 @@
+"""The Megatron engine's PEFT export served by vLLM (LoRARequest) gives the engine's own logprobs (fp32).
+
+Dense only: vLLM's CPU backend cannot apply LoRA to MoE experts (the MoE export is checked against
+transformers + PEFT and the merged model in tests/unit/trainer/megatron/test_export.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from assets import DENSE_MODEL_DIR
+from services.trainer.engine_api import JobSpec, TrajectoryRecord
+from services.trainer.lora import LoraConfig
+from services.trainer.megatron.engine import MegatronEngine
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PROMPTS = [[257, 10, 55, 43, 52, 258, 10, 257, 9], [257, 40, 41, 42, 43, 44], [257, 115, 111, 114, 116, 32, 49]]
+
+
+def test_vllm_serves_the_megatron_adapter_with_the_engines_logprobs(tmp_path: Path) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from services.trainer.megatron.parallel import teardown
+
+    spec = JobSpec(base_model_path=str(DENSE_MODEL_DIR), engine="megatron", lora=LoraConfig(rank=8, alpha=16))
+    engine = MegatronEngine(spec)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in engine.named_trainable_parameters().values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    adapter = engine.export_adapter(tmp_path / "adapter")
+    engine.save_checkpoint(tmp_path / "ckpt")
+    teardown()  # vLLM sets up (and tears down) torch.distributed in this process for itself
+    llm = LLM(model=str(DENSE_MODEL_DIR), dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
+              enable_lora=True, max_lora_rank=8, max_loras=1)
+    try:
+        # Greedy generations' logprobs (prompt logprobs with LoRA crash in vLLM's CPU LoRA logits processor).
+        params = SamplingParams(max_tokens=8, logprobs=0, temperature=0.0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": seq} for seq in PROMPTS]
+        with_lora = llm.generate(prompts, params, lora_request=LoRARequest("megatron", 1, str(adapter)))
+        without = llm.generate(prompts, params)
+    finally:
+        del llm
+        gc.collect()
+    teardown()
+    engine = MegatronEngine(spec)
+    engine.load_checkpoint(tmp_path / "ckpt")
+
+    def check(outputs, reference: bool) -> list[list[int]]:
+        completions = []
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            sample = out.outputs[0]
+            got = [entry[tok].logprob for entry, tok in zip(sample.logprobs, sample.token_ids, strict=True)]
+            rec = TrajectoryRecord(prompt, list(sample.token_ids), got, [0] * len(got), 0.0)
+            want = engine.compute_logprobs([rec], reference=reference)[0]
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
+            completions.append(list(sample.token_ids))
+        return completions
+
+    adapted, base = check(with_lora, reference=False), check(without, reference=True)
+    assert adapted != base  # the adapter really changes the policy, so the comparisons above can fail
