@@ -46,8 +46,14 @@ def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConf
     if cfg.loop.mode == "async":
         loss.behavior_weight_cap = t.loss.behavior_weight_cap or 5.0
         loss.max_staleness = cfg.loop.max_staleness + 1
+    megatron = None
+    if t.engine == "megatron":
+        megatron = trainer_pb2.MegatronConfig(tensor_parallel_size=t.parallel.tensor,
+                                              pipeline_parallel_size=t.parallel.pipeline,
+                                              expert_parallel_size=t.parallel.expert)
     return trainer_pb2.JobConfig(
-        base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, seed=t.seed,
+        base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, seed=t.seed, engine=t.engine,
+        megatron=megatron,
         lora=common_pb2.LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
                                  target_modules=t.lora.target_modules, expert_mode=EXPERT_MODES[t.lora.expert_mode],
                                  use_rslora=t.lora.use_rslora),
