@@ -10,7 +10,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint proto proto-check proto-baseline assets lock clean
+.PHONY: setup demo test test-fast lint proto proto-check proto-baseline assets lock bench-setup clean
 
 setup: $(STAMP) $(BUF)
 
@@ -59,6 +59,10 @@ assets: setup
 lock: setup
 	(echo "# Full resolved CPU environment, used as pip constraints by make setup. Regenerate: make lock"; \
 	 $(PIP) freeze --exclude-editable | grep -v '^lorarl') > requirements/cpu-constraints.txt
+
+# Benchmark-only dependencies (TRL for bench/trl_vs_lorarl.py); the constraints keep every pinned package.
+bench-setup: setup
+	$(PIP) install -q -r requirements/bench.txt -c requirements/cpu-constraints.txt
 
 clean:
 	rm -rf $(VENV) tools/buf/node_modules .pytest_cache .ruff_cache

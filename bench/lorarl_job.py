@@ -1,0 +1,187 @@
+"""A lorarl job run the way `lorarl run` runs it, with the clocks the benchmarks need.
+
+The services start on loopback exactly as in `lorarl run` (clients.stack.LocalStack, same service
+sections, one OpenMP thread each); the job goes through the same RLLoop. On top, the benchmark
+needs what `lorarl run` does not report: start-up and loop time apart, training time with the loop's
+own held-out evaluations and the adapter exports taken out (so a curve of held-out accuracy
+against training seconds can be drawn), and a PEFT adapter every K steps for an outside evaluator.
+Held-out accuracy for a list of PEFT adapters comes from :func:`evaluate_adapters`, the lorarl
+eval path (a rollout service, greedy decoding, the job's reward), so any trainer's adapters are
+scored the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clients.job_config import JobFileConfig
+from clients.loop import LoopState, RLLoop
+from services.common.config import to_dict
+
+
+@dataclass
+class JobTiming:
+    """What one lorarl job measured."""
+
+    mode: str
+    startup_s: float = 0.0  # three services up and the job created
+    loop_s: float = 0.0  # RLLoop.run: evaluations, steps and exports
+    eval_s: float = 0.0  # the loop's held-out evaluations (before and after, plus eval_every)
+    export_s: float = 0.0  # trainer.Export of the adapters for the outside evaluator
+    train_s_at_step: dict[int, float] = field(default_factory=dict)  # step -> training seconds at its end
+    accuracy_at_step: dict[int, float] = field(default_factory=dict)  # the loop's own evaluations
+    adapters: dict[int, str] = field(default_factory=dict)  # step -> PEFT adapter directory
+    steps: list[dict[str, float]] = field(default_factory=list)  # per-step metrics rows
+
+    @property
+    def train_s(self) -> float:
+        """Loop time without evaluations and exports."""
+        return self.loop_s - self.eval_s - self.export_s
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.accuracy_at_step[max(self.accuracy_at_step)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "startup_s": self.startup_s, "loop_s": self.loop_s, "eval_s": self.eval_s,
+                "export_s": self.export_s, "train_s": self.train_s, "train_s_at_step": self.train_s_at_step,
+                "accuracy_at_step": self.accuracy_at_step, "adapters": self.adapters}
+
+
+class TimedLoop(RLLoop):
+    """RLLoop that also keeps the seconds its held-out evaluations took."""
+
+    eval_s = 0.0
+
+    async def evaluate(self) -> dict[str, float]:
+        started = time.perf_counter()
+        try:
+            return await super().evaluate()
+        finally:
+            self.eval_s += time.perf_counter() - started
+
+
+def run_job(cfg: JobFileConfig, out: Path, export_every: int = 0, progress: bool = False) -> JobTiming:
+    """Starts the services, runs the job once from scratch, stops the services."""
+    from clients.commands.run import stack_sections
+    from clients.stack import LocalStack
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    timing = JobTiming(mode=cfg.loop.mode)
+    started = time.perf_counter()
+    with LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=1) as stack:
+        asyncio.run(_drive(cfg, stack.address("trainer"), stack.address("rollout"), stack.token, out, export_every,
+                           timing, progress, started))
+    return timing
+
+
+async def _drive(cfg: JobFileConfig, trainer_address: str, rollout_address: str, token: str, out: Path,
+                 export_every: int, timing: JobTiming, progress: bool, started: float) -> None:
+    from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+    from clients.datasets import load_examples
+    from clients.loop import job_config_proto
+    from clients.rewards import load_reward
+    from clients.run_log import RunLog
+    from services.common.channel import aio_channel
+
+    reward = load_reward(cfg.data.reward)
+    train = load_examples(cfg.data.source, "train", cfg.data.train_path)
+    test = load_examples(cfg.data.source, "test", cfg.data.test_path)
+    log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=False, progress=progress)
+    async with aio_channel(trainer_address, token=token) as tch, aio_channel(rollout_address, token=token) as rch:
+        trainer = trainer_pb2_grpc.TrainerServiceStub(tch)
+        rollout = rollout_pb2_grpc.RolloutServiceStub(rch)
+        model_path = str(Path(cfg.model.path).resolve())
+        await trainer.CreateJob(trainer_pb2.CreateJobRequest(job_id=cfg.job_id,
+                                                             config=job_config_proto(cfg, model_path)))
+        timing.startup_s = time.perf_counter() - started
+        loop: TimedLoop | None = None
+
+        def train_seconds() -> float:
+            assert loop is not None
+            return time.perf_counter() - loop.started - loop.eval_s - timing.export_s
+
+        def on_metrics(row: dict[str, float]) -> None:
+            log(row)
+            step = int(row["step"])
+            if "eval/accuracy" in row:
+                timing.accuracy_at_step[step] = row["eval/accuracy"]
+            else:
+                timing.train_s_at_step[step] = train_seconds()
+                timing.steps.append(row)
+
+        async def export(state: LoopState) -> None:
+            if state.step in timing.adapters:
+                return
+            t0 = time.perf_counter()
+            response = await trainer.Export(trainer_pb2.ExportRequest(
+                job_id=cfg.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{cfg.job_id}/step-{state.step:06d}"))
+            timing.adapters[state.step] = response.path
+            timing.export_s += time.perf_counter() - t0
+
+        if export_every:
+            cfg.loop.checkpoint_every = export_every
+        loop = TimedLoop(cfg, trainer, rollout, reward, train, test, on_metrics,
+                         on_checkpoint=export if export_every else None)
+        try:
+            await loop.run()
+        finally:
+            timing.loop_s = time.perf_counter() - loop.started
+            timing.eval_s = loop.eval_s
+            log.close()
+
+
+async def _evaluate_adapters(cfg: JobFileConfig, address: str, token: str, adapters: list[str | None]
+                             ) -> list[float]:
+    from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    from clients.commands.evaluate import ADAPTER_JOB, read_adapter
+    from clients.datasets import load_examples
+    from clients.rewards import load_reward
+    from services.common.channel import aio_channel
+    from services.rollout.client import load_weights_stream
+
+    cfg = copy.deepcopy(cfg)
+    cfg.job_id = ADAPTER_JOB
+    test = load_examples(cfg.data.source, "test", cfg.data.test_path)
+    reward = load_reward(cfg.data.reward)
+    scores = []
+    async with aio_channel(address, token=token) as channel:
+        rollout = rollout_pb2_grpc.RolloutServiceStub(channel)
+        caps = await rollout.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
+        version = 0
+        for adapter in adapters:
+            state = LoopState()
+            if adapter is not None:
+                config, tensors = read_adapter(Path(adapter))
+                lora = common_pb2.LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                                           target_modules=list(config.get("target_modules") or []),
+                                           use_rslora=bool(config.get("use_rslora", False)))
+                version += 1
+                await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, version, tensors,
+                                                              common_pb2.SYNC_MODE_ADAPTER,
+                                                              caps.base_model_fingerprint, lora))
+                state.version = version
+            loop = RLLoop(cfg, trainer=None, rollout=rollout, reward=reward, train=test, test=test,
+                          on_metrics=lambda m: None, state=state)
+            scores.append((await loop.evaluate())["eval/accuracy"])
+    return scores
+
+
+def evaluate_adapters(cfg: JobFileConfig, out: Path, adapters: list[str | None]) -> list[float]:
+    """Held-out greedy accuracy of each PEFT adapter directory (None: the base model), through one
+    rollout service started for the purpose: the same evaluator for every trainer's adapters."""
+    from clients.commands.run import stack_sections
+    from clients.stack import LocalStack
+
+    sections = stack_sections(cfg, out)
+    with LocalStack(out / "eval-services", {"rollout": sections["rollout"]}, services=("rollout",)) as stack:
+        return asyncio.run(_evaluate_adapters(cfg, stack.address("rollout"), stack.token, adapters))

@@ -1,0 +1,113 @@
+"""The benchmark scripts are alive: their command lines parse, and the logic behind their verdicts
+(time to target, ratios, PASS/FAIL, the TRL settings derived from a lorarl job) is right.
+
+The runs themselves are minutes long and live in bench/; only the TRL config check needs trl
+(`make bench-setup`), which CI does not install."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.async_vs_sync import ModeRun, run_order, summarize
+from bench.async_vs_sync import table as async_table
+from bench.lorarl_job import JobTiming
+from bench.trl_vs_lorarl import Curve, time_to_target, trl_spec, verdict
+from bench.trl_vs_lorarl import table as trl_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py"])
+def test_command_line_parses(script: str) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "--quick" in done.stdout
+
+
+def curve(name: str, points: list[tuple[int, float, float]]) -> Curve:
+    return Curve(name, points, startup_s=10.0, total_s=points[-1][1] + 10.0)
+
+
+def test_time_to_target_is_the_first_saved_step_reaching_it() -> None:
+    c = curve("x", [(5, 10.0, 0.5), (10, 20.0, 0.7), (15, 30.0, 0.65), (20, 40.0, 0.8)])
+    assert time_to_target(c, 0.7) == (10, 20.0)
+    assert time_to_target(c, 0.9) is None
+
+
+def test_verdict_ratios_and_calls() -> None:
+    ours = curve("lorarl", [(5, 5.0, 0.6), (10, 10.0, 0.7)])
+    peer = curve("TRL", [(5, 20.0, 0.5), (10, 40.0, 0.72)])
+    v = verdict(ours, peer, target=0.7)
+    assert v["ratio"] == pytest.approx(10.0 / 40.0) and v["bound"] == "" and v["time_ok"]
+    assert v["accuracy_ok"]  # 0.70 vs 0.72 is inside the 5-point tolerance
+    assert not verdict(ours, peer, target=0.7, tolerance=0.01)["accuracy_ok"]
+    # Only the peer misses: its whole training time bounds its time to target; the ratio is an upper bound.
+    v = verdict(ours, peer, target=0.71)
+    assert v["ours"] is None and not v["time_ok"]
+    v = verdict(peer, ours, target=0.71)
+    assert v["bound"] == "<= " and v["ratio"] == pytest.approx(40.0 / 10.0) and not v["time_ok"]
+    slow = curve("lorarl", [(10, 30.0, 0.75)])
+    assert not verdict(slow, peer, target=0.7)["time_ok"]  # 30 / 40 > 0.5
+
+
+def test_trl_table_has_the_verdict_rows_and_the_curves() -> None:
+    ours = curve("lorarl", [(5, 5.0, 0.6), (10, 10.0, 0.7)])
+    peer = curve("TRL", [(5, 20.0, 0.5), (10, 40.0, 0.72)])
+    text = "\n".join(trl_table(ours, peer, base=0.36, target=0.66))
+    assert "| 0.25x | <= 0.5x | PASS |" in text
+    assert "| final held-out accuracy (10 steps) | 0.700 | 0.720 | -2.0 points |" in text
+    assert "| 10 | 10.0 | 0.700 | 40.0 | 0.720 |" in text
+
+
+def test_trl_spec_carries_the_job_and_its_prompt_stream() -> None:
+    from clients.datasets import TrainStream, load_examples
+    from clients.job_config import load_job_config
+
+    cfg = load_job_config(str(ROOT / "examples" / "demo.yaml"), ["loop.steps=3", "loop.prompts_per_step=4"])
+    spec = trl_spec(cfg, threads=2, export_every=1)
+    expected = TrainStream(load_examples("tasks", "train"), cfg.data.seed).take(12)
+    assert spec["examples"] == [[e.prompt, e.answer] for e in expected]
+    assert (spec["group_size"], spec["max_tokens"], spec["rank"], spec["alpha"]) == (8, 8, 8, 16.0)
+    assert spec["learning_rate"] == pytest.approx(0.002) and spec["loss_type"] == "grpo" and spec["kl_coef"] == 0
+
+
+def test_trl_config_matches_the_job() -> None:
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+
+    from bench.trl_grpo import grpo_config_kwargs
+    from clients.job_config import load_job_config
+
+    cfg = load_job_config(str(ROOT / "examples" / "demo.yaml"), ["loop.steps=3"])
+    args = GRPOConfig(**grpo_config_kwargs(trl_spec(cfg, threads=2, export_every=1), "/tmp/unused"))
+    assert args.num_generations == 8 and args.per_device_train_batch_size == 128
+    assert args.generation_batch_size == 128 and args.steps_per_generation == 1  # one generation per step
+    assert args.loss_type == "grpo" and args.scale_rewards == "group" and args.beta == 0.0
+    assert args.max_completion_length == 8 and args.max_steps == 3 and args.learning_rate == pytest.approx(0.002)
+    assert not args.gradient_checkpointing and not args.bf16
+
+
+def run(mode: str, loop_s: float, accuracy: float) -> ModeRun:
+    return ModeRun(mode, startup_s=20.0, loop_s=loop_s, final_accuracy=accuracy, base_accuracy=0.36,
+                   profile={"rollout/seconds": 1.0, "train/time_s": 0.5, "sync/seconds": 0.1}, max_lag=1)
+
+
+def test_async_vs_sync_order_summary_and_table() -> None:
+    assert run_order(2) == ["sync", "async", "async", "sync"]
+    runs = [run("sync", 60.0, 0.70), run("async", 40.0, 0.68), run("async", 44.0, 0.66), run("sync", 64.0, 0.72)]
+    s = summarize(runs)
+    assert s["speedup"] == pytest.approx(60.0 / 40.0) and s["mean_speedup"] == pytest.approx(62.0 / 42.0)
+    assert s["accuracy"]["async"] == pytest.approx(0.67) and s["equal"] and s["pass"]
+    assert not summarize(runs, tolerance=0.02)["pass"]  # 4 points below sync
+    text = "\n".join(async_table(runs, steps=40))
+    assert "| 1.50x | >= 1.3x | PASS |" in text and text.count("| async | 20.0 s |") == 2
+
+
+def test_job_timing_takes_evaluations_and_exports_out() -> None:
+    timing = JobTiming(mode="sync", loop_s=100.0, eval_s=12.0, export_s=3.0, accuracy_at_step={0: 0.36, 40: 0.8})
+    assert timing.train_s == pytest.approx(85.0) and timing.final_accuracy == 0.8
