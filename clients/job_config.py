@@ -109,6 +109,8 @@ class RolloutSection:
     kv_cache_gib: float = setting(1.0, check=in_range(0.0625))
     max_lora_rank: int = setting(16)
     replicas: int = setting(1, check=in_range(1, 1024), doc="Rollout services (vLLM engines) in the job.")
+    max_num_seqs: int = setting(0, check=in_range(0, 4096),
+                                doc="Sequences a vLLM engine decodes at once (0: a whole step's batch, >= 64).")
     tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices per rollout replica (vLLM TP).")
 
 

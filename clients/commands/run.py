@@ -70,6 +70,10 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.rollout.max_lora_rank,
                     "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0",
                     "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                    # A step's whole batch (prompts x group) in one decode wave on every replica.
+                    "max_num_seqs": cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
+                                                                      * cfg.rollout.group_size
+                                                                      // cfg.rollout.replicas)),
                     "collective_backends": sorted({backend, "gloo"})},
     }
 

@@ -32,6 +32,8 @@ class RolloutSettings:
     max_model_len: int | None = setting(None, check=in_range(16), doc="Context length; default: the model's.")
     kv_cache_gib: float = setting(1.0, check=in_range(0.0625), doc="KV cache size in GiB (vLLM).")
     tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices one vLLM engine spans (TP).")
+    max_num_batched_tokens: int | None = setting(
+        None, check=in_range(16), doc="Tokens vLLM schedules per step (longer prefills are chunked); default: vLLM's.")
     max_num_seqs: int = setting(64, check=in_range(1), doc="Sequences vLLM runs in one step at most.")
     enforce_eager: bool = setting(True, doc="Skip torch.compile / graph capture (fast start, CPU friendly).")
     seed: int = setting(0, check=in_range(0), doc="Engine seed (requests without a seed draw from it).")

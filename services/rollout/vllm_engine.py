@@ -135,6 +135,7 @@ class VllmEngine:
             seed=s.seed,
             max_num_seqs=s.max_num_seqs,
             tensor_parallel_size=s.tensor_parallel_size,
+            max_num_batched_tokens=s.max_num_batched_tokens,
             kv_cache_memory_bytes=int(s.kv_cache_gib * (1 << 30)),
             max_logprobs=max(s.max_logprobs, 1),
             logprobs_mode=s.logprobs_mode,
@@ -159,6 +160,8 @@ class VllmEngine:
             max_lora_rank=s.max_lora_rank if enable_lora else 0,
             max_loras=s.max_loras if enable_lora else 0,
         )
+        if current_platform.is_cpu():
+            await self._llm.collective_rpc("lorarl_install_cpu_fixes")
         if enable_lora and s.adapter_source == "shm":
             self._shm_root = Path(s.shm_dir) / f"lorarl-rollout-{os.getpid()}-{id(self):x}"
             self._shm_root.mkdir(parents=True, exist_ok=True)

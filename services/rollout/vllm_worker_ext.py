@@ -158,12 +158,38 @@ def _repack_cpu_moe_experts(model: Any) -> int:
     return fixed
 
 
+def _skip_cpu_generator_rewind(runner: Any) -> None:
+    """vLLM rewinds a seeded request's generator when it discards the token sampled for a partial
+    (chunked) prefill: ``gen.set_offset(gen.get_offset() - 4)``, a Philox (CUDA) notion. A CPU
+    generator has no offset, so the first seeded request whose prompt is chunked kills the engine
+    ("CPU Generator does not use offset"). Hiding the discarded requests' generators from that one
+    bookkeeping call skips the rewind; their tokens are still discarded, and seeded sampling stays
+    deterministic for a given schedule (it only no longer ignores how the prompt was chunked)."""
+    original = runner._bookkeeping_sync
+
+    def bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
+        batch = runner.input_batch
+        discarded = runner.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
+        hidden = {int(i): batch.generators.pop(int(i)) for i in discarded if int(i) in batch.generators}
+        try:
+            return original(*args, **kwargs)
+        finally:
+            batch.generators.update(hidden)
+
+    runner._bookkeeping_sync = bookkeeping_sync
+
+
 class LorarlWorkerExtension:
     """Mixed into vLLM's worker class (see module docstring); every method runs in the worker process."""
 
     def lorarl_probe(self) -> dict[str, bool]:
         """Which internals this module relies on are present (for the upgrade canary test)."""
         found: dict[str, bool] = {"reload_weights": callable(getattr(self, "reload_weights", None))}
+        runner = getattr(self, "model_runner", None)
+        found["model_runner._bookkeeping_sync"] = callable(getattr(runner, "_bookkeeping_sync", None))
+        found["model_runner.discard_request_mask"] = hasattr(getattr(runner, "discard_request_mask", None), "np")
+        found["model_runner.input_batch.generators"] = isinstance(
+            getattr(getattr(runner, "input_batch", None), "generators", None), dict)
         manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
         found["lora_manager"] = manager is not None
         if manager is not None:
@@ -173,6 +199,14 @@ class LorarlWorkerExtension:
             for attr in ("model", "supported_lora_modules", "packed_modules_mapping"):
                 found[f"lora_manager._adapter_manager.{attr}"] = hasattr(adapter_manager, attr)
         return found
+
+    def lorarl_install_cpu_fixes(self) -> bool:
+        """Works around vLLM CPU bugs in this worker (see _skip_cpu_generator_rewind); idempotent."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not getattr(runner, "_lorarl_cpu_fixes", False):
+            _skip_cpu_generator_rewind(runner)
+            runner._lorarl_cpu_fixes = True
+        return True
 
     def lorarl_put_adapter(self, lora_int_id: int, peft_config: dict[str, Any], blob: bytes) -> bool:
         """Registers an adapter and builds it once, so a bad one is refused here and not mid-request."""

@@ -72,3 +72,14 @@ def test_cpu_reload_bugs_worked_around_are_still_there() -> None:
     prepack = source(CPUUnquantizedExperts.process_weights_after_loading)
     assert "cpu_prepack_moe_weight" in prepack and callable(CPUUnquantizedExperts._padded_intermediate_size)
     assert "dispatch_cpu_unquantized_gemm" in source(UnquantizedEmbeddingMethod.process_weights_after_loading)
+
+
+def test_cpu_generator_rewind_bug_worked_around_is_still_there() -> None:
+    """_skip_cpu_generator_rewind hides generators from exactly this rewind; if vLLM stops rewinding
+    (or rewinds elsewhere), the workaround must be revisited."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    bookkeeping = source(GPUModelRunner._bookkeeping_sync)
+    assert "self.discard_request_mask.np[:num_reqs]" in bookkeeping
+    assert "gen = self.input_batch.generators.get(int(i))" in bookkeeping
+    assert "gen.set_offset(gen.get_offset() - 4)" in bookkeeping
