@@ -259,10 +259,18 @@ async def serve(
     on_shutdown: ShutdownHook | None = None,
     *,
     metrics: RpcMetrics | None = None,
+    on_started: Callable[[RunningServer], Awaitable[None] | None] | None = None,
 ) -> None:
-    """Runs service `name` until SIGTERM or SIGINT, then shuts down gracefully and returns."""
+    """Runs service `name` until SIGTERM or SIGINT, then shuts down gracefully and returns.
+
+    ``on_started(running)`` lets the service reach its running server (e.g. to report NOT_SERVING later).
+    """
     configure_logging(name, level=config.log_level, fmt=config.log_format)
     running = await start_server(name, config, register, on_shutdown=on_shutdown, metrics=metrics)
+    if on_started is not None:
+        result = on_started(running)
+        if inspect.isawaitable(result):
+            await result
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
 

@@ -29,6 +29,11 @@ class TrainerSettings:
                                        "(empty: the local address of the route to the weight-sync service).")
     collective: bool = setting(True, doc="Send weights over a collective group (False: inline gRPC only).")
     bucket_mb: int = setting(1024, check=in_range(1, 1 << 20), doc="Collective bucket size in MiB.")
+    ranks: int = setting(1, check=in_range(1, 1024),
+                         doc="Trainer processes on this host: this one serves gRPC as rank 0 and starts ranks "
+                             "1..N-1 itself. Under torchrun its WORLD_SIZE decides (leave this at 1).")
+    rank_timeout_s: float = setting(1800.0, check=in_range(1.0, None),
+                                    doc="Bound on one collective between trainer ranks (and on their rendezvous).")
 
 
 @dataclass

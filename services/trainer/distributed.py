@@ -12,7 +12,7 @@ Checkpoints are written by rank 0 (its RNG state) and read by every rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.trainer.engine_api import CheckpointInfo, EngineStateError, JobSpec, TrajectoryRecord
+from services.trainer.engine_api import CheckpointInfo, EngineStateError, JobSpec, Metrics, TrajectoryRecord
+from services.trainer.losses import LossSettings
 from services.trainer.torch_engine import BatchTotals, TorchEngine
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -52,18 +53,25 @@ class DataParallelEngine(TorchEngine):
     """TorchEngine whose loss shares, metrics and gradients are reduced over the default process group.
 
     Every rank calls forward_backward with its own shard (see shard_by_group; an empty shard is
-    fine) and then optim_step, in lockstep.
+    fine) and then optim_step, in lockstep. With ``full_batch`` every rank is handed the whole
+    batch instead (what a multi-rank trainer service does) and takes its shard itself.
     """
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, full_batch: bool = False) -> None:
         if not dist.is_initialized():
             raise EngineStateError("DataParallelEngine needs torch.distributed initialised (init_distributed)")
         super().__init__(spec)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.full_batch = full_batch
         with torch.no_grad():
             for p in self._trainable:
                 dist.broadcast(p.data, src=0)
+
+    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
+        if self.full_batch:
+            batch = shard_by_group(batch, self.rank, self.world_size)
+        return super().forward_backward(batch, loss)
 
     def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -97,3 +105,25 @@ class DataParallelEngine(TorchEngine):
         info = super().save_checkpoint(path, data_cursor) if self.rank == 0 else None
         dist.barrier()
         return info or CheckpointInfo(Path(path), self._step, self._version, data_cursor)
+
+    def _rank0_writes(self, write: Callable[[], Path], path: str | Path) -> Path:
+        """Rank 0 writes (every rank holds the same weights); all ranks learn whether it worked, so none waits
+        for a writer that failed."""
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                write()
+            except Exception as e:  # re-raised below, once the others know
+                error = e
+        (failed,) = self._all_reduce([float(error is not None)], dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed:
+            raise EngineStateError(f"rank 0 could not write {str(path)!r}")
+        return Path(path)
+
+    def export_adapter(self, path: str | Path) -> Path:
+        return self._rank0_writes(lambda: super(DataParallelEngine, self).export_adapter(path), path)
+
+    def export_merged(self, path: str | Path) -> Path:
+        return self._rank0_writes(lambda: super(DataParallelEngine, self).export_merged(path), path)

@@ -246,6 +246,9 @@ class TrainEngine(abc.ABC):
     def iter_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every frozen base weight in HF names (the catalog weight sync checks payloads against)."""
 
+    def close(self) -> None:  # noqa: B027 (optional hook: most engines hold nothing beyond their memory)
+        """Releases what the engine holds on job deletion (a multi-rank engine frees it on every rank)."""
+
     @property
     @abc.abstractmethod
     def version(self) -> int: ...

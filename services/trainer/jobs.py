@@ -115,6 +115,7 @@ class JobManager:
         job = self.get(job_id)
         async with job.lock:
             self._jobs.pop(job_id, None)
+            await asyncio.to_thread(job.engine.close)  # a multi-rank engine is freed on every rank
 
     # ------------------------------------------------------------ data
 

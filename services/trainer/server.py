@@ -8,6 +8,8 @@ bootstrap's interceptor. torch and transformers load lazily with the first job, 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,8 +18,10 @@ import grpc
 from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 from services.common.auth import server_token
+from services.common.config import ConfigError
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
-from services.common.server import Register, serve
+from services.common.log import configure_logging
+from services.common.server import Register, RunningServer, StartupError, serve
 from services.trainer import convert
 from services.trainer.config import TrainerServiceConfig, TrainerSettings
 from services.trainer.jobs import Job, JobManager, resolve_under
@@ -175,6 +179,47 @@ def registration(servicer: TrainerServicer) -> Register:
 
 
 async def serve_forever(config: TrainerServiceConfig) -> None:
-    """Runs the trainer service until SIGTERM/SIGINT."""
-    servicer = TrainerServicer(config.trainer, token=server_token(config.server.auth))
-    await serve(NAME, config.server, registration(servicer), on_shutdown=servicer.close)
+    """Runs the trainer service until SIGTERM/SIGINT; with several ranks (trainer.ranks, or torchrun) rank 0
+    serves and the others follow it (services.trainer.follower)."""
+    from services.trainer.launch import RankWorld
+
+    settings, server = config.trainer, config.server
+    world = RankWorld.discover(settings.ranks)
+    if world.world_size == 1:
+        servicer = TrainerServicer(settings, token=server_token(server.auth))
+        await serve(NAME, server, registration(servicer), on_shutdown=servicer.close)
+        return
+    if ":" in settings.device:
+        raise ConfigError("trainer.device", f"{settings.device!r} names one device, but each of the "
+                                            f"{world.world_size} ranks takes its own (cuda:LOCAL_RANK): give the "
+                                            "type only, e.g. 'cuda'")
+    configure_logging(NAME if world.rank == 0 else f"{NAME}-rank{world.rank}", level=server.log_level,
+                      fmt=server.log_format)
+    if world.rank != 0:
+        from services.trainer.follower import run_follower
+
+        await asyncio.to_thread(run_follower, settings.device, world, settings.rank_timeout_s)
+        return
+    from services.trainer.ranks import RankGroup
+
+    try:
+        group = await asyncio.to_thread(RankGroup.start, settings.device, world, settings.rank_timeout_s,
+                                        server.log_level, server.log_format)
+    except RuntimeError as e:
+        raise StartupError(f"trainer ranks did not start: {e}") from None
+    jobs = JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots, engine_factory=group.create_engine)
+    servicer = TrainerServicer(settings, jobs=jobs, token=server_token(server.auth))
+
+    def started(running: RunningServer) -> None:
+        loop = asyncio.get_running_loop()
+
+        def not_serving(reason: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the service is stopping anyway
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(running.set_serving(False)))
+
+        group.on_broken(not_serving)
+
+    try:
+        await serve(NAME, server, registration(servicer), on_shutdown=servicer.close, on_started=started)
+    finally:
+        await asyncio.to_thread(group.stop)
