@@ -83,3 +83,31 @@ def test_cpu_generator_rewind_bug_worked_around_is_still_there() -> None:
     assert "self.discard_request_mask.np[:num_reqs]" in bookkeeping
     assert "gen = self.input_batch.generators.get(int(i))" in bookkeeping
     assert "gen.set_offset(gen.get_offset() - 4)" in bookkeeping
+
+
+@pytest.mark.parametrize("indices", [[0, 0, 0, 0, 0], [1, 0, 1, -1, 2], [-1, -1, -1, -1, -1]])
+def test_grouped_cpu_lora_ops_equal_vllms(indices: list[int]) -> None:
+    """The grouped CPU LoRA ops compute what vLLM's per-token torch ops compute, every entry point."""
+    import torch
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from services.rollout.vllm_worker_ext import _bgmv_expand, _bgmv_expand_slice, _bgmv_shrink
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor(indices)
+    x = torch.randn(5, 32, generator=g)
+    a = torch.randn(3, 1, 8, 32, generator=g)  # [slots, 1, rank, in]
+    b = torch.randn(3, 1, 24, 8, generator=g)  # [slots, 1, out, rank]
+    h = torch.randn(5, 8, generator=g)
+    cases = ((_bgmv_shrink, lora_ops.bgmv_shrink, x, a, 8, 0.5), (_bgmv_expand, lora_ops.bgmv_expand, h, b, 24, True))
+    for ours, theirs, inputs, weights, width, last in cases:
+        expected = torch.randn(5, width, generator=g)  # expand adds into what is there
+        got = expected.clone()
+        theirs(inputs, weights, expected, idx, last)
+        ours(inputs, weights, got, idx, last)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    out_theirs, out_ours = torch.zeros(5, 40), torch.zeros(5, 40)
+    lora_ops.bgmv_expand_slice(h, b, out_theirs, idx, 8, 24, True)
+    _bgmv_expand_slice(h, b, out_ours, idx, 8, 24, True)
+    torch.testing.assert_close(out_ours, out_theirs, rtol=1e-5, atol=1e-5)
+    assert out_ours[:, :8].abs().sum() == 0 and out_ours[:, 32:].abs().sum() == 0
