@@ -64,7 +64,9 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
         "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}"),
                        "collective_backend": backend},
         "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
-                    "export_dir": str(out / "exports"), "collective": cfg.sync.collective},
+                    "export_dir": str(out / "exports"), "collective": cfg.sync.collective,
+                    # tensor x pipeline x data ranks, one process each (rank 0 serves gRPC)
+                    **({"ranks": cfg.trainer.parallel.world_size} if cfg.trainer.parallel.world_size > 1 else {})},
         "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
                     "dtype": cfg.model.dtype,
                     "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.rollout.max_lora_rank,

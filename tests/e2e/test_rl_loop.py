@@ -75,15 +75,16 @@ def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:
     assert "SYNC_MODE_MERGED" in trainer_log
 
 
-def test_megatron_engine_run_learns_and_stays_on_policy(tmp_path: Path) -> None:
-    """`trainer.engine=megatron`: the same job through the Megatron engine, adapters synced to vLLM."""
+def test_megatron_tensor_parallel_run_learns_and_stays_on_policy(tmp_path: Path) -> None:
+    """`trainer.engine=megatron`, TP=2: a two-rank trainer (rank 0 serves), adapters synced to vLLM."""
     out = tmp_path / "megatron"
     result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=6",
-                    "trainer.engine=megatron", *COMMON)
+                    "trainer.engine=megatron", "trainer.parallel.tensor=2", *COMMON)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     accuracy = evals(out)
     assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
     assert max(r["train/behavior_logprob_abs_diff"] for r in steps(out)) < 1e-3
+    assert "trainer rank 1 of 2 following rank 0" in (out / "services" / "trainer.log").read_text()
 
 
 def test_two_rollout_replicas_share_the_batches(tmp_path: Path) -> None:
