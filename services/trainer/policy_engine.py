@@ -26,7 +26,7 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOSS_WEIGHTED = ("loss", "pg_loss", "kl", "entropy")
 TOKEN_WEIGHTED = ("clip_fraction", "ratio_mean", "importance_weight_mean", "behavior_logprob_abs_diff")
 ENTROPY_CHUNK_ROWS = 256
+# (logp, entropy) of a micro-batch -> (its loss share to backpropagate, the loss metrics)
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 def device_for(name: str) -> torch.device:
@@ -98,6 +100,15 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bo
         rows = logp_all.detach().flatten(0, -2).split(ENTROPY_CHUNK_ROWS)
         entropy = torch.cat([-(r.exp() * r).sum(-1) for r in rows]).view(logp.shape)
     return logp, entropy
+
+
+def empty_batch(device: torch.device) -> PackedBatch:
+    """A batch of no sequences (shapes [0, 1]): what an idle micro-step feeds the model."""
+    ids = torch.zeros(0, 1, dtype=torch.long, device=device)
+    zeros = torch.zeros(0, 1, device=device)
+    return PackedBatch(input_ids=ids, attention_mask=ids, target_positions=ids, completion_ids=ids, mask=zeros,
+                       behavior_logp=zeros, token_versions=ids, advantages=torch.zeros(0, device=device),
+                       completion_lengths=torch.zeros(0, dtype=torch.long, device=device))
 
 
 @dataclass
@@ -190,6 +201,31 @@ class PolicyEngine(TrainEngine):
     def _sync_gradients(self) -> None:
         return None
 
+    def _loss_backward(self, batch: PackedBatch, entropy_grad: bool, loss_fn: LossFn) -> dict[str, float]:
+        """Forward with grad, ``loss_fn(logp, entropy)``, backward; its metrics. Pipelined models override
+        it: their loss exists on the last stage only and the backward runs through the stages."""
+        logp, entropy = self._completion_logprobs(batch, entropy_grad=entropy_grad)
+        loss, metrics = loss_fn(logp, entropy)
+        loss.backward()
+        return metrics
+
+    def _idle_micro_steps(self, planned: int) -> int:
+        """How many idle micro-steps (`_idle_micro_step`) follow this rank's ``planned`` ones; asked before
+        any runs. Engines whose forward passes are collectives across data-parallel ranks (expert
+        parallelism) answer what makes every rank run as many."""
+        return 0
+
+    def _idle_micro_step(self, settings: LossSettings) -> None:
+        """`_micro_step`'s forward and backward passes on a batch of no sequences, with a zero loss."""
+        empty = empty_batch(self.device)
+        if self.spec.decoupled(settings):
+            self._logprobs_no_grad(empty)
+        if settings.kl_coef:
+            self._logprobs_no_grad(empty, reference=True)
+        self._set_training(True)
+        self._loss_backward(empty, bool(settings.entropy_coef), lambda logp, entropy: (logp.sum() * 0.0, {}))
+        self._set_training(False)
+
     def _clip_gradients(self, max_norm: float) -> float:
         """The global gradient norm, after scaling gradients down to ``max_norm`` (inf: no clipping)."""
         return float(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm))
@@ -223,13 +259,16 @@ class PolicyEngine(TrainEngine):
         raw_token_share = float(batch.mask.sum()) / totals.tokens if totals.tokens else 0.0
         proximal = self._logprobs_no_grad(batch) if self.spec.decoupled(settings) else None
         ref = self._logprobs_no_grad(batch, reference=True) if settings.kl_coef else None
+
+        def scaled_loss(logp: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages,
+                                behavior_logp=batch.behavior_logp, proximal_logp=proximal, ref_logp=ref,
+                                entropy=entropy, token_versions=batch.token_versions, current_version=self._version)
+            loss, metrics = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
+            return loss * share, metrics
+
         self._set_training(True)
-        logp, entropy = self._completion_logprobs(batch, entropy_grad=bool(settings.entropy_coef))
-        inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages,
-                            behavior_logp=batch.behavior_logp, proximal_logp=proximal, ref_logp=ref,
-                            entropy=entropy, token_versions=batch.token_versions, current_version=self._version)
-        loss, m = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
-        (loss * share).backward()
+        m = self._loss_backward(batch, bool(settings.entropy_coef), scaled_loss)
         self._set_training(False)
         out = {k: m[k] * share for k in LOSS_WEIGHTED if k in m}
         out.update({k: m[k] * token_share for k in TOKEN_WEIGHTED})
@@ -252,10 +291,14 @@ class PolicyEngine(TrainEngine):
         # A fixed key set, so data-parallel ranks (even one with an empty shard) reduce alike.
         keys = [*LOSS_WEIGHTED, *TOKEN_WEIGHTED, "stale_token_fraction"]
         sums = {k: 0.0 for k in keys if k != "kl" or settings.kl_coef}
-        for idx in micro_batches([r.num_tokens for r in records], self.spec.optimizer.micro_batch_tokens):
+        plan = micro_batches([r.num_tokens for r in records], self.spec.optimizer.micro_batch_tokens)
+        idle = self._idle_micro_steps(len(plan))
+        for idx in plan:
             micro = pack([records[i] for i in idx], advantages[idx]).to(self.device)
             for key, value in self._micro_step(micro, settings, totals).items():
                 sums[key] += value
+        for _ in range(idle):
+            self._idle_micro_step(settings)
         metrics = self._reduce_metrics(sums)
         self._pending_grads = True
         metrics.update(tokens=totals.tokens, loss_tokens=totals.loss_tokens, sequences=totals.sequences,

@@ -6,7 +6,7 @@ states. On a CPU-only torch each of these raises. `enable()` patches exactly tho
 a process where CUDA is unavailable, so every patched call could only have raised before; GPU jobs
 never call it; `disable()` restores everything. What this buys on megatron-core 0.16.1 with gloo
 (tested here): a GPTModel with the local (non Transformer-Engine) spec builds and runs forward and
-backward under TP and EP, and forward through the pipeline schedule under PP. Reported earlier but
+backward under TP and EP, and forward and backward through the 1F1B pipeline schedule under PP. Reported earlier but
 not tested here: DDP and megatron's optimizer step run; the distributed optimizer and
 clip_grad > 0 do not (CUDA-only multi-tensor kernels).
 """

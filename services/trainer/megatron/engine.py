@@ -1,21 +1,27 @@
-"""The Megatron trainer engine: a frozen megatron-core GPTModel (TP/EP sharded) plus parallel LoRA.
+"""The Megatron trainer engine: a frozen megatron-core GPTModel (TP/PP/EP sharded) plus parallel LoRA.
 
 Trains with exactly the torch engine's step (services.trainer.policy_engine: advantages,
 micro-batches, loss shares, AdamW, schedule, checkpoints); only the model differs: logits come from
 megatron's GPTModel, the reference policy switches the hooked adapters off, parameters are named by
 their full-model megatron names, and exports are converted to HF / PEFT names.
 
-Multi-rank: every rank of the model-parallel group makes the same calls with the same batch (as
-the TP ranks of one replica must); gradients, norms and exports are reduced or gathered inside.
-Checkpoints and exports hold full (gathered) tensors, written by rank 0, so they are independent of
-the TP/EP layout. Data parallelism is not supported yet: the world size must equal tp * pp.
+Multi-rank (world = tp * pp * dp; megatron carves expert parallelism out of dp, world % (tp*ep*pp) == 0):
+every rank makes the same calls with the same FULL batch. The engine takes its data-parallel share
+itself (whole groups, `data_parallel`), measures loss shares against global totals and sums
+gradients over the data-parallel groups (`MegatronLora.sync_gradients`), so the step equals the
+full-batch step whatever the layout. Under expert parallelism data-parallel ranks run their forward
+passes in lockstep (MoE layers are collectives across them). With pp > 1 each micro-batch runs
+through megatron's 1F1B pipeline schedule, the last stage computes the loss, and metrics and
+logprobs are broadcast from it, so every rank returns the same values. Checkpoints and PEFT
+exports hold full (gathered) tensors, written by global rank 0, read by all: layout independent.
+Merged export needs pp == 1.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +30,25 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from services.trainer import checkpoint as ckpt
-from services.trainer.batching import PackedBatch
-from services.trainer.engine_api import CheckpointInfo, JobSpec
+from services.trainer.batching import PackedBatch, micro_batches, pack
+from services.trainer.engine_api import CheckpointInfo, JobSpec, Metrics, TrajectoryRecord
 from services.trainer.fingerprint import base_model_fingerprint
+from services.trainer.losses import LossSettings
+from services.trainer.megatron.data_parallel import MegatronDataParallel
 from services.trainer.megatron.export import iter_hf_weights, peft_tensors, save_merged, save_peft
 from services.trainer.megatron.lora import inject_megatron_lora
-from services.trainer.megatron.model import build_gpt_model, compute_logits
+from services.trainer.megatron.model import build_gpt_model, compute_logits, pipeline_backward
 from services.trainer.megatron.parallel import ParallelSettings
-from services.trainer.policy_engine import TORCH_DTYPES, PolicyEngine, device_for, seed_everything, token_logprobs
+from services.trainer.policy_engine import (
+    TORCH_DTYPES,
+    BatchTotals,
+    LossFn,
+    PolicyEngine,
+    device_for,
+    empty_batch,
+    seed_everything,
+    token_logprobs,
+)
 
 
 def parallel_settings(spec: JobSpec) -> ParallelSettings:
@@ -50,25 +67,21 @@ def _checkpoint_elements(model_dir: str) -> int:
 
 
 class MegatronEngine(PolicyEngine):
-    """TrainEngine on megatron-core: LoRA adapters on a frozen GPTModel, TP/EP aware."""
+    """TrainEngine on megatron-core: LoRA adapters on a frozen GPTModel, TP/PP/EP and data parallel."""
 
     def __init__(self, spec: JobSpec) -> None:
         if spec.full_finetune:
             raise ValueError("engine 'megatron' trains LoRA adapters only (full_finetune is a torch-engine baseline)")
-        settings = parallel_settings(spec)
-        if settings.pp > 1:
-            raise ValueError("engine 'megatron' runs megatron.pipeline_parallel_size 1 for now")
+        self.settings = parallel_settings(spec)
         self.spec = spec
         self.device = device_for(spec.device)
         seed_everything(spec.seed)
         self._fingerprint = base_model_fingerprint(spec.base_model_path)
-        built = build_gpt_model(spec.base_model_path, settings, device=spec.device, dtype=TORCH_DTYPES[spec.dtype])
-        world = dist.get_world_size()
-        if settings.data_parallel_size(world) != 1:
-            raise ValueError(f"engine 'megatron' needs world size == tp * pp (no data parallelism yet), got world "
-                             f"{world} for tp={settings.tp}, pp={settings.pp}")
+        built = build_gpt_model(spec.base_model_path, self.settings, device=spec.device,
+                                dtype=TORCH_DTYPES[spec.dtype])
         self.model, self.layout = built.model, built.layout
         self.model.eval()
+        self.dp = MegatronDataParallel(self.device)
         self.lora = inject_megatron_lora(self.model, spec.lora, spec.seed, self.layout)
         self._base_elements = _checkpoint_elements(spec.base_model_path)
         self._init_training(self.lora.named_parameters())
@@ -97,12 +110,77 @@ class MegatronEngine(PolicyEngine):
 
     # ------------------------------------------------------------ model hooks of PolicyEngine
 
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Logits [B, S, vocab] (None on a pipeline stage other than the last); padded in lockstep."""
+        if self.settings.pp > 1 and torch.is_grad_enabled():
+            raise RuntimeError("with pipeline parallelism gradients flow only through _loss_backward's schedule")
+        logits = compute_logits(self.model, self.dp.pad_ids(input_ids), self.layout.vocab_size)
+        return None if logits is None else logits[: input_ids.shape[0], : input_ids.shape[1]]
+
+    @staticmethod
+    def _target_logprobs(logits: torch.Tensor, batch: PackedBatch, entropy_grad: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        index = batch.target_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        return token_logprobs(logits.gather(1, index), batch.completion_ids, entropy_grad)
+
     def _completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         # Right padding is harmless under a causal mask, so the padded rows need no attention mask.
-        logits = compute_logits(self.model, batch.input_ids, self.layout.vocab_size)
-        index = batch.target_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        return token_logprobs(logits.gather(1, index), batch.completion_ids, entropy_grad)
+        logits = self._logits(batch.input_ids)
+        if logits is None:  # not the last pipeline stage: placeholders, the loss lives on the last stage
+            zeros = torch.zeros(batch.completion_ids.shape, device=self.device)
+            return zeros, zeros
+        return self._target_logprobs(logits, batch, entropy_grad)
+
+    def _loss_backward(self, batch: PackedBatch, entropy_grad: bool, loss_fn: LossFn) -> dict[str, float]:
+        if self.settings.pp == 1:
+            return super()._loss_backward(batch, entropy_grad, loss_fn)
+        metrics: list[dict[str, float]] = []
+        b, s = batch.input_ids.shape
+
+        def last_stage_loss(logits: torch.Tensor) -> torch.Tensor:
+            loss, m = loss_fn(*self._target_logprobs(logits[:b, :s], batch, entropy_grad))
+            metrics.append(m)
+            return loss
+
+        pipeline_backward(self.model, self.dp.pad_ids(batch.input_ids), self.layout.vocab_size, last_stage_loss)
+        return self.dp.from_last_stage(metrics[0] if metrics else None)
+
+    # ------------------------------------------------------------ data parallelism (every rank: the full batch)
+
+    def _reduce_totals(self, totals: BatchTotals) -> BatchTotals:
+        sequences, tokens, loss_tokens = self.dp.all_reduce([totals.sequences, totals.tokens, totals.loss_tokens])
+        (norm,) = self.dp.all_reduce([float(totals.norm_tokens)], dist.ReduceOp.MAX)
+        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = sorted(sums)  # each value is weighted by its global share: the DP sum is the full-batch metric
+        return dict(zip(keys, self.dp.all_reduce([sums[k] for k in keys]), strict=True))
+
+    def _idle_micro_steps(self, planned: int) -> int:
+        return self.dp.lockstep_steps(planned) - planned
+
+    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
+        """PolicyEngine.forward_backward on this data-parallel rank's share of the full ``batch``."""
+        records = list(batch)
+        self.dp.check_same_batch(records)
+        return super().forward_backward([records[i] for i in self.dp.share(records)], loss)
+
+    def compute_logprobs(self, batch: Sequence[TrajectoryRecord], reference: bool = False) -> list[list[float]]:
+        """The full batch's logprobs on every rank: each DP rank computes its share, then they are merged."""
+        records = list(batch)
+        self.dp.check_same_batch(records)
+        mine = self.dp.share(records)
+        plan = micro_batches([records[i].num_tokens for i in mine], self.spec.optimizer.micro_batch_tokens)
+        local: dict[int, list[float]] = {}
+        for step in range(self.dp.lockstep_steps(len(plan))):
+            idx = [mine[j] for j in plan[step]] if step < len(plan) else []
+            micro = pack([records[i] for i in idx]).to(self.device) if idx else empty_batch(self.device)
+            logp = self._logprobs_no_grad(micro, reference=reference).cpu()
+            for row, i in enumerate(idx):
+                local[i] = logp[row, : len(records[i].completion_token_ids)].tolist()
+        merged = self.dp.merge(self.dp.from_last_stage(local))
+        return [merged[i] for i in range(len(records))]
 
     def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
         return self.lora.disabled()
@@ -130,12 +208,7 @@ class MegatronEngine(PolicyEngine):
         return self.lora.full_names()
 
     def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes: dict[str, tuple[int, ...]] = {}
-        for ad in self.lora.adapters:
-            for peer in ad.spec.ep_names or [ad.spec.name]:
-                shapes[f"{peer}.lora_A"] = (ad.rank, ad.spec.in_features)
-                shapes[f"{peer}.lora_B"] = (ad.spec.out_features, ad.rank)
-        return shapes
+        return dict(self.lora.full_shapes)
 
     def _training_state(self, data_cursor: Any) -> ckpt.TrainingState:
         names = self._checkpoint_param_names()

@@ -9,8 +9,9 @@ PEFT mapping (the exact tensors TorchEngine's ``peft_state_dict`` writes for the
 * experts ``local_experts.{e}`` (global index) -> ``mlp.experts.{e}.{gate,up,down}_proj``; a shared
   expert adapter is written once per expert, as the torch engine does.
 
-Merged export gathers one layer at a time (TP shards, then EP experts), adds ``scale * B @ A`` in fp32,
-casts back to the model dtype and renames through `convert`, so nothing beyond one layer is whole.
+Merged export gathers one layer at a time (TP shards, then EP experts; pipeline stages take turns), adds
+``scale * B @ A`` in fp32, casts back to the model dtype and renames through `convert`, so nothing beyond
+one layer is whole.
 """
 
 from __future__ import annotations
@@ -148,12 +149,34 @@ def iter_hf_weights(model: nn.Module, layout: convert.Qwen3Layout, lora: Megatro
     """Every weight in HF checkpoint names, layer by layer, adapters merged when ``lora`` is given.
 
     A collective: every rank of the model-parallel group must iterate it to the end (all get the same
-    tensors). Needs a single pipeline stage. The trained base itself is never modified.
+    tensors). With pp > 1 the stages take turns, in order, each broadcasting its layers one at a time
+    over the pipeline group. The trained base itself is never modified.
     """
+    from megatron.core import parallel_state as ps
+
     coords = convert.RankCoords.current()
-    if coords.pp_size > 1:
-        raise NotImplementedError("merged export from megatron needs pipeline_parallel_size 1")
-    adapters = lora.full_tensors() if lora is not None else {}
+    adapters = lora.full_tensors() if lora is not None else {}  # a collective over every stage
+    chunks = _stage_chunks(model, layout, coords, adapters, scale)
+    if coords.pp_size == 1:
+        for chunk in chunks:
+            yield from chunk
+        return
+    group, stage_ranks = ps.get_pipeline_model_parallel_group(), dist.get_process_group_ranks(
+        ps.get_pipeline_model_parallel_group())
+    for stage, src in enumerate(stage_ranks):
+        while True:  # the stage's chunks, then None
+            box = [next(chunks, None) if stage == coords.pp_rank else None]
+            if box[0] is not None:
+                box[0] = [(n, t.cpu()) for n, t in box[0]]
+            dist.broadcast_object_list(box, src=src, group=group)
+            if box[0] is None:
+                break
+            yield from box[0]
+
+
+def _stage_chunks(model: nn.Module, layout: convert.Qwen3Layout, coords: convert.RankCoords,
+                  adapters: dict[str, torch.Tensor], scale: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """This stage's HF weights, one list per layer (the embedding and the tail on their own)."""
     params = [(n, p) for n, p in model.named_parameters() if ".lora" not in n]
     by_layer: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for n, p in params:
@@ -162,21 +185,23 @@ def iter_hf_weights(model: nn.Module, layout: convert.Qwen3Layout, lora: Megatro
     head = [(n, p) for n, p in params if n == "embedding.word_embeddings.weight"]
     tail = [(n, p) for n, p in params if _layer_index(n) is None and n != "embedding.word_embeddings.weight"]
     for n, p in head:
-        yield "model.embed_tokens.weight", _gather_tensor(n, p, layout, coords)[n]
+        yield [("model.embed_tokens.weight", _gather_tensor(n, p, layout, coords)[n])]
     for layer in sorted(by_layer):
         full: dict[str, torch.Tensor] = {}
         for n, p in by_layer[layer]:
             full.update(_gather_tensor(n, p, layout, coords))
+        chunk: list[tuple[str, torch.Tensor]] = []
         for name in sorted(full, key=_hf_order):
             m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
             weight = _merged(name, full[name], adapters, scale)
-            yield from convert.layer_to_hf(f"model.layers.{m[1]}.", m[2], weight, layout).items()
+            chunk += convert.layer_to_hf(f"model.layers.{m[1]}.", m[2], weight, layout).items()
+        yield chunk
     for n, p in tail:
         t = _gather_tensor(n, p, layout, coords)[n]
         if n == "decoder.final_layernorm.weight":
-            yield "model.norm.weight", t
+            yield [("model.norm.weight", t)]
         elif n == "output_layer.weight" and not layout.tied_embeddings:
-            yield "lm_head.weight", t
+            yield [("lm_head.weight", t)]
 
 
 def _hf_order(name: str) -> tuple[int, str]:

@@ -19,7 +19,8 @@ computes exactly what TP=1 computes (sequence parallel off):
 Adapters are fp32 master weights named by their full-model (TP/EP/PP independent) megatron names,
 ``decoder.layers.{L}.self_attention.linear_qkv.lora_A``; experts by global expert index, shared
 expert adapters as ``decoder.layers.{L}.mlp.experts.shared.linear_fc1.lora_A``. `MegatronLora`
-gathers every rank's shards into full tensors (for export and checkpoints) and scatters them back.
+gathers every rank's shards (TP, EP, pipeline stages) into full tensors (for export and checkpoints),
+scatters them back, and sums gradients over the data-parallel groups (see `sync_gradients`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class AdapterSpec:
     explicit_comm: bool  # base leaves the TP reduction to the MoE token dispatcher
     ep_names: list[str] = field(default_factory=list)  # per-expert: this adapter's name on each EP rank
     shared_over: dist.ProcessGroup | None = None  # shared expert adapter: summed over EP ranks
+    expert: bool = False  # on MoE experts (its gradient is reduced over the expert-data-parallel group)
     grad_scale: float = 1.0  # experts under TP without sequence parallel see every token tp times
 
 
@@ -232,13 +234,34 @@ def adapted_modules(config: LoraConfig) -> frozenset[str]:
 class MegatronLora:
     """Every adapter of one rank's megatron model, with the collectives that make them whole.
 
-    Iteration order is the same on every rank of a TP or EP group (layers, then local experts), which
-    is what lets `full_tensors` pair up collectives without exchanging names.
+    Iteration order is the same on every rank of a TP, EP or data-parallel group (layers, then local
+    experts), which is what lets `gather` and `sync_gradients` pair up collectives without exchanging
+    names. Groups left None have size 1. Construction is a collective over ``pp_group``: every stage
+    learns the whole model's adapter shapes once, so later size queries need no communication.
     """
 
-    def __init__(self, adapters: list[ParallelLora], ep_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, adapters: list[ParallelLora], ep_group: dist.ProcessGroup | None = None,
+                 dp_group: dist.ProcessGroup | None = None, expert_dp_group: dist.ProcessGroup | None = None,
+                 pp_group: dist.ProcessGroup | None = None) -> None:
         self.adapters = adapters
         self.ep_group = ep_group
+        self.dp_group = dp_group
+        self.expert_dp_group = expert_dp_group
+        self.pp_group = pp_group
+        shapes: dict[str, tuple[int, ...]] = {}
+        for ad in adapters:
+            for peer in ad.spec.ep_names or [ad.spec.name]:
+                shapes[f"{peer}.lora_A"] = (ad.rank, ad.spec.in_features)
+                shapes[f"{peer}.lora_B"] = (ad.spec.out_features, ad.rank)
+        self.full_shapes = {k: v for stage in self._over_stages(shapes) for k, v in stage.items()}
+
+    def _over_stages(self, obj: Any) -> list[Any]:
+        """``obj`` of every pipeline stage (this rank's alone without pipeline parallelism)."""
+        if _group_size(self.pp_group) == 1:
+            return [obj]
+        out: list[Any] = [None] * _group_size(self.pp_group)
+        dist.all_gather_object(out, obj, group=self.pp_group)
+        return out
 
     # ------------------------------------------------------------ parameters
 
@@ -255,12 +278,8 @@ class MegatronLora:
         return {f"{ad.spec.name}.lora_{w.upper()}": (ad, w) for ad in self.adapters for w in ("a", "b")}
 
     def full_names(self) -> list[str]:
-        """Every adapter parameter name of the whole model (all EP ranks), in a rank-independent order."""
-        names: list[str] = []
-        for ad in self.adapters:
-            for peer in ad.spec.ep_names or [ad.spec.name]:
-                names += [f"{peer}.lora_A", f"{peer}.lora_B"]
-        return sorted(set(names))
+        """Every adapter parameter name of the whole model (all EP ranks and stages), rank-independent order."""
+        return sorted(self.full_shapes)
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
@@ -290,7 +309,11 @@ class MegatronLora:
                 out.update({f"{peer}.{suffix}": t for peer, t in zip(ad.spec.ep_names, peers, strict=True)})
             else:
                 out[name] = full
-        return out
+        if _group_size(self.pp_group) == 1:
+            return out
+        device = next(iter(out.values())).device
+        stages = self._over_stages({k: v.cpu() for k, v in out.items()})
+        return {k: v.to(device) for stage in stages for k, v in stage.items()}
 
     def full_tensors(self) -> dict[str, torch.Tensor]:
         return self.gather({n: p.detach() for n, p in self.named_parameters().items()})
@@ -307,19 +330,46 @@ class MegatronLora:
 
     # ------------------------------------------------------------ gradients
 
+    def reduction_groups(self, ad: ParallelLora) -> list[dist.ProcessGroup]:
+        """The groups whose SUM turns this rank's gradient of ``ad`` into the whole batch's (see sync_gradients)."""
+        if not ad.spec.expert:
+            groups = [self.dp_group]
+        elif ad.spec.ep_names:
+            groups = [self.expert_dp_group]
+        else:
+            groups = [ad.spec.shared_over, self.expert_dp_group]
+        return [g for g in groups if _group_size(g) > 1]
+
     def sync_gradients(self) -> None:
-        """Sums shared expert adapters' gradients over EP ranks (each saw only its local experts), and
-        undoes the duplicate tokens experts see under TP without sequence parallelism."""
+        """Makes every rank's adapter gradients the whole batch's, each rank having backpropagated its own share.
+
+        * non-expert adapters saw only this data-parallel rank's tokens: SUM over the data-parallel group;
+        * per-expert adapters: the allgather dispatcher brings every token of the TP x EP group to the rank
+          owning the expert, so only the expert-data-parallel replicas (other token sets) remain to be summed;
+        * shared expert adapters saw the tokens of the TP x EP group but only through this rank's local
+          experts: SUM over EP (the other experts), then over expert-data-parallel.
+
+        Before that, expert gradients are scaled by ``grad_scale`` (duplicate tokens under TP, see inject).
+        One flat all-reduce per group.
+        """
+        buckets: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
         for ad in self.adapters:
             if ad.spec.grad_scale != 1.0:
                 for p in (ad.lora_a, ad.lora_b):
                     p.grad.mul_(ad.spec.grad_scale)
-            if ad.spec.shared_over is not None and _group_size(ad.spec.shared_over) > 1:
-                for p in (ad.lora_a, ad.lora_b):
-                    dist.all_reduce(p.grad, group=ad.spec.shared_over)
+            for g in self.reduction_groups(ad):
+                buckets.setdefault(id(g), (g, []))[1].extend([ad.lora_a.grad, ad.lora_b.grad])
+        for group, grads in buckets.values():
+            flat = torch.cat([t.reshape(-1) for t in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for t in grads:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of every adapter gradient, each element counted once across ranks."""
+        """The global L2 norm of every adapter gradient, each element counted once across ranks (after
+        `sync_gradients`, data-parallel replicas hold the same gradients and are counted once)."""
         buckets: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], torch.Tensor]] = {}
         for ad in self.adapters:
             for which, p in (("a", ad.lora_a), ("b", ad.lora_b)):
@@ -334,7 +384,10 @@ class MegatronLora:
             for g in groups:  # orthogonal groups: summing over each in turn sums over their product
                 dist.all_reduce(sq, group=g)
             total.append(sq)
-        return torch.stack(total).sum().sqrt()
+        stage = torch.stack(total).sum()
+        if _group_size(self.pp_group) > 1:  # stages hold disjoint layers
+            dist.all_reduce(stage, group=self.pp_group)
+        return stage.sqrt()
 
 
 def inject_megatron_lora(model: nn.Module, config: LoraConfig, seed: int,
@@ -366,7 +419,7 @@ def inject_megatron_lora(model: nn.Module, config: LoraConfig, seed: int,
             continue
         experts_name, _, rest = local.partition(".local_experts.")
         module_spec = adapter_spec(module, full, f"{full}.weight")
-        module_spec.grad_scale = expert_grad_scale
+        module_spec.grad_scale, module_spec.expert = expert_grad_scale, True
         layer_prefix = full.partition(".local_experts.")[0]
         if config.expert_mode == "per_expert":
             spec = module_spec
@@ -385,4 +438,6 @@ def inject_megatron_lora(model: nn.Module, config: LoraConfig, seed: int,
         adapters.append(shared[name])
     if not adapters:
         raise ValueError(f"no megatron module matched lora.target_modules={list(config.target_modules)}")
-    return MegatronLora(adapters, ep_group)
+    return MegatronLora(adapters, ep_group, dp_group=ps.get_data_parallel_group(),
+                        expert_dp_group=ps.get_expert_data_parallel_group(),
+                        pp_group=ps.get_pipeline_model_parallel_group() if coords.pp_size > 1 else None)

@@ -123,6 +123,17 @@ def causal_inputs(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return position_ids, mask.view(1, 1, s, s)
 
 
+def _forward_step(loss_func: Callable[[torch.Tensor], Any]) -> Callable[..., tuple[torch.Tensor, Callable]]:
+    """A megatron ``forward_step_func``: the next ids from the iterator through this stage, then ``loss_func``."""
+
+    def forward_step(batch: Iterator[torch.Tensor], module: GPTModel) -> tuple[torch.Tensor, Callable]:
+        ids = next(batch)
+        position_ids, mask = causal_inputs(ids)
+        return module(input_ids=ids, position_ids=position_ids, attention_mask=mask), loss_func
+
+    return forward_step
+
+
 def compute_logits(model: GPTModel, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
     """Causal-LM logits [b, s, vocab_size] of a batch of token ids (right padding is harmless: causal).
 
@@ -135,14 +146,27 @@ def compute_logits(model: GPTModel, input_ids: torch.Tensor, vocab_size: int) ->
         return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)[..., :vocab_size]
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    def forward_step(batch: Iterator[torch.Tensor], module: GPTModel) -> tuple[torch.Tensor, Callable]:
-        ids = next(batch)
-        position_ids, mask = causal_inputs(ids)
-        out = module(input_ids=ids, position_ids=position_ids, attention_mask=mask)
-        return out, lambda output, non_loss_data=True: output
-
     collected = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([input_ids]), model=[model], num_microbatches=1,
-        seq_length=input_ids.shape[1], micro_batch_size=input_ids.shape[0], forward_only=True,
-        collect_non_loss_data=True)
+        forward_step_func=_forward_step(lambda output, non_loss_data=True: output), data_iterator=iter([input_ids]),
+        model=[model], num_microbatches=1, seq_length=input_ids.shape[1], micro_batch_size=input_ids.shape[0],
+        forward_only=True, collect_non_loss_data=True)
     return collected[0][..., :vocab_size] if model.post_process else None
+
+
+def pipeline_backward(model: GPTModel, input_ids: torch.Tensor, vocab_size: int,
+                      loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Forward and backward of one micro-batch through every pipeline stage (megatron's 1F1B schedule).
+
+    Every stage calls it with the same ids; on the last stage ``loss_fn(logits [b, s, vocab_size])``
+    gives the scalar to backpropagate, and gradients reach every stage's parameters through the
+    schedule's send/recv. One micro-batch per call, so megatron's division by the micro-batch count
+    is a division by 1: the caller's loss scaling is kept exactly.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        return loss_fn(output[..., :vocab_size]), {}
+
+    get_forward_backward_func()(
+        forward_step_func=_forward_step(loss_func), data_iterator=iter([input_ids]), model=[model],
+        num_microbatches=1, seq_length=input_ids.shape[1], micro_batch_size=input_ids.shape[0], forward_only=False)
