@@ -251,18 +251,30 @@ class PolicyEngine(TrainEngine):
                 return self._completion_logprobs(batch)[0]
         return self._completion_logprobs(batch)[0]
 
+    def _dropout_free(self) -> bool:
+        """Whether a training-mode forward equals an eval-mode one: no LoRA dropout, no model dropout."""
+        if self.spec.lora.dropout:
+            return False
+        config = getattr(getattr(self, "model", None), "config", None)
+        return not any(getattr(config, name, 0.0) for name in ("attention_dropout", "hidden_dropout", "dropout"))
+
     def _micro_step(self, batch: PackedBatch, settings: LossSettings, totals: BatchTotals) -> dict[str, float]:
         """Forward + backward of one micro-batch, its loss scaled by its share of the whole batch."""
         mask = loss_mask(batch, settings, self._version)
         token_share = float(mask.sum()) / totals.loss_tokens if totals.loss_tokens else 0.0
         share = token_share if AGGREGATION[settings.name] == "token-mean" else batch.size / totals.sequences
         raw_token_share = float(batch.mask.sum()) / totals.tokens if totals.tokens else 0.0
-        proximal = self._logprobs_no_grad(batch) if self.spec.decoupled(settings) else None
+        # Decoupled PPO's proximal policy is the policy before this update: with no dropout anywhere the
+        # with-grad forward below computes exactly its logprobs, so they are read off it (detached)
+        # instead of costing a forward pass of their own.
+        reuse_proximal = self.spec.decoupled(settings) and self._dropout_free()
+        proximal = self._logprobs_no_grad(batch) if self.spec.decoupled(settings) and not reuse_proximal else None
         ref = self._logprobs_no_grad(batch, reference=True) if settings.kl_coef else None
 
         def scaled_loss(logp: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages,
-                                behavior_logp=batch.behavior_logp, proximal_logp=proximal, ref_logp=ref,
+                                behavior_logp=batch.behavior_logp,
+                                proximal_logp=logp.detach() if reuse_proximal else proximal, ref_logp=ref,
                                 entropy=entropy, token_versions=batch.token_versions, current_version=self._version)
             loss, metrics = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
             return loss * share, metrics
