@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from clients.cli import main
-from clients.commands.run import visible_devices
+from clients.commands.run import stack_sections, visible_devices
 from clients.job_config import load_job_config
 from clients.plan import KNOWN_SHAPES, count, human_bytes, human_count, place
 from services.common.config import ConfigError
@@ -108,6 +108,9 @@ def test_device_masks_per_process() -> None:
     masks = visible_devices(cfg)
     assert masks["trainer"] == {"CUDA_VISIBLE_DEVICES": "0"}
     assert masks["rollout-2"] == {"CUDA_VISIBLE_DEVICES": "5,6"}
+    megatron = load_job_config(str(ROOT / "examples/models/qwen3-30b-a3b-megatron.yaml"), [])
+    assert visible_devices(megatron)["trainer"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert stack_sections(megatron, Path("/tmp/x"))["trainer"]["ranks"] == 4
     single = load_job_config(str(ROOT / "examples/models/qwen3-0.6b.yaml"), ["trainer.device=npu"])
     assert visible_devices(single) == {"trainer": {"ASCEND_RT_VISIBLE_DEVICES": "0"},
                                        "rollout": {"ASCEND_RT_VISIBLE_DEVICES": "1"}}
