@@ -37,23 +37,34 @@ from services.trainer.policy_engine import (  # noqa: F401  (re-exported: the to
     seed_everything,
     token_logprobs,
 )
+from services.trainer.prefix_sharing import plan_prefix_sharing, shared_prefix_hidden, supports_prefix_sharing
 
 
-def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False,
+                        share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [B, T] of the completion tokens and the policy entropy [B, T] at each of them.
 
     Runs the decoder, then the LM head only at the positions predicting completion tokens (the
-    prompt's logits are never built).
+    prompt's logits are never built). Rows repeating a prompt (a GRPO group) share one forward of
+    it when ``share_prompts`` (services.trainer.prefix_sharing; same numbers, less work).
     """
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 use_cache=False).last_hidden_state
-    index = batch.target_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    return token_logprobs(model.get_output_embeddings()(hidden.gather(1, index)), batch.completion_ids, entropy_grad)
+    plan = plan_prefix_sharing(batch) if share_prompts and supports_prefix_sharing(model) else None
+    if plan is not None:
+        selected = shared_prefix_hidden(model.get_decoder(), batch, plan)
+    else:
+        hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                     use_cache=False).last_hidden_state
+        selected = hidden.gather(1, batch.target_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    return token_logprobs(model.get_output_embeddings()(selected), batch.completion_ids, entropy_grad)
 
 
 class TorchEngine(PolicyEngine):
-    """TrainEngine on one device with transformers + services.trainer.lora."""
+    """TrainEngine on one device with transformers + services.trainer.lora.
+
+    ``share_prompts`` (default on) runs a repeated prompt once per micro-batch; off gives the plain forward.
+    """
+
+    share_prompts: bool = True
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
@@ -87,7 +98,7 @@ class TorchEngine(PolicyEngine):
 
     def _completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        return completion_logprobs(self.model, batch, entropy_grad)
+        return completion_logprobs(self.model, batch, entropy_grad, self.share_prompts)
 
     def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
         return adapters_disabled(self.model)
