@@ -218,7 +218,7 @@ class PolicyEngine(TrainEngine):
     def _idle_micro_step(self, settings: LossSettings) -> None:
         """`_micro_step`'s forward and backward passes on a batch of no sequences, with a zero loss."""
         empty = empty_batch(self.device)
-        if self.spec.decoupled(settings):
+        if self.spec.decoupled(settings) and not self._dropout_free():  # the same passes `_micro_step` runs
             self._logprobs_no_grad(empty)
         if settings.kl_coef:
             self._logprobs_no_grad(empty, reference=True)

@@ -47,7 +47,9 @@ def load_hf_state(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.
 def _check_initialised(parallel: ParallelSettings, device: str) -> None:
     from megatron.core import parallel_state as ps
 
-    if not ps.model_parallel_is_initialized():
+    if not ps.model_parallel_is_initialized() or (device == "cpu" and not cpu_compat.enabled()):
+        # (Re)build the groups; on CPU this also (re)installs the patches and the RNG tracker, which
+        # someone's `cpu_compat.disable()` may have removed while the groups lived on.
         init_parallel(parallel, device)
         return
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),

@@ -10,15 +10,19 @@ import torch
 
 from tests.unit.trainer.tiny import dense_model, moe_model
 
+#: torch's own setter, kept at collection time: an in-process vLLM engine started later in the session
+#: replaces torch.set_num_threads with a no-op, which would leave these exactness tests on two threads.
+SET_NUM_THREADS = torch.set_num_threads
+
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny models gain nothing from intra-op threads, and on a busy machine OpenMP's spin-waiting
     makes them up to 100x slower; restored afterwards so other test folders keep their setting."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    SET_NUM_THREADS(1)
     yield
-    torch.set_num_threads(previous)
+    SET_NUM_THREADS(previous)
 
 
 @pytest.fixture(scope="session")
