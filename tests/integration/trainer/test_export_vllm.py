@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from assets import DENSE_MODEL_DIR
-from services.trainer.engine_api import JobSpec, TrajectoryRecord
+from services.trainer.engine_api import JobSpec
 from services.trainer.lora import LoraConfig, lora_parameters
 from services.trainer.torch_engine import TorchEngine
+from tests.integration.trainer.vllm_parity import assert_engine_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -44,17 +45,7 @@ def test_vllm_lora_request_matches_trainer_logprobs(tmp_path: Path) -> None:
         del llm
         gc.collect()
 
-    def check(outputs, reference: bool) -> list[list[int]]:
-        completions = []
-        for prompt, out in zip(PROMPTS, outputs, strict=True):
-            sample = out.outputs[0]
-            got = [entry[tok].logprob for entry, tok in zip(sample.logprobs, sample.token_ids, strict=True)]
-            rec = TrajectoryRecord(prompt, list(sample.token_ids), got, [0] * len(got), 0.0)
-            want = engine.compute_logprobs([rec], reference=reference)[0]
-            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
-            completions.append(list(sample.token_ids))
-        return completions
-
-    adapted, base = check(with_lora, reference=False), check(without, reference=True)
+    adapted = assert_engine_logprobs(engine, PROMPTS, with_lora, reference=False)
+    base = assert_engine_logprobs(engine, PROMPTS, without, reference=True)
     # The adapter really changes the policy, so the comparisons above can fail.
     assert adapted != base

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from assets import DENSE_MODEL_DIR
-from services.trainer.engine_api import JobSpec, TrajectoryRecord
+from services.trainer.engine_api import JobSpec
 from services.trainer.lora import LoraConfig
 from services.trainer.megatron.engine import MegatronEngine
+from tests.integration.trainer.vllm_parity import assert_engine_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -55,16 +56,6 @@ def test_vllm_serves_the_megatron_adapter_with_the_engines_logprobs(tmp_path: Pa
     engine = MegatronEngine(spec)
     engine.load_checkpoint(tmp_path / "ckpt")
 
-    def check(outputs, reference: bool) -> list[list[int]]:
-        completions = []
-        for prompt, out in zip(PROMPTS, outputs, strict=True):
-            sample = out.outputs[0]
-            got = [entry[tok].logprob for entry, tok in zip(sample.logprobs, sample.token_ids, strict=True)]
-            rec = TrajectoryRecord(prompt, list(sample.token_ids), got, [0] * len(got), 0.0)
-            want = engine.compute_logprobs([rec], reference=reference)[0]
-            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
-            completions.append(list(sample.token_ids))
-        return completions
-
-    adapted, base = check(with_lora, reference=False), check(without, reference=True)
+    adapted = assert_engine_logprobs(engine, PROMPTS, with_lora, reference=False)
+    base = assert_engine_logprobs(engine, PROMPTS, without, reference=True)
     assert adapted != base  # the adapter really changes the policy, so the comparisons above can fail
