@@ -11,7 +11,7 @@ import torch
 
 from assets import DENSE_MODEL_DIR
 from services.common.errors import FailedPreconditionError, InternalError
-from services.trainer.engine_api import JobSpec
+from services.trainer.engine_api import CheckpointInfo, JobSpec
 from services.trainer.torch_engine import TorchEngine
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.megatron.spawn import run_workers
@@ -27,6 +27,15 @@ class FailsOnRankOne(TorchEngine):
             self._pending_grads = False
             raise RuntimeError("boom on rank 1")
         return super().optim_step(lr)
+
+    def save_checkpoint(self, path, data_cursor=None):
+        """Rank 0 writes (the ranks hold the same weights, as under DataParallelEngine): two ranks renaming
+        their temporary directories onto one path would race."""
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            return super().save_checkpoint(path, data_cursor)
+        return CheckpointInfo(Path(path), self.step, self.version, data_cursor)
 
 
 def factory(spec: JobSpec) -> TorchEngine:
