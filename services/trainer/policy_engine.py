@@ -218,7 +218,7 @@ class PolicyEngine(TrainEngine):
     def _idle_micro_step(self, settings: LossSettings) -> None:
         """`_micro_step`'s forward and backward passes on a batch of no sequences, with a zero loss."""
         empty = empty_batch(self.device)
-        if self.spec.decoupled(settings) and not self._dropout_free():  # the same passes `_micro_step` runs
+        if self._needs_proximal_pass(settings):
             self._logprobs_no_grad(empty)
         if settings.kl_coef:
             self._logprobs_no_grad(empty, reference=True)
@@ -258,6 +258,11 @@ class PolicyEngine(TrainEngine):
         config = getattr(getattr(self, "model", None), "config", None)
         return not any(getattr(config, name, 0.0) for name in ("attention_dropout", "hidden_dropout", "dropout"))
 
+    def _needs_proximal_pass(self, settings: LossSettings) -> bool:
+        """Whether decoupled PPO's proximal logprobs need a no-grad pass of their own (else they are read
+        off the with-grad forward); `_micro_step` and `_idle_micro_step` must run the same passes."""
+        return self.spec.decoupled(settings) and not self._dropout_free()
+
     def _micro_step(self, batch: PackedBatch, settings: LossSettings, totals: BatchTotals) -> dict[str, float]:
         """Forward + backward of one micro-batch, its loss scaled by its share of the whole batch."""
         mask = loss_mask(batch, settings, self._version)
@@ -267,8 +272,8 @@ class PolicyEngine(TrainEngine):
         # Decoupled PPO's proximal policy is the policy before this update: with no dropout anywhere the
         # with-grad forward below computes exactly its logprobs, so they are read off it (detached)
         # instead of costing a forward pass of their own.
-        reuse_proximal = self.spec.decoupled(settings) and self._dropout_free()
-        proximal = self._logprobs_no_grad(batch) if self.spec.decoupled(settings) and not reuse_proximal else None
+        reuse_proximal = self.spec.decoupled(settings) and not self._needs_proximal_pass(settings)
+        proximal = self._logprobs_no_grad(batch) if self._needs_proximal_pass(settings) else None
         ref = self._logprobs_no_grad(batch, reference=True) if settings.kl_coef else None
 
         def scaled_loss(logp: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

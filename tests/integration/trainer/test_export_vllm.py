@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from assets import DENSE_MODEL_DIR
 from services.trainer.engine_api import JobSpec
 from services.trainer.lora import LoraConfig, lora_parameters
 from services.trainer.torch_engine import TorchEngine
-from tests.integration.trainer.vllm_parity import assert_engine_logprobs
+from tests.integration.trainer.vllm_parity import assert_engine_logprobs, vllm_greedy_with_and_without
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -23,8 +22,6 @@ PROMPTS = [[257, 10, 55, 43, 52, 258, 10, 257, 9], [257, 40, 41, 42, 43, 44], [2
 
 
 def test_vllm_lora_request_matches_trainer_logprobs(tmp_path: Path) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
 
     engine = TorchEngine(JobSpec(base_model_path=str(DENSE_MODEL_DIR), lora=LoraConfig(rank=8, alpha=16)))
     g = torch.Generator().manual_seed(3)
@@ -32,18 +29,7 @@ def test_vllm_lora_request_matches_trainer_logprobs(tmp_path: Path) -> None:
         for p in lora_parameters(engine.model):
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     adapter = engine.export_adapter(tmp_path / "adapter")
-    llm = LLM(model=str(DENSE_MODEL_DIR), dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
-              enable_lora=True, max_lora_rank=8, max_loras=1)
-    try:
-        # Prompt logprobs with LoRA crash in vLLM's CPU LoRA logits processor, so compare the logprobs of
-        # the tokens vLLM itself generates (greedy) with the trainer's logprobs of the same tokens.
-        params = SamplingParams(max_tokens=8, logprobs=0, temperature=0.0, ignore_eos=True)
-        prompts = [{"prompt_token_ids": seq} for seq in PROMPTS]
-        with_lora = llm.generate(prompts, params, lora_request=LoRARequest("trained", 1, str(adapter)))
-        without = llm.generate(prompts, params)
-    finally:
-        del llm
-        gc.collect()
+    with_lora, without = vllm_greedy_with_and_without(DENSE_MODEL_DIR, adapter, PROMPTS)
 
     adapted = assert_engine_logprobs(engine, PROMPTS, with_lora, reference=False)
     base = assert_engine_logprobs(engine, PROMPTS, without, reference=True)

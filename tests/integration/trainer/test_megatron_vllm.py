@@ -6,7 +6,6 @@ transformers + PEFT and the merged model in tests/unit/trainer/megatron/test_exp
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from assets import DENSE_MODEL_DIR
 from services.trainer.engine_api import JobSpec
 from services.trainer.lora import LoraConfig
 from services.trainer.megatron.engine import MegatronEngine
-from tests.integration.trainer.vllm_parity import assert_engine_logprobs
+from tests.integration.trainer.vllm_parity import assert_engine_logprobs, vllm_greedy_with_and_without
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -27,8 +26,6 @@ PROMPTS = [[257, 10, 55, 43, 52, 258, 10, 257, 9], [257, 40, 41, 42, 43, 44], [2
 
 
 def test_vllm_serves_the_megatron_adapter_with_the_engines_logprobs(tmp_path: Path) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
 
     from services.trainer.megatron.parallel import teardown
 
@@ -41,17 +38,7 @@ def test_vllm_serves_the_megatron_adapter_with_the_engines_logprobs(tmp_path: Pa
     adapter = engine.export_adapter(tmp_path / "adapter")
     engine.save_checkpoint(tmp_path / "ckpt")
     teardown()  # vLLM sets up (and tears down) torch.distributed in this process for itself
-    llm = LLM(model=str(DENSE_MODEL_DIR), dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
-              enable_lora=True, max_lora_rank=8, max_loras=1)
-    try:
-        # Greedy generations' logprobs (prompt logprobs with LoRA crash in vLLM's CPU LoRA logits processor).
-        params = SamplingParams(max_tokens=8, logprobs=0, temperature=0.0, ignore_eos=True)
-        prompts = [{"prompt_token_ids": seq} for seq in PROMPTS]
-        with_lora = llm.generate(prompts, params, lora_request=LoRARequest("megatron", 1, str(adapter)))
-        without = llm.generate(prompts, params)
-    finally:
-        del llm
-        gc.collect()
+    with_lora, without = vllm_greedy_with_and_without(DENSE_MODEL_DIR, adapter, PROMPTS)
     teardown()
     engine = MegatronEngine(spec)
     engine.load_checkpoint(tmp_path / "ckpt")

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from services.trainer.engine_api import TrainEngine, TrajectoryRecord
@@ -24,3 +26,22 @@ def assert_engine_logprobs(engine: TrainEngine, prompts: Sequence[list[int]], ou
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= tolerance
         completions.append(list(sample.token_ids))
     return completions
+
+
+def vllm_greedy_with_and_without(model_dir: Path, adapter_dir: Path, prompts: Sequence[list[int]]
+                                 ) -> tuple[list[Any], list[Any]]:
+    """vLLM's greedy generations (8 tokens, with logprobs) of ``prompts`` with the PEFT adapter and
+    without it, in an in-process engine that is gone when this returns."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
+              enable_lora=True, max_lora_rank=8, max_loras=1)
+    try:
+        params = SamplingParams(max_tokens=8, logprobs=0, temperature=0.0, ignore_eos=True)
+        requests = [{"prompt_token_ids": seq} for seq in prompts]
+        with_lora = llm.generate(requests, params, lora_request=LoRARequest("adapter", 1, str(adapter_dir)))
+        return with_lora, llm.generate(requests, params)
+    finally:
+        del llm
+        gc.collect()
