@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
+import os
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -66,6 +69,17 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return [f"{key}={getattr(args, dest)}" for dest, key in FLAG_KEYS.items() if getattr(args, dest) is not None]
 
 
+def lower_priority(nice: int) -> None:
+    """Adds ``nice`` to the process before the service starts its threads, which inherit it. On Linux
+    niceness is per thread, so threads that libraries started at import are set one by one too."""
+    os.nice(nice)
+    target = os.getpriority(os.PRIO_PROCESS, 0)
+    tasks = Path("/proc/self/task")
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        with contextlib.suppress(OSError, ValueError):  # a thread that has just exited
+            os.setpriority(os.PRIO_PROCESS, int(task.name), target)
+
+
 def run(args: argparse.Namespace) -> int:
     from services.common.server import StartupError
 
@@ -79,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_yaml(config), end="")
         return 0
+    if config.server.cpu_nice:
+        lower_priority(config.server.cpu_nice)
     try:
         asyncio.run(module.serve_forever(config))
     except ConfigError as exc:

@@ -70,6 +70,10 @@ class ServerConfig:
         check=port_number(allow_disabled=True),
         doc="Prometheus HTTP port; 0 picks a free one; -1 or null disables.",
     )
+    cpu_nice: int = setting(
+        0, check=in_range(0, 19), doc="Niceness added to the process at start (0: none). On shared CPUs, a "
+        "trainer at 10 leaves the rollout's latency-bound generation loop unpreempted (`lorarl run` does this)."
+    )
     log_level: LogLevel = "info"
     log_format: LogFormat = "text"
     ready_file: str | None = setting(

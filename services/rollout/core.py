@@ -9,7 +9,8 @@ A request pinned to a version that is no longer loaded ends with Finish.ABORT in
 Switches of the engine's weights (merged mode) run under the SwitchGate: submissions are held,
 the engine is paused, affected segments are aborted and drained, weights are reloaded between
 engine steps, the prefix cache is reset, and the engine resumes. Adapter versions need no pause:
-they are loaded side by side and an old version is unloaded once its last request has finished.
+they are loaded side by side and an old version is unloaded once its last request has finished;
+committing one makes no engine call at all, so it does not wait for the engine's current step.
 
 Failures while staging leave everything as it was: the previous version keeps serving.
 """
@@ -378,9 +379,11 @@ class RolloutCore:
                                            lambda: self.table.commit(job_id, version))
                 loaded.weights_token = None
             else:
+                # No engine round trip here (the engine is usually mid-batch): retired versions are unloaded
+                # once this commit has returned, and the prefix cache needs no reset because every
+                # adapter load has its own key (AdapterHandle.key).
                 for drained in self.table.commit(job_id, version):
-                    await self._unload(drained)
-                await self.engine.reset_prefix_cache()
+                    self._spawn(self._unload_if_drained(drained))
                 if self.settings.update_policy == "continue":
                     await self._interrupt(lambda s: s.sequence.request.policy == PolicyRef(job_id, LATEST)
                                           and s.policy.job_id == job_id and s.policy.version != version)

@@ -104,6 +104,12 @@ class AdapterHandle:
     rank: int
     path: str = ""
 
+    @property
+    def key(self) -> str:
+        """Unique per load, never reused in this process: vLLM hashes an adapter's name and path into its
+        prefix-cache keys, so a version loaded again with other weights can never hit stale KV blocks."""
+        return f"{self.name}.{self.lora_int_id}"
+
 
 @dataclass(frozen=True)
 class ServedPolicy:

@@ -69,35 +69,6 @@ def safetensors_blobs(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: in
         yield save(group)
 
 
-class _StatsRecorder:
-    """A vLLM stat logger keeping the scheduler's running/waiting counts and the peak batch."""
-
-    def __init__(self, stats: EngineStats) -> None:
-        self.stats = stats
-
-    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        stats = self.stats
-
-        class Recorder(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                       engine_idx: int = 0) -> None:
-                if scheduler_stats is None:
-                    return
-                stats.running = scheduler_stats.num_running_reqs
-                stats.waiting = scheduler_stats.num_waiting_reqs
-                stats.peak_running = max(stats.peak_running, stats.running)
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return Recorder(vllm_config, engine_index)
-
-
 class VllmEngine:
     """GenerationEngine backed by vllm.v1 AsyncLLM (see module docstring)."""
 
@@ -108,7 +79,8 @@ class VllmEngine:
         self.files = ModelFiles(settings.model_path)
         self.info: EngineInfo
         self._llm: Any = None
-        self._stats = EngineStats()
+        self._live = 0  # requests handed to vLLM and not yet finished
+        self._peak = 0
         self._lora_requests: dict[int, Any] = {}
         self._shm_root: Path | None = None
 
@@ -134,6 +106,7 @@ class VllmEngine:
             enforce_eager=s.enforce_eager,
             seed=s.seed,
             max_num_seqs=s.max_num_seqs,
+            block_size=s.block_size,
             tensor_parallel_size=s.tensor_parallel_size,
             max_num_batched_tokens=s.max_num_batched_tokens,
             kv_cache_memory_bytes=int(s.kv_cache_gib * (1 << 30)),
@@ -146,7 +119,9 @@ class VllmEngine:
             worker_extension_cls=EXTENSION_QUALNAME,
             disable_log_stats=True,
         )
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_StatsRecorder(self._stats).factory])
+        # No stat loggers: with any, vLLM records Prometheus histograms and iteration stats for every
+        # request at every step in the frontend (~15% of its CPU on the demo); stats() counts requests here.
+        self._llm = AsyncLLM.from_engine_args(args)
         self.info = EngineInfo(
             engine="vllm",
             model_path=str(self.files.root),
@@ -197,14 +172,21 @@ class VllmEngine:
             max_tokens=s.max_tokens, stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None,
             seed=s.seed, logprobs=s.logprobs, ignore_eos=s.ignore_eos, detokenize=bool(s.stop),
             output_kind=RequestOutputKind.DELTA if spec.stream else RequestOutputKind.FINAL_ONLY,
+            skip_clone=True,  # made fresh for this one request: vLLM need not deep-copy it again
         )
 
     async def submit(self, spec: SegmentSpec) -> AsyncIterator[SegmentEvent]:
         lora = self._lora_requests.get(spec.adapter.lora_int_id) if spec.adapter is not None else None
         if spec.adapter is not None and lora is None:
             raise RuntimeError(f"adapter {spec.adapter.name} is not loaded in the engine")
-        queue = await self._llm.add_request(spec.request_id, {"prompt_token_ids": list(spec.prompt_token_ids)},
+        from vllm.inputs.engine import tokens_input
+
+        # Already-tokenized ids as a rendered input: vLLM skips its executor hop for tokenization (our
+        # validation has checked the ids against the vocabulary), which adds up over a batch's requests.
+        queue = await self._llm.add_request(spec.request_id, tokens_input(list(spec.prompt_token_ids)),
                                             self._params(spec), lora_request=lora)
+        self._live += 1
+        self._peak = max(self._peak, min(self._live, self.settings.max_num_seqs))
         return self._events(spec.request_id, queue, spec.sampling.logprobs)
 
     async def _events(self, request_id: str, queue: Any, top_n: int) -> AsyncIterator[SegmentEvent]:
@@ -219,6 +201,7 @@ class VllmEngine:
                 finish = _FINISH.get(completion.finish_reason, Finish.ABORT) if finished else None
                 yield SegmentEvent(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish=finish)
         finally:
+            self._live -= 1
             if not finished and self._llm is not None:  # consumer gone: vLLM's id for this request
                 await self._llm.abort(queue.request_id, internal=True)
             queue.close()
@@ -238,7 +221,9 @@ class VllmEngine:
             logger.info("prefix cache not reset (blocks still in use by running requests)")
 
     def stats(self) -> EngineStats:
-        return EngineStats(self._stats.running, self._stats.waiting, self._stats.peak_running)
+        """Requests in the engine, split as its scheduler would run them (at most max_num_seqs at once)."""
+        running = min(self._live, self.settings.max_num_seqs)
+        return EngineStats(running, self._live - running, self._peak)
 
     # ---------------------------------------------------------------------------- adapters
 
@@ -249,13 +234,17 @@ class VllmEngine:
         if self._shm_root is not None:
             path = await asyncio.to_thread(self._write_peft_dir, handle, lora, tensors)
         else:
-            blob = await asyncio.to_thread(lambda: next(iter(safetensors_blobs(tensors.items(), max_bytes=1 << 62))))
-            await self._llm.collective_rpc("lorarl_put_adapter", kwargs={
-                "lora_int_id": handle.lora_int_id, "peft_config": lora.peft_config(), "blob": blob})
-            path = f"{MEMORY_SCHEME}{handle.name}"
+            path = f"{MEMORY_SCHEME}{handle.key}"
         request = LoRARequest(lora_name=handle.name, lora_int_id=handle.lora_int_id, lora_path=path)
         try:
-            await self._llm.add_lora(request)
+            if self._shm_root is not None:
+                await self._llm.add_lora(request)
+            else:  # registered and added by the worker in one engine call (see lorarl_put_adapter)
+                blob = await asyncio.to_thread(
+                    lambda: next(iter(safetensors_blobs(tensors.items(), max_bytes=1 << 62))))
+                await self._llm.collective_rpc("lorarl_put_adapter", kwargs={
+                    "lora_int_id": handle.lora_int_id, "peft_config": lora.peft_config(), "blob": blob,
+                    "lora_name": request.lora_name, "lora_path": request.lora_path})
         except BaseException:
             await self._forget_adapter(handle)
             raise
@@ -265,7 +254,7 @@ class VllmEngine:
         from safetensors.torch import save_file
 
         assert self._shm_root is not None
-        path = self._shm_root / handle.name
+        path = self._shm_root / handle.key
         path.mkdir(parents=True, exist_ok=True)
         (path / "adapter_config.json").write_text(json.dumps(lora.peft_config()))
         save_file({n: t.detach().contiguous().clone() for n, t in tensors.items()},
@@ -279,7 +268,7 @@ class VllmEngine:
 
     async def _forget_adapter(self, handle: AdapterHandle) -> None:
         if self._shm_root is not None:
-            shutil.rmtree(self._shm_root / handle.name, ignore_errors=True)
+            shutil.rmtree(self._shm_root / handle.key, ignore_errors=True)
         else:
             await self._llm.collective_rpc("lorarl_drop_adapter", kwargs={"lora_int_id": handle.lora_int_id})
 

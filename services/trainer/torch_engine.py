@@ -37,18 +37,27 @@ from services.trainer.policy_engine import (  # noqa: F401  (re-exported: the to
     seed_everything,
     token_logprobs,
 )
-from services.trainer.prefix_sharing import plan_prefix_sharing, shared_prefix_hidden, supports_prefix_sharing
+from services.trainer.prefix_sharing import (
+    attention_cost,
+    plan_prefix_sharing,
+    shared_prefix_hidden,
+    supports_prefix_sharing,
+)
 
 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False,
-                        share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        share_prompts: bool = True, pack_completions: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [B, T] of the completion tokens and the policy entropy [B, T] at each of them.
 
     Runs the decoder, then the LM head only at the positions predicting completion tokens (the
     prompt's logits are never built). Rows repeating a prompt (a GRPO group) share one forward of
-    it when ``share_prompts`` (services.trainer.prefix_sharing; same numbers, less work).
+    it when ``share_prompts`` (services.trainer.prefix_sharing; same numbers, less work), and their
+    completions skip padding by packing when ``pack_completions`` and the layout estimate says it pays.
     """
-    plan = plan_prefix_sharing(batch) if share_prompts and supports_prefix_sharing(model) else None
+    plan = None
+    if share_prompts and supports_prefix_sharing(model):
+        plan = plan_prefix_sharing(batch, attention_cost(model) if pack_completions else None)
     if plan is not None:
         selected = shared_prefix_hidden(model.get_decoder(), batch, plan)
     else:
@@ -62,9 +71,11 @@ class TorchEngine(PolicyEngine):
     """TrainEngine on one device with transformers + services.trainer.lora.
 
     ``share_prompts`` (default on) runs a repeated prompt once per micro-batch; off gives the plain forward.
+    ``pack_completions`` (default on) lets that shared forward pack completions instead of padding them.
     """
 
     share_prompts: bool = True
+    pack_completions: bool = True
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
@@ -98,7 +109,7 @@ class TorchEngine(PolicyEngine):
 
     def _completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        return completion_logprobs(self.model, batch, entropy_grad, self.share_prompts)
+        return completion_logprobs(self.model, batch, entropy_grad, self.share_prompts, self.pack_completions)
 
     def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
         return adapters_disabled(self.model)

@@ -198,7 +198,7 @@ class WeightSyncAgent:
             pieces = group.receive_pieces([b.nbytes for b in manifest.buckets], src=c.source_rank)
             return verify_pieces(manifest, pieces, self.receive_hook)
         finally:
-            group.close()
+            group.close(wait=False)
 
     async def _receive_inline(self, manifest: common_pb2.WeightManifest) -> dict[str, torch.Tensor]:
         assert self._stub is not None

@@ -271,7 +271,7 @@ class WeightPublisher:
         try:
             return group.send(payload.buckets(), src=sender_rank)
         finally:
-            group.close()
+            group.close(wait=False)
 
     async def _upload_requests(self, manifest: common_pb2.WeightManifest, payload: _Payload
                                ) -> AsyncIterator[weightsync_pb2.UploadWeightsRequest]:

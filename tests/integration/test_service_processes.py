@@ -253,10 +253,23 @@ def test_idle_server_exits_promptly_on_sigterm(launch) -> None:
     assert seconds < 5  # nothing in flight: no need to wait out the 30 s grace period
 
 
+def test_cpu_nice_lowers_every_thread_of_the_service(launch) -> None:
+    """server.cpu_nice is applied before any thread starts, so the gRPC and worker threads inherit it."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    server = launch("trainer", {"server": {"cpu_nice": 7}})
+    pid = server.process.pid
+    threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    assert len(threads) > 1
+    assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {min(base + 7, 19)}
+    code, _, stderr = server.terminate(timeout=10)
+    assert code == 0, stderr
+
+
 @pytest.mark.parametrize(
     ("args", "key"),
     [
         (["--set", "server.prot=1"], "server.prot"),
+        (["--set", "server.cpu_nice=20"], "server.cpu_nice"),
         (["--port", "70000"], "server.port"),
         (["--set", "trainer.device=gpu"], "trainer.device"),
         (["--set", "server.tls.cert_file=/no/such/cert.pem"], "server.tls.cert_file"),

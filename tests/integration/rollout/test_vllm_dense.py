@@ -124,6 +124,110 @@ def test_several_jobs_side_by_side_on_one_base(service: RolloutHarness, model_di
         service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id=job))
 
 
+def test_cpu_lora_speedups_match_vllms_own_ops(service: RolloutHarness, model_dir, fingerprint) -> None:
+    """On CPU the worker swaps vLLM's LoRA application for grouped ops and a lean add_lora_linear
+    (services/rollout/vllm_worker_ext.py); switched off, the engine runs vLLM's own ops. Greedy tokens
+    and logprobs agree with the lean path alone and with both: a batch of prompts on one adapter, and
+    two adapters plus base-model requests (index -1) in one batch, prefills and decodes."""
+    load(service, "lean-a", 1, random_adapter(model_dir, seed=31), ADAPTER, fingerprint)
+    load(service, "lean-b", 1, random_adapter(model_dir, seed=32), ADAPTER, fingerprint)
+    llm = service.core.engine.llm
+    prompts = [PROMPT, PROMPT[:6], tuple(range(1, 20)), (5, 9, 200, 31)]
+
+    def rpc(method: str, **kwargs: object) -> object:
+        return service.call(llm.collective_rpc(method, kwargs=kwargs))[0]
+
+    def request(job: str, batch: list[tuple[int, ...]]) -> rollout_pb2.GenerateRequest:
+        return rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=p) for p in batch],
+                                           sampling=greedy(N_TOKENS), policy=rollout_pb2.PolicySelector(job_id=job))
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        responses = [service.stub.Generate(request("lean-a", prompts), timeout=120)]
+        mixed = [service.stub.Generate.future(request(job, [prompts[i % len(prompts)]]), timeout=120)
+                 for i, job in enumerate(["", "lean-a", "lean-b", "lean-b", "", "lean-a"])]
+        responses += [future.result() for future in mixed]
+        return [(list(c.token_ids), list(c.logprobs)) for r in responses for res in r.results for c in res.completions]
+
+    try:
+        rpc("lorarl_install_cpu_fixes", lean_lora=False, grouped_lora=False)
+        vllm_ops = run()
+        rpc("lorarl_install_cpu_fixes", lean_lora=True, grouped_lora=False)
+        lean = run()
+        state = rpc("lorarl_lean_lora_state")
+        rpc("lorarl_install_cpu_fixes")  # what the service installs: grouped ops + lean path
+        both = run()
+    finally:
+        rpc("lorarl_install_cpu_fixes")
+    assert state == {"wrappers": 1, "layers": 16, "builds": 16}  # 4 x (qkv, o, gate_up, down), built once
+    assert len(vllm_ops) == len(prompts) + 6
+    for other in (lean, both):
+        for (tokens, logprobs), (got_tokens, got_logprobs) in zip(vllm_ops, other, strict=True):
+            assert got_tokens == tokens
+            torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
+    for job in ("lean-a", "lean-b"):
+        service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id=job))
+
+
+def test_base_requests_get_no_adapter_while_every_slot_holds_one(service: RolloutHarness, model_dir, reference,
+                                                                fingerprint) -> None:
+    """A base-model request (adapter index -1) batched with adapter requests while all max_loras slots
+    hold adapters gets the base model's tokens with our CPU LoRA paths (the service default). vLLM's
+    own CPU ops read the last slot for index -1 rows, so there the base request gets that adapter's
+    tokens: the bug vllm_worker_ext deliberately does not reproduce. Runs after
+    test_cpu_lora_speedups_match_vllms_own_ops, which needs the last slot never written; unloading
+    leaves slot 3 with stale weights, which the fixed paths ignore."""
+    jobs = [f"full-{i}" for i in range(4)]  # max_loras=4: loaded in order into the free slots 0..3
+    llm = service.core.engine.llm
+    loaded: list[str] = []
+
+    def rpc(method: str, **kwargs: object) -> object:
+        return service.call(llm.collective_rpc(method, kwargs=kwargs))[0]
+
+    def request(job: str, tokens: int) -> rollout_pb2.GenerateRequest:
+        return rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=greedy(tokens),
+                                           policy=rollout_pb2.PolicySelector(job_id=job))
+
+    def mixed() -> tuple[list[tuple[str, list[int], list[float]]], list[int]]:
+        """Base and adapter requests in one batch; a long stream on jobs[0], started first, keeps an
+        adapter row in every step they run in (so vLLM's no_lora shortcut never applies)."""
+        stream = service.stub.GenerateStream(rollout_pb2.GenerateStreamRequest(
+            prompt=rollout_pb2.Prompt(token_ids=PROMPT), sampling=greedy(300),
+            policy=rollout_pb2.PolicySelector(job_id=jobs[0])), timeout=120)
+        streamed = list(next(stream).token_ids)
+        futures = [(job, service.stub.Generate.future(request(job, N_TOKENS), timeout=120))
+                   for job in ["", jobs[3], "", jobs[1], jobs[2], ""]]
+        results = [(job, list(c.token_ids), list(c.logprobs)) for job, future in futures
+                   for c in [future.result().results[0].completions[0]]]
+        streamed += [t for message in stream for t in message.token_ids]
+        return results, streamed
+
+    try:
+        for i, job in enumerate(jobs):
+            load(service, job, 1, random_adapter(model_dir, seed=41 + i), ADAPTER, fingerprint)
+            loaded.append(job)
+        alone = {job: list(generate(service.stub, PROMPT, greedy(N_TOKENS), job).token_ids) for job in jobs}
+        ours, ours_streamed = mixed()
+        rpc("lorarl_install_cpu_fixes", lean_lora=False, grouped_lora=False)
+        theirs, theirs_streamed = mixed()
+    finally:
+        rpc("lorarl_install_cpu_fixes")
+        for job in loaded:
+            service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id=job))
+    base_tokens, base_logprobs = reference["base"]
+    assert all(tokens != base_tokens for tokens in alone.values())  # each adapter visibly changes the output
+    assert len(ours_streamed) == len(theirs_streamed) == 300
+    assert ours_streamed[:N_TOKENS] == theirs_streamed[:N_TOKENS] == alone[jobs[0]]
+    for job, tokens, logprobs in ours:
+        if job:
+            assert tokens == alone[job], job
+        else:
+            assert tokens == base_tokens
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(base_logprobs), atol=2e-4, rtol=0)
+    # vLLM's own CPU ops: adapter requests are right, base requests get the last slot's adapter.
+    for job, tokens, _ in theirs:
+        assert tokens == alone[job or jobs[-1]], job or "base"
+
+
 def test_merged_equals_adapter_and_the_transformers_engine_agrees(service: RolloutHarness, model_dir, adapter,
                                                                  reference, fingerprint) -> None:
     load(service, "merged", 1, merged_weights(model_dir, adapter, LORA), MERGED, fingerprint)
@@ -290,6 +394,25 @@ def test_failed_loads_keep_the_previous_version_serving(service: RolloutHarness,
     after = generate(service.stub, PROMPT, greedy(N_TOKENS), "keep")
     assert list(after.token_ids) == list(before.token_ids) and set(after.token_versions) == {1}
     service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="keep"))
+
+
+def test_a_version_loaded_again_with_other_weights_never_reuses_its_cached_prompt(
+        service: RolloutHarness, model_dir, adapter, fingerprint) -> None:
+    """Committing an adapter does not reset the prefix cache; each load has its own cache key instead.
+    A 200-token prompt fills a whole KV block (128 tokens on CPU) that vLLM caches; loading the same
+    job and version again with other weights must recompute it, not reuse KV made by the first ones."""
+    prompt = (PROMPT * 20)[:200]
+    other = random_adapter(model_dir, seed=3)
+    load(service, "again", 1, adapter, ADAPTER, fingerprint)
+    first = generate(service.stub, prompt, greedy(4), "again")
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="again"))
+    load(service, "again", 1, other, ADAPTER, fingerprint)
+    second = generate(service.stub, prompt, greedy(4), "again")
+    tokens, logprobs = reference_greedy(model_dir, prompt, 4, other, LORA)
+    assert list(second.token_ids) == tokens
+    torch.testing.assert_close(torch.tensor(list(second.logprobs)), torch.tensor(logprobs), atol=2e-4, rtol=0)
+    assert list(first.logprobs) != list(second.logprobs)
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="again"))
 
 
 def test_pause_resume_and_abort(service: RolloutHarness) -> None:

@@ -36,6 +36,6 @@ def test_adapters_through_a_tmpfs_directory(tmp_path: Path) -> None:
             await core.close()
 
     tokens, written = asyncio.run(main())
-    assert len(written) == 1 and written[0].parent.name == "shm-v1"
+    assert len(written) == 1 and written[0].parent.name.startswith("shm-v1.")  # AdapterHandle.key
     assert tokens == reference_greedy(model_dir, PROMPT, 16, adapter, LORA)[0]
     assert not list(tmp_path.rglob("*.safetensors"))  # unloaded and closed: nothing left on the tmpfs

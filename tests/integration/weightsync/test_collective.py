@@ -95,3 +95,46 @@ def test_buckets_travel_in_pieces_verified_as_they_land() -> None:
     want = {n: t.float().sum().item() for n, t in tensors()}
     assert results[1] == want and results[2] == want
     group.close()
+
+
+def test_close_without_waiting_shuts_the_group_down_in_the_background(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close(wait=False) returns while gloo's shutdown (~20 ms) is still running, and the shutdown does run."""
+    import threading
+
+    from services.weightsync import collective
+    from services.weightsync.collective import rendezvous_store
+
+    release, closed = threading.Event(), []
+    original = collective._shutdown
+
+    def held_shutdown(pg) -> None:
+        release.wait(30)
+        original(pg)
+        closed.append(pg)
+
+    monkeypatch.setattr(collective, "_shutdown", held_shutdown)
+    store = rendezvous_store("127.0.0.1", 30)
+    groups: dict[int, WeightTransferGroup] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = WeightTransferGroup("gloo", "127.0.0.1", store.port, rank, 2, "bg", timeout_s=30,
+                                           local_address="127.0.0.1", store=store if rank == 0 else None)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    buf = torch.arange(10, dtype=torch.uint8)
+    got = torch.zeros(10, dtype=torch.uint8)
+    work = groups[1].broadcast(got, 0)
+    groups[0].broadcast(buf, 0).wait()
+    work.wait()
+    assert torch.equal(got, buf)
+    for g in groups.values():
+        g.close(wait=False)  # returns although the shutdown is held
+    assert closed == [] and all(g._pg is None for g in groups.values())
+    release.set()
+    for t in [t for t in threading.enumerate() if t.name == "lorarl-group-close"]:
+        t.join(30)
+    assert len(closed) == 2

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from clients.cli import main
-from clients.commands.run import stack_sections, visible_devices
+from clients.commands.run import stack_nice, stack_sections, visible_devices
 from clients.job_config import load_job_config
 from clients.plan import KNOWN_SHAPES, count, human_bytes, human_count, place
 from services.common.config import ConfigError
@@ -115,3 +115,24 @@ def test_device_masks_per_process() -> None:
     assert visible_devices(single) == {"trainer": {"ASCEND_RT_VISIBLE_DEVICES": "0"},
                                        "rollout": {"ASCEND_RT_VISIBLE_DEVICES": "1"}}
     assert visible_devices(load_job_config(str(ROOT / "examples/demo.yaml"), [])) == {}
+
+
+def test_a_cpu_trainer_yields_the_cpu_to_generation() -> None:
+    """`lorarl run` lowers the trainer's CPU priority only where it shares the CPUs with generation."""
+    demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
+    assert stack_nice(demo) == {"trainer": 10}
+    assert stack_nice(load_job_config(str(ROOT / "examples/models/qwen3-0.6b.yaml"), [])) == {}
+    assert stack_nice(load_job_config(str(ROOT / "examples/demo.yaml"), ["trainer.device=npu"])) == {}
+
+
+def test_block_size_reaches_the_rollout_and_must_be_a_multiple_of_16() -> None:
+    from services.rollout.config import RolloutSettings
+
+    demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
+    assert demo.rollout.block_size == 16 and stack_sections(demo, Path("/tmp/x"))["rollout"]["block_size"] == 16
+    assert "block_size" not in stack_sections(load_job_config(str(ROOT / "examples/demo.yaml"),
+                                                              ["rollout.block_size=0"]), Path("/tmp/x"))["rollout"]
+    with pytest.raises(ConfigError, match="block_size"):
+        load_job_config(str(ROOT / "examples/demo.yaml"), ["rollout.block_size=24"])
+    with pytest.raises(ConfigError, match="block_size"):
+        RolloutSettings(block_size=24).validate()

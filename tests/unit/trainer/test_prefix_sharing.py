@@ -1,5 +1,6 @@
 """Shared-prompt forward (services.trainer.prefix_sharing) gives the plain forward's logprobs, entropies,
-LoRA gradients and whole train steps, on the shipped tiny dense and MoE Qwen3 checkpoints."""
+LoRA gradients and whole train steps, on the shipped tiny dense and MoE Qwen3 checkpoints, with the
+completion pass in padded rows and in packed lines."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
+from services.trainer import prefix_sharing
 from services.trainer.batching import micro_batches, pack
 from services.trainer.engine_api import TrajectoryRecord
 from services.trainer.lora import LoraConfig, inject_lora, lora_parameters
 from services.trainer.losses import LossSettings
-from services.trainer.prefix_sharing import plan_prefix_sharing, shared_prefix_hidden, supports_prefix_sharing
+from services.trainer.prefix_sharing import (
+    attention_cost,
+    plan_prefix_sharing,
+    shared_prefix_hidden,
+    supports_prefix_sharing,
+)
 from services.trainer.torch_engine import TorchEngine, completion_logprobs
 from tests.unit.trainer.engine_utils import make_spec
 from tests.unit.trainer.tiny import randomize_adapters
@@ -51,12 +58,14 @@ def lora_model(path: Path, attn: str, dtype: torch.dtype = torch.float32) -> tor
 Result = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
 
 
-def forward_backward(model: torch.nn.Module, records: list[TrajectoryRecord], share: bool) -> Result:
+def forward_backward(model: torch.nn.Module, records: list[TrajectoryRecord], share: bool,
+                     packed: bool = True) -> Result:
     """(logp, entropy, LoRA grads) of a loss using both, so gradients flow through each."""
     for p in lora_parameters(model):
         p.grad = None
     batch = pack(records)
-    logp, entropy = completion_logprobs(model, batch, entropy_grad=True, share_prompts=share)
+    logp, entropy = completion_logprobs(model, batch, entropy_grad=True, share_prompts=share,
+                                        pack_completions=packed)
     ((logp * batch.mask).sum() + 0.1 * (entropy * batch.mask).sum()).backward()
     return logp.detach(), entropy.detach(), [p.grad.clone() for p in lora_parameters(model)]
 
@@ -76,15 +85,16 @@ def assert_close_to_exact(shared: list[torch.Tensor], plain: list[torch.Tensor],
         assert rel(got, want) <= TOL or rel(got, truth) <= floor, (rel(got, want), rel(got, truth), floor)
 
 
-def assert_shared_equals_plain(path: Path, attn: str, records: list[TrajectoryRecord]) -> None:
+def assert_shared_equals_plain(path: Path, attn: str, records: list[TrajectoryRecord], packed: bool = False) -> None:
     """Exact at the decoder output of an fp64 model (hidden states to 1e-5 and their LoRA gradients to
     1e-6 relative: transformers still runs RMSNorm, and eager attention's softmax, in fp32, so rounding
     flips there are the floor; a wrong position or mask would be off by orders of magnitude more), and
-    in fp32 end to end: logprobs and entropies to 1e-5, gradients as assert_close_to_exact says."""
+    in fp32 end to end: logprobs and entropies to 1e-5, gradients as assert_close_to_exact says.
+    ``packed``: the completion pass in packed lines (the layout the model's estimate picks, asserted)."""
     model = lora_model(path, attn, torch.float64)
     batch = pack(records)
-    plan = plan_prefix_sharing(batch)
-    assert plan is not None
+    plan = plan_prefix_sharing(batch, attention_cost(model) if packed else None)
+    assert plan is not None and plan.completions.packed == packed
     weight = torch.randn((*batch.completion_ids.shape, model.config.hidden_size), dtype=torch.float64,
                          generator=torch.Generator().manual_seed(0))
     hidden = {}
@@ -103,18 +113,25 @@ def assert_shared_equals_plain(path: Path, attn: str, records: list[TrajectoryRe
         assert want.norm() > 1e-6 and rel(got, want) < 1e-6
     exact = forward_backward(model, records, share=False)[2]
     model = lora_model(path, attn)
-    shared, plain = forward_backward(model, records, share=True), forward_backward(model, records, share=False)
+    shared = forward_backward(model, records, share=True, packed=packed)
+    plain = forward_backward(model, records, share=False)
     torch.testing.assert_close(shared[0], plain[0], rtol=1e-6, atol=TOL)  # every entry, padding included
     torch.testing.assert_close(shared[1], plain[1], rtol=1e-6, atol=TOL)
     assert_close_to_exact(shared[2], plain[2], exact)
 
 
-def decoder_rows(model: torch.nn.Module) -> tuple[list[tuple[int, ...]], torch.utils.hooks.RemovableHandle]:
-    """Records the input_ids shape of every decoder call."""
+def decoder_rows(model: torch.nn.Module, masks: list[int] | None = None
+                 ) -> tuple[list[tuple[int, ...]], torch.utils.hooks.RemovableHandle]:
+    """Records the input_ids shape of every decoder call (and, into ``masks``, its attention mask's ndim:
+    4 only for a packed completion pass)."""
     shapes: list[tuple[int, ...]] = []
-    handle = model.get_decoder().register_forward_pre_hook(
-        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-    return shapes, handle
+
+    def hook(_m: torch.nn.Module, _a: tuple, kw: dict) -> None:
+        shapes.append(tuple(kw["input_ids"].shape))
+        if masks is not None:
+            masks.append(kw["attention_mask"].ndim)
+
+    return shapes, model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def test_plan_groups_rows_by_prompt_and_declines_when_nothing_repeats() -> None:
@@ -125,6 +142,7 @@ def test_plan_groups_rows_by_prompt_and_declines_when_nothing_repeats() -> None:
     assert plan.row_prompt.tolist() == [0, 1, 0, 1]
     assert plan.prompt_lengths.tolist() == [3, 1]
     assert plan.prompt_ids.tolist() == [[5, 6, 7], [9, 0, 0]]
+    assert not plan.completions.packed and plan.completions.row_start.tolist() == [0, 2, 4, 6]  # T-1 = 2 per row
     assert plan_prefix_sharing(pack([rec[0], rec[1]])) is None  # distinct prompts
     assert plan_prefix_sharing(pack([rec[0]])) is None
     # A prompt that is a prefix of another is a different prompt.
@@ -132,21 +150,28 @@ def test_plan_groups_rows_by_prompt_and_declines_when_nothing_repeats() -> None:
     assert plan_prefix_sharing(pack(prefix)) is None
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("which", ["dense", "moe"])
-def test_shared_forward_equals_plain_logprobs_entropy_and_lora_grads(which: str, attn: str) -> None:
+def test_shared_forward_equals_plain_logprobs_entropy_and_lora_grads(which: str, attn: str, packed: bool) -> None:
     records = groups(1, n_groups=4, size=3, shuffle=True)  # group members not adjacent
-    assert min(len(r.completion_token_ids) for r in records) == 1
+    lengths = [len(r.completion_token_ids) for r in records]
+    assert min(lengths) == 1 and lengths.count(max(lengths)) == 2  # 1-token rows, and rows as long as T (fill a line)
     assert len({len(r.prompt_token_ids) for r in records}) > 1
     model = lora_model(MODELS[which], attn)
     shapes, handle = decoder_rows(model)
     completion_logprobs(model, pack(records), share_prompts=False)
     assert shapes == [(12, max(r.num_tokens for r in records))]
     shapes.clear()
-    completion_logprobs(model, pack(records), share_prompts=True)
+    completion_logprobs(model, pack(records), share_prompts=True, pack_completions=packed)
     handle.remove()
-    assert [s[0] for s in shapes] == [4, 12]  # 4 prompts once, then 12 completions
-    assert_shared_equals_plain(MODELS[which], attn, records)
+    padded_slots = 12 * (max(lengths) - 1)
+    assert shapes[0][0] == 4  # 4 prompts once, then the completion pass:
+    if packed:  # lines without the padding, every real input once
+        assert sum(n - 1 for n in lengths) <= shapes[1][0] * shapes[1][1] < 0.8 * padded_slots
+    else:  # 12 rows right-padded to T-1
+        assert shapes[1] == (12, max(lengths) - 1)
+    assert_shared_equals_plain(MODELS[which], attn, records, packed)
 
 
 def test_one_token_completions_need_no_completion_pass() -> None:
@@ -187,33 +212,134 @@ def test_train_steps_with_split_groups_equal_the_plain_engine(which: str) -> Non
     assert len(plan) > 2 and any(len(a & b) for a, b in itertools.pairwise(keys))  # a group split across micro-batches
     assert any(len(k) < len(idx) for k, idx in zip(keys, plan, strict=True))  # and micro-batches that share
     engines = {}
-    for share in (False, True, None):  # None: the plain path in fp64, the reference for gradients
+    # plain, shared prompts with padded / packed completions, and "exact": plain in fp64, the gradients' reference
+    for name in ("plain", "padded", "packed", "exact"):
         engine = TorchEngine(make_spec(MODELS[which], lr=1e-4, micro_batch_tokens=budget, loss=loss))
-        engine.share_prompts = bool(share)
+        engine.share_prompts = name in ("padded", "packed")
+        engine.pack_completions = name == "packed"
         randomize_adapters(engine.model, std=0.02)
-        engines[share] = engine.model.double() and engine if share is None else engine
-    calls = {share: decoder_rows(engines[share].model) for share in (False, True)}
-    metrics = {share: e.forward_backward(records) for share, e in engines.items()}
-    grads = {share: [p.grad for p in e.named_trainable_parameters().values()] for share, e in engines.items()}
-    assert_close_to_exact(grads[True], grads[False], grads[None])
-    for share in (False, True):
-        metrics[share].update(engines[share].optim_step())
-        metrics[share].update(engines[share].train_step(records))
-    for key in ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "grad_norm"):
-        assert metrics[True][key] == pytest.approx(metrics[False][key], rel=TOL, abs=TOL), key
-    assert metrics[True]["kl"] > 0
-    slots = {share: sum(rows * width for rows, width in shapes) for share, (shapes, _) in calls.items()}
-    assert slots[True] < 0.8 * slots[False]  # the shared path really ran, on fewer token slots
-    plain, shared = engines[False].named_trainable_parameters(), engines[True].named_trainable_parameters()
-    start = engines[None].named_trainable_parameters()  # never stepped
+        engines[name] = engine.model.double() and engine if name == "exact" else engine
+    timed = ("plain", "padded", "packed")
+    masks: dict[str, list[int]] = {name: [] for name in timed}
+    calls = {name: decoder_rows(engines[name].model, masks[name]) for name in timed}
+    metrics = {name: e.forward_backward(records) for name, e in engines.items()}
+    grads = {name: [p.grad for p in e.named_trainable_parameters().values()] for name, e in engines.items()}
+    for name in ("padded", "packed"):
+        assert_close_to_exact(grads[name], grads["plain"], grads["exact"])
+    for name in timed:
+        metrics[name].update(engines[name].optim_step())
+        metrics[name].update(engines[name].train_step(records))
+    compared = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "grad_norm")
+    for name, key in itertools.product(("padded", "packed"), compared):
+        assert metrics[name][key] == pytest.approx(metrics["plain"][key], rel=TOL, abs=TOL), (name, key)
+    assert metrics["packed"]["kl"] > 0
+    slots = {name: sum(rows * width for rows, width in shapes) for name, (shapes, _) in calls.items()}
+    assert slots["padded"] < 0.8 * slots["plain"]  # the shared path really ran, on fewer token slots
+    assert slots["packed"] < slots["padded"]  # and packing skipped padding on top
+    assert 4 in masks["packed"] and 4 not in masks["padded"]  # packed completion passes (4D masks) ran
+    plain = engines["plain"].named_trainable_parameters()
+    start = engines["exact"].named_trainable_parameters()  # never stepped
     assert max((p - start[n]).abs().max().item() for n, p in plain.items()) > 1e-4  # the steps did update
     # AdamW divides each gradient element by its own magnitude, so an element whose gradient sits at
     # fp32 rounding level moves by a rounding-driven fraction of lr (both paths alike): measured up to
     # 6e-5 at lr 1e-3 on the MoE model, hence lr 1e-4 for this comparison.
-    for name, p in plain.items():
-        torch.testing.assert_close(shared[name], p, rtol=0, atol=TOL, msg=name)
-    for ref in (False, True):
-        got = engines[True].compute_logprobs(records, reference=ref)
-        want = engines[False].compute_logprobs(records, reference=ref)
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=TOL)
+    for name in ("padded", "packed"):
+        shared = engines[name].named_trainable_parameters()
+        for param, p in plain.items():
+            torch.testing.assert_close(shared[param], p, rtol=0, atol=TOL, msg=f"{name} {param}")
+        for ref in (False, True):
+            got = engines[name].compute_logprobs(records, reference=ref)
+            want = engines["plain"].compute_logprobs(records, reference=ref)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=TOL)
+
+
+def test_packed_lines_hold_one_groups_rows_end_to_end_at_their_true_positions() -> None:
+    a, b = [5, 6, 7], [9]  # prompts of 3 and 1 tokens
+    shapes = [(a, [11, 12, 13, 14]), (a, [21]), (a, [31, 32, 33]), (b, [41, 42, 43, 44]), (a, [51, 52]),
+              (b, [61, 62, 63, 64])]
+    records = [TrajectoryRecord(p, c, [], [], 0.0) for p, c in shapes]
+    batch = pack(records)  # T = 4: padded rows would be 6 x 3 slots
+    plan = plan_prefix_sharing(batch, attention_weight=1e-3)
+    assert plan is not None
+    layout = plan.completions
+    # Row inputs (widest first, first fit in lines of T-1 = 3): [11 12 13] [31 32 51] [41 42 43] [61 62 63];
+    # the 1-token row has no input; lines never mix the two prompts.
+    assert layout.packed and (layout.lines, layout.width) == (4, 3)
+    assert layout.line_prompt.tolist() == [0, 0, 1, 1]
+    assert layout.row_start.tolist() == [0, 0, 3, 6, 5, 9]
+    model = lora_model(DENSE_MODEL_DIR, "sdpa")
+    seen: list[dict] = []
+    handle = model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: seen.append(dict(kw)), with_kwargs=True)
+    shared_prefix_hidden(model.get_decoder(), batch, plan)
+    handle.remove()
+    call = seen[1]
+    assert call["input_ids"].tolist() == [[11, 12, 13], [31, 32, 51], [41, 42, 43], [61, 62, 63]]
+    assert call["position_ids"].tolist() == [[3, 4, 5], [3, 4, 3], [1, 2, 3], [1, 2, 3]]
+    mask = call["attention_mask"]
+    assert mask.shape == (4, 1, 3, 3 + 3) and mask.dtype == torch.bool
+    # Line 1: 31 32 | 51 — each sees prompt a's 3 keys, and only its own row's inputs, causally.
+    assert mask[1, 0].int().tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 1]]
+    # Line 2 continues prompt b (1 real token of Pmax 3).
+    assert mask[2, 0, 2].int().tolist() == [1, 0, 0, 1, 1, 1]
+    assert_shared_equals_plain(DENSE_MODEL_DIR, "sdpa", records, packed=True)
+
+
+def test_packing_falls_back_to_padded_rows_over_the_mask_cap_or_when_nothing_is_padding(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # One group: a 5-token completion and seven of 4 (inputs: 4 and 3 x 7). Lines of T-1 = 4 slots fit one row
+    # each (no saving); only wider lines save slots, and their masks outgrow the padded rows' 8 x 4 x (1 + 4).
+    rng = random.Random(3)
+    records = [TrajectoryRecord([9], [rng.randrange(1, 250) for _ in range(n)], [], [], 0.0, "g")
+               for n in (4, 4, 5, 4, 4, 4, 4, 4)]
+    model = lora_model(DENSE_MODEL_DIR, "sdpa")
+    weight = attention_cost(model)
+    packed = plan_prefix_sharing(pack(records), weight)
+    assert packed is not None and packed.completions.packed
+    assert (packed.completions.lines, packed.completions.width) == (1, 25)  # one line: 25 inputs, no padding
+    assert_shared_equals_plain(DENSE_MODEL_DIR, "sdpa", records, packed=True)
+    monkeypatch.setattr(prefix_sharing, "MAX_MASK_ELEMENTS", 8 * 4 * 5)  # no more than the padded rows' mask
+    plan = plan_prefix_sharing(pack(records), weight)
+    assert plan is not None and not plan.completions.packed
+    shapes, handle = decoder_rows(model)
+    shared = forward_backward(model, records, share=True)
+    handle.remove()
+    assert shapes == [(1, 1), (8, 4)]  # the prompt, then the padded rows
+    plain = forward_backward(model, records, share=False)
+    torch.testing.assert_close(shared[0], plain[0], rtol=1e-6, atol=TOL)
+    monkeypatch.undo()
+    # Equal completion lengths: no padding to skip, so no packing (it would only add a mask).
+    groups_of_three = groups(1, n_groups=4, size=3)
+    even = [TrajectoryRecord(r.prompt_token_ids, [7, 8, 9], [], [], 0.0, r.group_id) for r in groups_of_three]
+    plan = plan_prefix_sharing(pack(even), weight)
+    assert plan is not None and not plan.completions.packed
+    # An attention implementation without explicit 4D masks keeps padded rows.
+    model.config._attn_implementation = "flash_attention_2"
+    assert attention_cost(model) is None
+
+
+def test_packed_layout_skips_most_padding_on_a_demo_shaped_batch() -> None:
+    """16 prompts of 14-18 tokens x 8 completions of 1-8 tokens (the demo stops early at EOS)."""
+    rng = random.Random(0)
+    records = []
+    for g in range(16):
+        prompt = [rng.randrange(1, 250) for _ in range(rng.randint(14, 18))]
+        for _ in range(8):
+            n = rng.randint(1, 8)
+            records.append(TrajectoryRecord(prompt, [rng.randrange(1, 250) for _ in range(n)], [], [], 0.0, f"g{g}"))
+    model = lora_model(DENSE_MODEL_DIR, "sdpa")
+    batch = pack(records)
+    padded = plan_prefix_sharing(batch)
+    plan = plan_prefix_sharing(batch, attention_cost(model))
+    assert padded is not None and plan is not None and plan.completions.packed
+    real = sum(len(r.completion_token_ids) - 1 for r in records)
+    assert padded.completions.slots == 128 * 7 and real < 0.6 * padded.completions.slots  # padded rows: >40% padding
+    # Packed lines: under 20% padding (lines of one group leave gaps: 469 slots for 403 inputs here).
+    assert real <= plan.completions.slots < 1.2 * real
+    slots = {}
+    for packed in (False, True):
+        shapes, handle = decoder_rows(model)
+        completion_logprobs(model, batch, pack_completions=packed)
+        handle.remove()
+        slots[packed] = sum(rows * width for rows, width in shapes)
+    assert slots[True] < 0.75 * slots[False]  # every decoder token slot, the prompt pass included
