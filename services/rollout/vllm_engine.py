@@ -185,12 +185,12 @@ class VllmEngine:
         # validation has checked the ids against the vocabulary), which adds up over a batch's requests.
         queue = await self._llm.add_request(spec.request_id, tokens_input(list(spec.prompt_token_ids)),
                                             self._params(spec), lora_request=lora)
-        self._live += 1
-        self._peak = max(self._peak, min(self._live, self.settings.max_num_seqs))
         return self._events(spec.request_id, queue, spec.sampling.logprobs)
 
     async def _events(self, request_id: str, queue: Any, top_n: int) -> AsyncIterator[SegmentEvent]:
         finished = False
+        self._live += 1  # counted while consumed, so a generator never started cannot leak a count
+        self._peak = max(self._peak, min(self._live, self.settings.max_num_seqs))
         try:
             while not finished:
                 out = queue.get_nowait() or await queue.get()
