@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.common.config import ConfigError, in_range, setting
+from services.common.config import ConfigError, all_of, in_range, multiple_of, setting
 
 SyncModeName = Literal["adapter", "merged", "auto"]
 LoopMode = Literal["sync", "async"]
@@ -112,14 +112,10 @@ class RolloutSection:
     max_num_seqs: int = setting(0, check=in_range(0, 4096),
                                 doc="Sequences a vLLM engine decodes at once (0: a whole step's batch, >= 64).")
     tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices per rollout replica (vLLM TP).")
-    block_size: int = setting(0, check=in_range(0), doc="vLLM KV-cache block in tokens, a multiple of 16 (0: vLLM's "
-                                                        "default). Prefix caching shares whole blocks only: blocks "
-                                                        "no longer than the prompts let a group share its prefill.")
-
-    def validate(self) -> None:
-        if self.block_size % 16:
-            raise ConfigError("block_size", f"must be a multiple of 16 (or 0), got {self.block_size}")
-
+    block_size: int = setting(
+        0, check=all_of(in_range(0), multiple_of(16)),
+        doc="vLLM KV-cache block in tokens, a multiple of 16 (0: vLLM's default). Prefix caching shares whole "
+            "blocks only: blocks no longer than the prompts let a group share its prefill.")
 
 @dataclass
 class LoopSection:

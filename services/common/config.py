@@ -127,6 +127,17 @@ def existing_file(value: Any) -> str | None:
     return f"an existing file, but {str(value)!r} does not exist or is not a file"
 
 
+def multiple_of(step: int) -> Check:
+    """Accepts None or integers divisible by ``step`` (0 included)."""
+
+    def check(value: Any) -> str | None:
+        if value is None or value % step == 0:
+            return None
+        return f"a multiple of {step}, got {value!r}"
+
+    return check
+
+
 def existing_dir(value: Any) -> str | None:
     """Accepts None or the path of an existing directory."""
     if value is None or Path(value).is_dir():

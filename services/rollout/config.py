@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.common.config import ConfigError, existing_dir, in_range, setting
+from services.common.config import ConfigError, all_of, existing_dir, in_range, multiple_of, setting
 from services.common.server_config import ServerConfig
 
 #: Ranks vLLM accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
@@ -36,8 +36,9 @@ class RolloutSettings:
         None, check=in_range(16), doc="Tokens vLLM schedules per step (longer prefills are chunked); default: vLLM's.")
     max_num_seqs: int = setting(64, check=in_range(1), doc="Sequences vLLM runs in one step at most.")
     block_size: int | None = setting(
-        None, check=in_range(16), doc="Tokens per KV-cache block (a multiple of 16); prefix caching shares whole "
-        "blocks, so prompts shorter than a block are prefilled once per sample. Default: vLLM's (128 on CPU).")
+        None, check=all_of(in_range(16), multiple_of(16)),
+        doc="Tokens per KV-cache block (a multiple of 16); prefix caching shares whole blocks, so prompts "
+            "shorter than a block are prefilled once per sample. Default: vLLM's (128 on CPU).")
     enforce_eager: bool = setting(True, doc="Skip torch.compile / graph capture (fast start, CPU friendly).")
     seed: int = setting(0, check=in_range(0), doc="Engine seed (requests without a seed draw from it).")
     enable_lora: bool | None = setting(
@@ -78,8 +79,6 @@ class RolloutSettings:
                                      "(empty: the local address of the route to weight sync).")
 
     def validate(self) -> None:
-        if self.block_size is not None and self.block_size % 16:
-            raise ConfigError("block_size", f"must be a multiple of 16, got {self.block_size}")
         unknown = sorted(set(self.collective_backends) - {"gloo", "nccl", "hccl"})
         if unknown:
             raise ConfigError("collective_backends", f"unknown backends {unknown}; use gloo, nccl or hccl")

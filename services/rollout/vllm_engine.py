@@ -231,20 +231,19 @@ class VllmEngine:
                           ) -> None:
         from vllm.lora.request import LoRARequest
 
-        if self._shm_root is not None:
-            path = await asyncio.to_thread(self._write_peft_dir, handle, lora, tensors)
-        else:
-            path = f"{MEMORY_SCHEME}{handle.key}"
+        memory = self._shm_root is None
+        path = (f"{MEMORY_SCHEME}{handle.key}" if memory
+                else await asyncio.to_thread(self._write_peft_dir, handle, lora, tensors))
         request = LoRARequest(lora_name=handle.name, lora_int_id=handle.lora_int_id, lora_path=path)
         try:
-            if self._shm_root is not None:
-                await self._llm.add_lora(request)
-            else:  # registered and added by the worker in one engine call (see lorarl_put_adapter)
+            if memory:  # registered and added by the worker in one engine call (see lorarl_put_adapter)
                 blob = await asyncio.to_thread(
                     lambda: next(iter(safetensors_blobs(tensors.items(), max_bytes=1 << 62))))
                 await self._llm.collective_rpc("lorarl_put_adapter", kwargs={
                     "lora_int_id": handle.lora_int_id, "peft_config": lora.peft_config(), "blob": blob,
                     "lora_name": request.lora_name, "lora_path": request.lora_path})
+            else:
+                await self._llm.add_lora(request)
         except BaseException:
             await self._forget_adapter(handle)
             raise

@@ -10,8 +10,9 @@ so nothing touches the disk.
 Adapters: `lorarl_put_adapter` keeps (PEFT config, bytes) in a per-process registry and patches the
 worker's LoRA manager so a `LoRARequest` whose path starts with MEMORY_SCHEME is built from the
 registry (PEFTHelper.from_dict -> LoRAModel.from_lora_tensors, as AReaL does) instead of read from
-a directory. Everything else stays public: `AsyncLLM.add_lora` / `remove_lora` load and drop the
-adapter, and vLLM may evict and later reload it (after a weight reload, say) without us: each build
+a directory, and adds it to the worker in the same call. Everything else stays public:
+`AsyncLLM.remove_lora` drops the adapter, and vLLM may evict and later reload it (after a weight
+reload, say) without us: each build
 deserialises fresh tensors, because vLLM folds the scale into lora_B in place.
 
 Merged weights: `lorarl_put_weights` stages bytes while the engine keeps generating; between steps,
@@ -475,25 +476,20 @@ class LorarlWorkerExtension:
         return {"wrappers": len(wrappers), "layers": sum(len(w._lorarl_lean_weights) for w in wrappers),
                 "builds": sum(w._lorarl_lean_builds for w in wrappers)}
 
-    def lorarl_put_adapter(self, lora_int_id: int, peft_config: dict[str, Any], blob: bytes,
-                           lora_name: str | None = None, lora_path: str | None = None) -> bool:
-        """Registers an adapter and builds it once, so a bad one is refused here and not mid-request.
-        With ``lora_name``/``lora_path`` (a MEMORY_SCHEME path) it is also added to the worker as
-        ``AsyncLLM.add_lora`` would add it (engine core and executor only forward that call): one trip
-        to a busy engine instead of two, each waiting for the step in progress to end."""
-        manager = _lora_manager(self)
-        _install_memory_loader(manager)
+    def lorarl_put_adapter(self, lora_int_id: int, peft_config: dict[str, Any], blob: bytes, lora_name: str,
+                           lora_path: str) -> bool:
+        """Registers an adapter and adds it to the worker as ``AsyncLLM.add_lora`` would (engine core and
+        executor only forward that call), which builds it once through the memory loader: a bad one is
+        refused here, not mid-request, in one trip to a busy engine instead of two."""
+        from vllm.lora.request import LoRARequest
+
+        if not lora_path.startswith(MEMORY_SCHEME):
+            raise ValueError(f"lora_path must start with {MEMORY_SCHEME}, got {lora_path!r}")
+        _install_memory_loader(_lora_manager(self))
         _ADAPTERS[lora_int_id] = (dict(peft_config), bytes(blob))
         try:
-            if lora_name is None:
-                _build_lora(manager, lora_int_id)
-            else:
-                from vllm.lora.request import LoRARequest
-
-                if not str(lora_path).startswith(MEMORY_SCHEME):
-                    raise ValueError(f"lora_path must start with {MEMORY_SCHEME}, got {lora_path!r}")
-                self.add_lora(LoRARequest(lora_name=lora_name, lora_int_id=lora_int_id,  # type: ignore[attr-defined]
-                                          lora_path=lora_path))
+            self.add_lora(LoRARequest(lora_name=lora_name, lora_int_id=lora_int_id,  # type: ignore[attr-defined]
+                                      lora_path=lora_path))
         except Exception:
             _ADAPTERS.pop(lora_int_id, None)
             raise

@@ -236,6 +236,9 @@ def test_bad_values_in_other_service_sections(tmp_path: Path) -> None:
     assert load_config(RolloutServiceConfig, env={}, overrides=[f"rollout.model_path={tmp_path}"])
     err = error_for(load_config, WeightSyncServiceConfig, env={}, overrides=["weightsync.keep_versions=0"])
     assert err.key == "weightsync.keep_versions"
+    err = error_for(load_config, RolloutServiceConfig, env={}, overrides=["rollout.block_size=40"])
+    assert err.key == "rollout.block_size" and "a multiple of 16, got 40" in err.problem
+    assert load_config(RolloutServiceConfig, env={}, overrides=["rollout.block_size=48"]).rollout.block_size == 48
 
 
 def test_cross_field_rules(tmp_path: Path) -> None:

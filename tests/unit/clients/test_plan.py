@@ -126,6 +126,7 @@ def test_a_cpu_trainer_yields_the_cpu_to_generation() -> None:
 
 
 def test_block_size_reaches_the_rollout_and_must_be_a_multiple_of_16() -> None:
+    from services.common.config import from_dict
     from services.rollout.config import RolloutSettings
 
     demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
@@ -135,4 +136,4 @@ def test_block_size_reaches_the_rollout_and_must_be_a_multiple_of_16() -> None:
     with pytest.raises(ConfigError, match="block_size"):
         load_job_config(str(ROOT / "examples/demo.yaml"), ["rollout.block_size=24"])
     with pytest.raises(ConfigError, match="block_size"):
-        RolloutSettings(block_size=24).validate()
+        from_dict(RolloutSettings, {"block_size": 24})
