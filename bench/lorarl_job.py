@@ -69,23 +69,22 @@ class TimedLoop(RLLoop):
 
 def run_job(cfg: JobFileConfig, out: Path, export_every: int = 0, progress: bool = False) -> JobTiming:
     """Starts the services, runs the job once from scratch, stops the services."""
-    from clients.commands.run import stack_nice, stack_sections
+    from clients.commands.run import stack_sections
     from clients.stack import LocalStack
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     timing = JobTiming(mode=cfg.loop.mode)
     started = time.perf_counter()
-    with LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=1,
-                    nice=stack_nice(cfg)) as stack:
-        asyncio.run(_drive(cfg, stack.address("trainer"), stack.address("rollout"), stack.token, out, export_every,
-                           timing, progress, started))
+    with LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=1) as stack:
+        asyncio.run(_drive(cfg, stack.address("trainer"), stack.address("rollout"), stack.address("weightsync"),
+                           stack.token, out, export_every, timing, progress, started))
     return timing
 
 
-async def _drive(cfg: JobFileConfig, trainer_address: str, rollout_address: str, token: str, out: Path,
-                 export_every: int, timing: JobTiming, progress: bool, started: float) -> None:
-    from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+async def _drive(cfg: JobFileConfig, trainer_address: str, rollout_address: str, weightsync_address: str,
+                 token: str, out: Path, export_every: int, timing: JobTiming, progress: bool, started: float) -> None:
+    from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
     from clients.datasets import load_examples
     from clients.loop import job_config_proto
@@ -97,9 +96,11 @@ async def _drive(cfg: JobFileConfig, trainer_address: str, rollout_address: str,
     train = load_examples(cfg.data.source, "train", cfg.data.train_path)
     test = load_examples(cfg.data.source, "test", cfg.data.test_path)
     log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=False, progress=progress)
-    async with aio_channel(trainer_address, token=token) as tch, aio_channel(rollout_address, token=token) as rch:
+    async with aio_channel(trainer_address, token=token) as tch, aio_channel(rollout_address, token=token) as rch, \
+            aio_channel(weightsync_address, token=token) as wch:
         trainer = trainer_pb2_grpc.TrainerServiceStub(tch)
         rollout = rollout_pb2_grpc.RolloutServiceStub(rch)
+        weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(wch)
         model_path = str(Path(cfg.model.path).resolve())
         await trainer.CreateJob(trainer_pb2.CreateJobRequest(job_id=cfg.job_id,
                                                              config=job_config_proto(cfg, model_path)))
@@ -131,7 +132,7 @@ async def _drive(cfg: JobFileConfig, trainer_address: str, rollout_address: str,
         if export_every:
             cfg.loop.checkpoint_every = export_every
         loop = TimedLoop(cfg, trainer, rollout, reward, train, test, on_metrics,
-                         on_checkpoint=export if export_every else None)
+                         on_checkpoint=export if export_every else None, weightsync=weightsync)
         try:
             await loop.run()
         finally:

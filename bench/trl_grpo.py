@@ -43,8 +43,8 @@ UNMATCHED = [
     "generation: HF generate in the trainer process (TRL without vLLM) vs lorarl's vLLM rollout service",
     "advantage: TRL divides by (group std + 1e-4), lorarl by (group std + 1e-6); both unbiased std",
     "ratio: TRL with num_iterations=1 takes the ratio against its own detached logprobs (exactly 1), "
-    "lorarl against the sampler's logprobs (equal up to float noise in sync mode; one version behind in async, "
-    "with the decoupled loss)",
+    "lorarl against the sampler's logprobs (equal up to float noise in sync mode; up to loop.max_staleness "
+    "versions behind in async, with the decoupled loss)",
     "sampling seeds: both seeded, but the random streams differ (HF vs vLLM samplers)",
     "LoRA init: PEFT's and lorarl's own initialisation draw different A matrices (B = 0 in both)",
 ]

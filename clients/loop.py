@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2
+from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 
 from clients.datasets import Example, TrainStream
 from clients.job_config import JobFileConfig
@@ -94,8 +94,11 @@ class RLLoop:
 
     def __init__(self, cfg: JobFileConfig, trainer, rollout, reward: RewardFn, train: list[Example],
                  test: list[Example], on_metrics: MetricSink, state: LoopState | None = None,
-                 on_checkpoint: Callable[[LoopState], Awaitable[None]] | None = None) -> None:
+                 on_checkpoint: Callable[[LoopState], Awaitable[None]] | None = None, weightsync=None) -> None:
         self.cfg, self.trainer, self.rollout, self.reward = cfg, trainer, rollout, reward
+        # With the weight-sync stub, the async loop trains the next batch while a version activates.
+        self.weightsync = weightsync
+        self._activating: asyncio.Task[None] | None = None
         self.state = state or LoopState()
         self.stream = TrainStream(train, cfg.data.seed, self.state.cursor)
         self.test = test[: cfg.data.eval_size] if cfg.data.eval_size else test
@@ -178,17 +181,51 @@ class RLLoop:
         metrics["train/version"] = result.version
         return metrics
 
-    async def publish(self) -> dict[str, float]:
+    async def publish(self, overlap: bool = False) -> dict[str, float]:
+        """Publishes the trainer's version. With ``overlap`` (and a weight-sync stub) it returns once the
+        trainer has sent it, and the activation is awaited in the background (``settled``): the trainer's
+        next step then runs while the rollouts stage the version. The version counts as serving, for
+        admission and the policy selector, only once it is active."""
+        await self.settled()  # versions go live in order
+        overlap = overlap and self.weightsync is not None
         response = await self.trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
-            job_id=self.cfg.job_id, mode=SYNC_MODES[self.cfg.sync.mode], wait_for_activation=True,
+            job_id=self.cfg.job_id, mode=SYNC_MODES[self.cfg.sync.mode], wait_for_activation=not overlap,
             timeout_seconds=600))
-        if not response.activated:
+        if overlap and not response.error:
+            self._activating = asyncio.create_task(self._await_activation(response.version))
+        elif not response.activated:
             raise RuntimeError(f"version {response.version} was not activated: {response.error} "
                                f"(failed replicas: {list(response.failed_replicas)})")
-        self.state.version = response.version
-        self._published.set()
+        else:
+            self._serving(response.version)
         return {"sync/seconds": response.seconds, "sync/bytes": float(response.payload_bytes),
                 "sync/version": float(response.version)}
+
+    async def settled(self) -> None:
+        """Returns once the last published version serves; raises if its activation failed."""
+        if self._activating is not None:
+            try:
+                await self._activating
+            finally:
+                self._activating = None
+
+    async def _await_activation(self, version: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            response = await self.weightsync.AwaitActivation(weightsync_pb2.AwaitActivationRequest(
+                job_id=self.cfg.job_id, version=version, timeout_seconds=min(left, 30.0)))
+            if response.outcome == weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE:
+                self._serving(version)
+                return
+            if response.outcome != weightsync_pb2.ACTIVATION_OUTCOME_PENDING or left <= 0:
+                raise RuntimeError(f"version {version} was not activated: "
+                                   f"{response.error or weightsync_pb2.ActivationOutcome.Name(response.outcome)} "
+                                   f"(failed replicas: {list(response.failed_replicas)})")
+
+    def _serving(self, version: int) -> None:
+        self.state.version = version
+        self._published.set()
 
     # ------------------------------------------------------------------ the loop
 
@@ -202,6 +239,12 @@ class RLLoop:
                    "policy/version_lag": float(version_before - batch.min_version), **train, **sync}
         self.state.history.append(metrics)
         self.on_metrics(metrics)
+
+    def _due(self, step: int) -> bool:
+        """Whether an evaluation or a checkpoint follows ``step``."""
+        loop = self.cfg.loop
+        return bool(loop.eval_every and step % loop.eval_every == 0 and step < loop.steps) or bool(
+            self.on_checkpoint and loop.checkpoint_every and step % loop.checkpoint_every == 0)
 
     async def _maybe_eval_and_checkpoint(self) -> None:
         loop = self.cfg.loop
@@ -243,8 +286,12 @@ class RLLoop:
 
     async def _run_async(self) -> None:
         bound = self.cfg.loop.max_staleness
-        queue: asyncio.Queue[Batch | None] = asyncio.Queue()
+        # Batches in index order, as tasks: a batch starts generating as soon as admission allows, even
+        # while the previous one is still decoding, so the engine fills the slots its finished
+        # sequences free with the next batch's prompts instead of running its tail half empty.
+        queue: asyncio.Queue[asyncio.Task[Batch] | None] = asyncio.Queue()
         stop = asyncio.Event()
+        started: list[asyncio.Task[Batch]] = []
 
         async def producer() -> None:
             index = self.state.step
@@ -254,8 +301,13 @@ class RLLoop:
                 while self.state.version < index - bound and not stop.is_set():
                     self._published.clear()
                     await self._published.wait()
+                if stop.is_set():
+                    break
                 examples = self.stream.take(self.cfg.loop.prompts_per_step)
-                await queue.put(await self.generate(index, examples))
+                started.append(asyncio.create_task(self.generate(index, examples)))
+                await queue.put(started[-1])
+                if len(started) == 1:  # nothing trains before the first batch: it decodes alone, at full speed
+                    await asyncio.wait(started)
                 index += 1
             await queue.put(None)
 
@@ -264,19 +316,28 @@ class RLLoop:
             while self.state.step < self.cfg.loop.steps:
                 if self._out_of_time():
                     break
-                batch = await queue.get()
-                if batch is None:
+                pending = await queue.get()
+                if pending is None:
                     break
-                version_before = self.state.version
+                batch = await pending
                 train = await self.train(batch)
-                sync = await self.publish()
+                sync = await self.publish(overlap=True)
                 self.state.step += 1
                 self.state.cursor = self.state.step * self.cfg.loop.prompts_per_step
-                self._record(batch, train, sync, version_before)
+                # the trainer's version before this step (the served one may still be activating)
+                self._record(batch, train, sync, int(train["train/version"]) - 1)
+                if self._due(self.state.step):  # evaluation and checkpoint see the version serving
+                    await self.settled()
                 await self._maybe_eval_and_checkpoint()
+            await self.settled()
         finally:
             stop.set()
             self._published.set()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if self._activating is not None:
+                started.append(self._activating)
+                self._activating = None
+            for t in (task, *started):
+                t.cancel()
+            for t in (task, *started):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t

@@ -54,8 +54,6 @@ class LocalStack:
     rollout_replicas: int = 1
     #: Extra environment per process name, e.g. {"rollout-1": {"CUDA_VISIBLE_DEVICES": "2,3"}}.
     process_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    #: server.cpu_nice per service, e.g. {"trainer": 10} (see clients.commands.run.stack_nice).
-    nice: dict[str, int] = field(default_factory=dict)
 
     def __enter__(self) -> LocalStack:
         try:
@@ -106,8 +104,7 @@ class LocalStack:
         service = service or name
         config = {
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": -1, "log_format": "text",
-                       "shutdown_grace_s": 5, "auth": {"token_env": "LORARL_AUTH_TOKEN", "required": True},
-                       **({"cpu_nice": self.nice[service]} if self.nice.get(service) else {})},
+                       "shutdown_grace_s": 5, "auth": {"token_env": "LORARL_AUTH_TOKEN", "required": True}},
             service: section,
         }
         config_path = self.workdir / f"{name}.yaml"

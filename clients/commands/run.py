@@ -63,7 +63,11 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     return {
         "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}"),
                        "collective_backend": backend},
+        # A CPU trainer shares the cores with generation: its engine threads at niceness 10 no longer
+        # preempt the rollout engine's step loop (the longer half of the async loop here), while its gRPC
+        # threads keep answering at once (the whole process at 10 delayed the first push by 0.25 s).
         "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
+                    **({"compute_nice": 10} if cfg.trainer.device == "cpu" else {}),
                     "export_dir": str(out / "exports"), "collective": cfg.sync.collective,
                     # tensor x pipeline x data ranks, one process each (rank 0 serves gRPC)
                     **({"ranks": cfg.trainer.parallel.world_size} if cfg.trainer.parallel.world_size > 1 else {})},
@@ -79,13 +83,6 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                                                                       // cfg.rollout.replicas)),
                     "collective_backends": sorted({backend, "gloo"})},
     }
-
-
-def stack_nice(cfg) -> dict[str, int]:
-    """server.cpu_nice per service of a local stack. A CPU trainer shares the cores with generation:
-    at niceness 10 it no longer preempts the rollout engine's step loop, which wakes for every step and
-    is the longer half of the async loop here (demo: 0.25 s a step instead of 0.26-0.29, same train time)."""
-    return {"trainer": 10} if cfg.trainer.device == "cpu" else {}
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -108,13 +105,14 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
     stack = LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=threads,
-                       rollout_replicas=cfg.rollout.replicas, process_env=visible_devices(cfg), nice=stack_nice(cfg))
+                       rollout_replicas=cfg.rollout.replicas, process_env=visible_devices(cfg))
     try:
         with stack:
             rollouts = stack.addresses("rollout")
             print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {', '.join(rollouts)}, "
                   f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
-            return asyncio.run(drive(cfg, stack.address("trainer"), rollouts, stack.token, out))
+            return asyncio.run(drive(cfg, stack.address("trainer"), rollouts, stack.token, out,
+                                     stack.address("weightsync")))
     except KeyboardInterrupt:
         print("lorarl: interrupted; services stopped. Run the same command again to resume.", file=sys.stderr)
         return 130
@@ -132,7 +130,7 @@ def train_command(args: argparse.Namespace) -> int:
     out = Path(cfg.output.dir)
     rollouts = [a.strip() for a in args.rollout.split(",") if a.strip()]
     try:
-        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out))
+        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync))
     except KeyboardInterrupt:
         return 130
 
@@ -153,9 +151,9 @@ def visible_devices(cfg) -> dict[str, dict[str, str]]:
 
 
 async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], token: str | None,
-                out: Path) -> int:
+                out: Path, weightsync_address: str | None = None) -> int:
     """Creates (or resumes) the job, runs the loop, and writes the plot and summary."""
-    from lorarl.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+    from lorarl.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
     from clients.datasets import load_examples
     from clients.loop import RLLoop
@@ -177,6 +175,8 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
         trainer = trainer_pb2_grpc.TrainerServiceStub(tch)
         rollout = RolloutPool([rollout_pb2_grpc.RolloutServiceStub(
             await channels.enter_async_context(aio_channel(address, token=token))) for address in rollout_addresses])
+        weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(await channels.enter_async_context(
+            aio_channel(weightsync_address, token=token))) if weightsync_address else None
         state = await create_or_resume(cfg, trainer, out)
 
         async def checkpoint(s) -> None:
@@ -184,7 +184,8 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
                 job_id=cfg.job_id, path=f"{cfg.job_id}/step-{s.step:06d}"))
             write_state(out, {"step": s.step, "version": s.version, "cursor": s.cursor, "checkpoint": saved.path})
 
-        loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=checkpoint)
+        loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=checkpoint,
+                      weightsync=weightsync)
         try:
             await loop.run()
         finally:

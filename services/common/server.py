@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import BearerAuthInterceptor, server_token
 from services.common.errors import ErrorInterceptor
+from services.common.gc_heap import freeze_long_lived
 from services.common.log import configure_logging
 from services.common.metrics import MetricsEndpoint, MetricsInterceptor, RpcMetrics, start_metrics_endpoint
 from services.common.ready import remove_ready_file, write_ready_file
@@ -271,6 +272,7 @@ async def serve(
         result = on_started(running)
         if inspect.isawaitable(result):
             await result
+    freeze_long_lived()  # what start-up built stays for the process's life: no collection should walk it
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
 

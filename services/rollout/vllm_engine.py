@@ -122,6 +122,12 @@ class VllmEngine:
         # No stat loggers: with any, vLLM records Prometheus histograms and iteration stats for every
         # request at every step in the frontend (~15% of its CPU on the demo); stats() counts requests here.
         self._llm = AsyncLLM.from_engine_args(args)
+        # vLLM reads its settings from the environment on every access (every request's SamplingParams
+        # looks up VLLM_MAX_N_SEQUENCES: ~14% of this process's CPU on the demo). vLLM's own servers and
+        # engine core freeze them once the engine is up; so does this frontend.
+        from vllm import envs as vllm_envs
+
+        vllm_envs.enable_envs_cache()
         self.info = EngineInfo(
             engine="vllm",
             model_path=str(self.files.root),

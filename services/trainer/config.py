@@ -34,6 +34,10 @@ class TrainerSettings:
                              "1..N-1 itself. Under torchrun its WORLD_SIZE decides (leave this at 1).")
     rank_timeout_s: float = setting(1800.0, check=in_range(1.0, None),
                                     doc="Bound on one collective between trainer ranks (and on their rendezvous).")
+    compute_nice: int = setting(0, check=in_range(0, 19),
+                                doc="Niceness added to the threads that run engine work (steps, checkpoints, "
+                                    "exports) but not to the gRPC ones: a CPU trainer sharing cores with "
+                                    "generation then yields them without answering RPCs late.")
 
 
 @dataclass

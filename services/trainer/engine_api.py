@@ -208,6 +208,9 @@ class TrainEngine(abc.ABC):
     def optim_step(self, lr: float | None = None) -> Metrics:
         """Applies accumulated gradients (``lr`` overrides the schedule for this step); bumps version."""
 
+    def warm_up(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
+        """Pays one-time costs before the first step; changes nothing a step computes. A no-op here."""
+
     def train_step(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
         """One full update: forward_backward on the batch, then optim_step."""
         start = time.perf_counter()

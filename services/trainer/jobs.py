@@ -9,8 +9,13 @@ health checks and other jobs' RPCs.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import os
 import re
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,8 +28,20 @@ from services.common.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from services.common.gc_heap import freeze_long_lived
 from services.trainer.engine_api import JobSpec, Metrics, TrainEngine, TrajectoryRecord, create_engine
 from services.trainer.validation import BufferFullError, InvalidTrajectory, TrajectoryBuffer, validate_trajectory
+
+logger = logging.getLogger(__name__)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Adds ``nice`` to the calling thread only (Linux keeps niceness per thread); elsewhere a no-op."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (AttributeError, OSError):
+        logger.warning("could not lower the priority of the engine threads", exc_info=True)
 
 T = TypeVar("T")
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -64,12 +81,20 @@ class JobManager:
     """Creates, runs and forgets training jobs."""
 
     def __init__(self, *, max_jobs: int = 4, model_roots: Sequence[str] = (),
-                 engine_factory: EngineFactory = create_engine) -> None:
+                 engine_factory: EngineFactory = create_engine, compute_nice: int = 0) -> None:
         self.max_jobs = max_jobs
         self.model_roots = [Path(r) for r in model_roots]
         self.engine_factory = engine_factory
         self._jobs: dict[str, Job] = {}
         self._creating: set[str] = set()
+        # Engine work runs on these threads, at `compute_nice` when asked; None: asyncio's default pool.
+        self._compute = ThreadPoolExecutor(max_jobs, "engine", lower_thread_priority, (compute_nice,)) \
+            if compute_nice else None
+
+    async def _in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._compute is None:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, functools.partial(fn, *args))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -102,9 +127,14 @@ class JobManager:
         self._creating.add(job_id)
         try:
             try:
-                engine = await asyncio.to_thread(self.engine_factory, spec)
+                engine = await self._in_engine_thread(self.engine_factory, spec)
             except (ValueError, OSError) as e:
                 raise InvalidArgumentError("config", f"cannot build the job's engine: {e}") from None
+            try:
+                await self._in_engine_thread(engine.warm_up)
+            except Exception:  # the job still trains; its first step just pays the set-up itself
+                logger.warning("job %s: engine warm-up failed", job_id, exc_info=True)
+            freeze_long_lived()  # the model lives as long as the job: keep full collections off it
             job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits))
             self._jobs[job_id] = job
             return job
@@ -115,7 +145,7 @@ class JobManager:
         job = self.get(job_id)
         async with job.lock:
             self._jobs.pop(job_id, None)
-            await asyncio.to_thread(job.engine.close)  # a multi-rank engine is freed on every rank
+            await self._in_engine_thread(job.engine.close)  # a multi-rank engine is freed on every rank
 
     # ------------------------------------------------------------ data
 
@@ -136,7 +166,7 @@ class JobManager:
 
     async def _run(self, job: Job, fn: Callable[..., T], *args: Any) -> T:
         async with job.lock:
-            return await asyncio.to_thread(fn, *args)
+            return await self._in_engine_thread(fn, *args)
 
     async def train_step(self, job_id: str, max_trajectories: int, inline: Sequence[TrajectoryRecord]
                          ) -> tuple[Metrics, int, int]:
@@ -148,7 +178,7 @@ class JobManager:
             if not batch and not extra:
                 raise FailedPreconditionError(f"job {job_id!r} has no trajectories to train on; push some first")
             try:
-                metrics = await asyncio.to_thread(job.engine.train_step, batch + extra)
+                metrics = await self._in_engine_thread(job.engine.train_step, batch + extra)
             except BaseException:
                 job.buffer.restore(batch)
                 raise
@@ -229,7 +259,7 @@ class JobManager:
                         f"job {job_id!r} is at version 0 (the base model every replica already serves); "
                         "train a step before publishing")
                 if job_id not in publisher.jobs:
-                    catalog = await asyncio.to_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
+                    catalog = await self._in_engine_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
                     await publisher.register_job(job_id, base_model_fingerprint=engine.base_model_fingerprint,
                                                  lora=lora_spec(job.spec.lora), catalog=catalog, mode=mode,
                                                  start_version=version - 1)

@@ -57,7 +57,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def __init__(self, settings: TrainerSettings, jobs: JobManager | None = None, token: str | None = None) -> None:
         self.settings = settings
-        self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots)
+        self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots,
+                                       compute_nice=settings.compute_nice)
         self.token = token
         self._publisher = None
 
@@ -85,6 +86,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def CreateJob(self, request, context):
         spec = convert.job_spec(request.config, self.settings.device)
         job = await self.jobs.create(request.job_id, spec)
+        if self.settings.weightsync_address:
+            self.publisher().connect()  # the first publish should not pay for the import and the handshake
         return trainer_pb2.CreateJobResponse(job=job_status(job))
 
     async def GetJob(self, request, context):
@@ -207,7 +210,8 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
                                         server.log_level, server.log_format)
     except RuntimeError as e:
         raise StartupError(f"trainer ranks did not start: {e}") from None
-    jobs = JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots, engine_factory=group.create_engine)
+    jobs = JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots, engine_factory=group.create_engine,
+                      compute_nice=settings.compute_nice)
     servicer = TrainerServicer(settings, jobs=jobs, token=server_token(server.auth))
 
     def started(running: RunningServer) -> None:

@@ -147,6 +147,10 @@ class WeightPublisher:
         self.jobs: dict[str, JobRegistration] = {}
         self._store: dist.TCPStore | None = None
 
+    def connect(self) -> None:
+        """Starts connecting to the service without waiting, so the first publish finds the channel up."""
+        self._channel.get_state(try_to_connect=True)
+
     async def __aenter__(self) -> WeightPublisher:
         return self
 

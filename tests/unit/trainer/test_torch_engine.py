@@ -4,6 +4,7 @@ accumulation, frozen base, bf16, logprob alignment, and exports that load in PEF
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,28 @@ def test_full_finetune_trains_every_parameter(dense_dir: Path) -> None:
         engine.export_adapter("unused")
     with pytest.raises(ValueError, match="kl_coef"):
         make_spec(dense_dir, full_finetune=True, loss=LossSettings(kl_coef=0.1))
+
+
+def test_warm_up_runs_the_model_and_leaves_every_step_unchanged(dense_dir: Path) -> None:
+    """Dropout on, so the steps draw from the RNG the warm-up must hand back untouched."""
+    spec = make_spec(dense_dir, lora=LoraConfig(rank=4, alpha=8, dropout=0.3))
+    cold, warm = TorchEngine(spec), TorchEngine(spec)
+    calls = []
+    hook = warm.model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    rng_before = (torch.get_rng_state(), random.getstate())
+    warm.warm_up()
+    hook.remove()
+    assert calls, "warm_up never ran the model"
+    assert torch.equal(torch.get_rng_state(), rng_before[0]) and random.getstate() == rng_before[1]
+    assert warm.version == 0 and all(p.grad is None for p in warm.named_trainable_parameters().values())
+    for engine in (cold, warm):  # each engine seeded the global RNGs when built: start both from one state
+        torch.manual_seed(7)
+        random.seed(7)
+        engine.metrics = [engine.train_step(synthetic_batch(s)) for s in (1, 2)]
+    for key in ("loss", "grad_norm", "entropy"):
+        assert [m[key] for m in warm.metrics] == [m[key] for m in cold.metrics], key
+    for name, p in cold.named_trainable_parameters().items():
+        assert torch.equal(p, warm.named_trainable_parameters()[name]), name
+    warm.forward_backward(synthetic_batch(3))
+    with pytest.raises(EngineStateError, match="discard"):
+        warm.warm_up()

@@ -1,0 +1,80 @@
+"""JobManager: where engine work runs, and warm-up on creation."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from services.trainer.engine_api import JobSpec, TrajectoryRecord
+from services.trainer.jobs import JobManager
+
+
+def priority() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+class RecordingEngine:
+    """Says on which thread, at which niceness, each piece of engine work ran."""
+
+    version = step = 0
+    vocab_size = 100
+
+    def __init__(self, calls: list[tuple[str, int, int]], fail_warm_up: bool = False) -> None:
+        self.calls, self.fail_warm_up = calls, fail_warm_up
+        self.calls.append(("create", threading.get_native_id(), priority()))
+
+    def warm_up(self) -> None:
+        self.calls.append(("warm_up", threading.get_native_id(), priority()))
+        if self.fail_warm_up:
+            raise RuntimeError("no warm-up today")
+
+    def train_step(self, batch: list[TrajectoryRecord]) -> dict[str, float]:
+        self.calls.append(("train_step", threading.get_native_id(), priority()))
+        return {"loss": 0.0}
+
+
+def spec(path: Path) -> JobSpec:
+    (path / "config.json").write_text("{}")
+    return JobSpec(base_model_path=str(path))
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="niceness is a POSIX notion")
+def test_engine_work_runs_on_threads_at_compute_nice_and_rpcs_keep_their_priority(tmp_path: Path) -> None:
+    calls: list[tuple[str, int, int]] = []
+    manager = JobManager(engine_factory=lambda s: RecordingEngine(calls), compute_nice=3)
+    record = TrajectoryRecord([1, 2], [3], [-1.0], [0], 1.0, "g")
+
+    async def scenario() -> tuple[int, int]:
+        loop_thread = (threading.get_native_id(), priority())
+        await manager.create("job", spec(tmp_path))
+        manager.push("job", [record])
+        await manager.train_step("job", 0, [])
+        return loop_thread
+
+    loop_tid, loop_priority = asyncio.run(scenario())
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert loop_priority == base  # the event loop (the gRPC handlers) is untouched
+    assert [c[0] for c in calls] == ["create", "warm_up", "train_step"]
+    assert all(tid != loop_tid and nice == min(base + 3, 19) for _, tid, nice in calls), calls
+
+
+def test_a_failed_warm_up_still_creates_the_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[tuple[str, int, int]] = []
+    manager = JobManager(engine_factory=lambda s: RecordingEngine(calls, fail_warm_up=True))
+    job = asyncio.run(manager.create("job", spec(tmp_path)))
+    assert manager.get("job") is job and [c[0] for c in calls] == ["create", "warm_up"]
+    assert "warm-up failed" in caplog.text
+
+
+def test_a_created_job_is_kept_out_of_full_collections(tmp_path: Path) -> None:
+    manager = JobManager(engine_factory=lambda s: RecordingEngine([]))
+    try:
+        job = asyncio.run(manager.create("job", spec(tmp_path)))
+        assert not any(o is job.engine.calls for o in gc.get_objects())  # frozen with the engine
+    finally:
+        gc.unfreeze()
