@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import grpc
 from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 
 from clients.datasets import Example, TrainStream
@@ -213,8 +214,14 @@ class RLLoop:
         deadline = time.monotonic() + timeout_s
         while True:
             left = max(0.0, deadline - time.monotonic())
-            response = await self.weightsync.AwaitActivation(weightsync_pb2.AwaitActivationRequest(
-                job_id=self.cfg.job_id, version=version, timeout_seconds=min(left, 30.0)))
+            try:
+                response = await self.weightsync.AwaitActivation(weightsync_pb2.AwaitActivationRequest(
+                    job_id=self.cfg.job_id, version=version, timeout_seconds=min(left, 30.0)))
+            except grpc.aio.AioRpcError as exc:  # ride out a weight-sync restart, as the trainer does
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                    raise
+                await asyncio.sleep(min(0.5, left))
+                continue
             if response.outcome == weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE:
                 self._serving(version)
                 return
@@ -291,10 +298,10 @@ class RLLoop:
         # sequences free with the next batch's prompts instead of running its tail half empty.
         queue: asyncio.Queue[asyncio.Task[Batch] | None] = asyncio.Queue()
         stop = asyncio.Event()
-        started: list[asyncio.Task[Batch]] = []
+        generating: set[asyncio.Task[Batch]] = set()  # started and not yet taken by the trainer
 
         async def producer() -> None:
-            index = self.state.step
+            index = first = self.state.step
             while index < self.cfg.loop.steps and not stop.is_set():
                 # Admission: batch `index` is trained at trainer version `index`; its tokens must come
                 # from a policy at most `bound` versions older.
@@ -304,10 +311,11 @@ class RLLoop:
                 if stop.is_set():
                     break
                 examples = self.stream.take(self.cfg.loop.prompts_per_step)
-                started.append(asyncio.create_task(self.generate(index, examples)))
-                await queue.put(started[-1])
-                if len(started) == 1:  # nothing trains before the first batch: it decodes alone, at full speed
-                    await asyncio.wait(started)
+                batch = asyncio.create_task(self.generate(index, examples))
+                generating.add(batch)
+                await queue.put(batch)
+                if index == first:  # nothing trains before the first batch: it decodes alone, at full speed
+                    await asyncio.wait([batch])
                 index += 1
             await queue.put(None)
 
@@ -320,6 +328,7 @@ class RLLoop:
                 if pending is None:
                     break
                 batch = await pending
+                generating.discard(pending)
                 train = await self.train(batch)
                 sync = await self.publish(overlap=True)
                 self.state.step += 1
@@ -333,11 +342,10 @@ class RLLoop:
         finally:
             stop.set()
             self._published.set()
-            if self._activating is not None:
-                started.append(self._activating)
-                self._activating = None
-            for t in (task, *started):
+            tasks = [task, *generating, *([self._activating] if self._activating else [])]
+            self._activating = None
+            for t in tasks:
                 t.cancel()
-            for t in (task, *started):
+            for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t

@@ -11,6 +11,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from lorarl.v1 import rollout_pb2, trainer_pb2, weightsync_pb2
 
@@ -32,6 +33,7 @@ class Recorder:
         self.trained = 0  # the trainer's version
         self.version = 0  # the version the rollout serves
         self.activations: list[asyncio.Task[None]] = []
+        self.unavailable = 0  # AwaitActivation calls to refuse as a restarting service would
 
     # rollout
     async def Generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:  # noqa: N802
@@ -83,6 +85,10 @@ class Recorder:
     # weight sync
     async def AwaitActivation(  # noqa: N802
             self, request: weightsync_pb2.AwaitActivationRequest) -> weightsync_pb2.AwaitActivationResponse:
+        if self.unavailable:
+            self.unavailable -= 1
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="weight sync restarting")
         await asyncio.gather(*self.activations)
         outcome = weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE if self.version >= request.version \
             else weightsync_pb2.ACTIVATION_OUTCOME_FAILED
@@ -147,3 +153,10 @@ def test_a_failed_activation_stops_the_run() -> None:
     stub = Recorder(generate_s=0.01, train_s=0.01, activate_s=0.01, fail_version=3)
     with pytest.raises(RuntimeError, match="version 3 was not activated: staging failed"):
         run_loop(stub, steps=6, max_staleness=1, overlap=True)
+
+
+def test_activation_waits_ride_out_a_weight_sync_restart() -> None:
+    stub = Recorder(generate_s=0.01, train_s=0.01, activate_s=0.01)
+    stub.unavailable = 2
+    loop = run_loop(stub, steps=3, max_staleness=1, overlap=True)
+    assert loop.state.version == 3 and stub.unavailable == 0
