@@ -267,12 +267,14 @@ async def serve(
     ``on_started(running)`` lets the service reach its running server (e.g. to report NOT_SERVING later).
     """
     configure_logging(name, level=config.log_level, fmt=config.log_format)
+    # What start-up built (imports, a started engine) stays for the process's life: no collection should
+    # walk it. Before the server starts, so the ready file never announces a process still collecting.
+    freeze_long_lived()
     running = await start_server(name, config, register, on_shutdown=on_shutdown, metrics=metrics)
     if on_started is not None:
         result = on_started(running)
         if inspect.isawaitable(result):
             await result
-    freeze_long_lived()  # what start-up built stays for the process's life: no collection should walk it
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
 
