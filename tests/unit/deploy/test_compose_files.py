@@ -56,6 +56,21 @@ def test_ascend_override_merges_into_a_valid_stack() -> None:
     assert "trainer.device=npu" in merged["client"]["command"]
 
 
+def test_rollout_config_is_sized_like_the_one_lorarl_run_starts_for_the_client_job(tmp_path: Path) -> None:
+    """The compose client runs examples/demo.yaml; its rollout must hold the versions that job keeps in
+    flight (adapter window from the staleness bound) and the same engine shape as `lorarl run`'s."""
+    import yaml
+
+    from clients.commands.run import stack_sections
+    from clients.job_config import load_job_config
+
+    compose = yaml.safe_load((DEPLOY / "config" / "rollout.yaml").read_text())["rollout"]
+    local = stack_sections(load_job_config(str(ROOT / "examples/demo.yaml"), []), tmp_path)["rollout"]
+    shared = sorted(set(compose) & set(local) - {"model_path"})
+    assert {"adapter_window", "max_loras", "block_size", "dtype"} <= set(shared)
+    assert {k: compose[k] for k in shared} == {k: local[k] for k in shared}
+
+
 def test_services_start_in_dependency_order(project: dict[str, Any]) -> None:
     assert start_order(project["services"]) == ["weightsync", "trainer", "rollout", "client"]
 
