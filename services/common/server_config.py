@@ -71,8 +71,9 @@ class ServerConfig:
         doc="Prometheus HTTP port; 0 picks a free one; -1 or null disables.",
     )
     cpu_nice: int = setting(
-        0, check=in_range(0, 19), doc="Niceness added to the process at start (0: none). On shared CPUs, a "
-        "trainer at 10 leaves the rollout's latency-bound generation loop unpreempted (`lorarl run` does this)."
+        0, check=in_range(0, 19), doc="Niceness added to the whole process at start, gRPC threads included "
+        "(0: none). For a trainer sharing CPUs with generation prefer trainer.compute_nice (`lorarl run` "
+        "uses that): it lowers only the threads that compute."
     )
     log_level: LogLevel = "info"
     log_format: LogFormat = "text"
