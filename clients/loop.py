@@ -247,19 +247,16 @@ class RLLoop:
         self.state.history.append(metrics)
         self.on_metrics(metrics)
 
-    def _due(self, step: int) -> bool:
-        """Whether an evaluation or a checkpoint follows ``step``."""
-        loop = self.cfg.loop
-        return bool(loop.eval_every and step % loop.eval_every == 0 and step < loop.steps) or bool(
-            self.on_checkpoint and loop.checkpoint_every and step % loop.checkpoint_every == 0)
-
     async def _maybe_eval_and_checkpoint(self) -> None:
+        """Evaluation and checkpoint, when due, see the step's version serving (it may be activating)."""
         loop = self.cfg.loop
         step = self.state.step
         if loop.eval_every and step % loop.eval_every == 0 and step < loop.steps:
+            await self.settled()
             self.on_metrics({"step": float(step), "time_s": time.perf_counter() - self.started,
                              **await self.evaluate()})
         if self.on_checkpoint and loop.checkpoint_every and step % loop.checkpoint_every == 0:
+            await self.settled()
             await self.on_checkpoint(self.state)
 
     def _out_of_time(self) -> bool:
@@ -335,8 +332,6 @@ class RLLoop:
                 self.state.cursor = self.state.step * self.cfg.loop.prompts_per_step
                 # the trainer's version before this step (the served one may still be activating)
                 self._record(batch, train, sync, int(train["train/version"]) - 1)
-                if self._due(self.state.step):  # evaluation and checkpoint see the version serving
-                    await self.settled()
                 await self._maybe_eval_and_checkpoint()
             await self.settled()
         finally:
