@@ -63,9 +63,8 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     return {
         "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}"),
                        "collective_backend": backend},
-        # A CPU trainer shares the cores with generation: its engine threads at niceness 10 no longer
-        # preempt the rollout engine's step loop (the longer half of the async loop here), while its gRPC
-        # threads keep answering at once (the whole process at 10 delayed the first push by 0.25 s).
+        # A CPU trainer shares the cores with generation: its engine threads at niceness 10 do not preempt
+        # the rollout engine's step loop, while its gRPC threads keep their normal priority.
         "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
                     **({"compute_nice": 10} if cfg.trainer.device == "cpu" else {}),
                     "export_dir": str(out / "exports"), "collective": cfg.sync.collective,

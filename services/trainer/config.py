@@ -37,7 +37,7 @@ class TrainerSettings:
     compute_nice: int = setting(0, check=in_range(0, 19),
                                 doc="Niceness added to the threads that run engine work (steps, checkpoints, "
                                     "exports) but not to the gRPC ones: a CPU trainer sharing cores with "
-                                    "generation then yields them without answering RPCs late.")
+                                    "generation yields them while its RPCs keep their priority.")
 
 
 @dataclass

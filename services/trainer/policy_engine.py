@@ -324,9 +324,9 @@ class PolicyEngine(TrainEngine):
 
     def warm_up(self) -> None:
         """One forward and backward on a two-completion dummy group, its gradients and random draws
-        discarded: the first real step then skips lazy imports and allocator/kernel set-up (0.05 s on the
-        demo model alone, ~0.15 s while generation holds the CPU). Weights, optimiser state, version and
-        RNG streams are left as they were, so every step computes what it would have without it."""
+        discarded: the first real step then skips lazy imports and allocator/kernel set-up (~0.04 s on the
+        demo model). Weights, optimiser state, version and RNG streams are left as they were, so every step
+        computes what it would have without it."""
         if self._pending_grads:
             raise EngineStateError("warm_up with accumulated gradients would discard them")
         ids = [i % self.vocab_size for i in range(1, 8)]
