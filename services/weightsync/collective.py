@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 
@@ -168,32 +169,45 @@ class WeightTransferGroup:
             return
         if wait:
             _shutdown(pg)
-        else:
-            closer = threading.Thread(target=_shutdown, args=(pg,), name="lorarl-group-close", daemon=True)
-            with _CLOSING_LOCK:
-                _CLOSING.add(closer)
-            closer.start()
+            return
+        holder = [pg]
+        del pg  # the closer thread must hold the only reference: see _release
+        closer = threading.Thread(target=_release, args=(holder,), name="lorarl-group-close", daemon=True)
+        with _CLOSING_LOCK:
+            _CLOSING.add(closer)
+            closer.start()  # under the lock: wait_closed never sees a thread it cannot join yet
 
 
-#: Groups being shut down in the background; joined at exit, because a process that exits during a
-#: gloo shutdown is aborted by the C++ runtime ("terminate called without an active exception").
+#: Groups being shut down in the background. A process that exits while one is being shut down *or
+#: destroyed* (gloo joins its threads in the destructor) is aborted by the C++ runtime ("terminate called
+#: without an active exception"), so exits wait for these threads to end (wait_closed, at exit too).
 _CLOSING: set[threading.Thread] = set()
 _CLOSING_LOCK = threading.Lock()
 
 
 def _shutdown(pg: dist.ProcessGroup) -> None:
-    try:
-        if hasattr(pg, "shutdown"):
-            with contextlib.suppress(RuntimeError):  # already broken (a peer died): nothing to release
-                pg.shutdown()
-    finally:
-        with _CLOSING_LOCK:
-            _CLOSING.discard(threading.current_thread())
+    if hasattr(pg, "shutdown"):
+        with contextlib.suppress(RuntimeError):  # already broken (a peer died): nothing to release
+            pg.shutdown()
 
 
-@atexit.register
-def _finish_closing(timeout_s: float = 10.0) -> None:
+def _release(holder: list[dist.ProcessGroup]) -> None:
+    """Shuts the group down and drops its last reference in this thread, so the group is destroyed
+    before the thread ends and a join on the thread covers both."""
+    _shutdown(holder.pop())
+
+
+def wait_closed(timeout_s: float = 10.0) -> bool:
+    """Waits for the groups closing in the background to be shut down and destroyed; True when none is
+    left. Call before a process may exit (a publisher's close does; so does an atexit hook)."""
+    deadline = time.monotonic() + timeout_s
     with _CLOSING_LOCK:
         pending = list(_CLOSING)
     for closer in pending:
-        closer.join(timeout_s)
+        closer.join(max(0.0, deadline - time.monotonic()))
+    with _CLOSING_LOCK:
+        _CLOSING.difference_update(c for c in pending if not c.is_alive())
+        return not _CLOSING
+
+
+atexit.register(wait_closed)

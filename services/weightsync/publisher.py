@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 
 from services.common.channel import ClientTls, aio_channel
-from services.weightsync.collective import BACKEND_NAMES, WeightTransferGroup, rendezvous_store
+from services.weightsync.collective import BACKEND_NAMES, WeightTransferGroup, rendezvous_store, wait_closed
 from services.weightsync.inline import DEFAULT_CHUNK_BYTES, iter_chunks
 from services.weightsync.net import local_address_towards
 from services.weightsync.payload import DEFAULT_BUCKET_BYTES, BucketInfo, PackedBucket, build_manifest, pack
@@ -158,7 +158,10 @@ class WeightPublisher:
         await self.close()
 
     async def close(self) -> None:
+        """Closes the channel and waits for transfer groups still closing in the background, so the
+        process can exit right after (see collective.wait_closed)."""
         await self._channel.close()
+        await asyncio.to_thread(wait_closed)
         self._store = None
 
     # ---------------------------------------------------------------------------------- jobs

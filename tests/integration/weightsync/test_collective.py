@@ -135,6 +135,44 @@ def test_close_without_waiting_shuts_the_group_down_in_the_background(monkeypatc
         g.close(wait=False)  # returns although the shutdown is held
     assert closed == [] and all(g._pg is None for g in groups.values())
     release.set()
-    for t in [t for t in threading.enumerate() if t.name == "lorarl-group-close"]:
-        t.join(30)
+    assert collective.wait_closed(30)
     assert len(closed) == 2
+
+
+def test_wait_closed_returns_only_once_background_closed_groups_are_destroyed(monkeypatch: pytest.MonkeyPatch
+                                                                             ) -> None:
+    """A process exiting while a gloo group is being destroyed aborts ("terminate called without an active
+    exception"), so waiting must cover the destruction after the shutdown, not just the shutdown."""
+    import threading
+    import time
+    import weakref
+
+    from services.weightsync import collective
+    from services.weightsync.collective import rendezvous_store
+
+    original = collective._shutdown
+
+    def slow_after_shutdown(pg) -> None:  # the shutdown is done; the group is still alive a while
+        original(pg)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(collective, "_shutdown", slow_after_shutdown)
+    store = rendezvous_store("127.0.0.1", 30)
+    groups: dict[int, WeightTransferGroup] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = WeightTransferGroup("gloo", "127.0.0.1", store.port, rank, 2, "gone", timeout_s=30,
+                                           local_address="127.0.0.1", store=store if rank == 0 else None)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    refs = [weakref.ref(g._pg) for g in groups.values()]
+    for g in groups.values():
+        g.close(wait=False)
+    time.sleep(0.2)  # both shutdowns have returned; the groups are not destroyed yet
+    assert collective.wait_closed(30)
+    assert [r() for r in refs] == [None, None]
+    assert not collective._CLOSING
