@@ -174,6 +174,7 @@ class WeightTransferGroup:
         del pg  # the closer thread must hold the only reference: see _release
         closer = threading.Thread(target=_release, args=(holder,), name="lorarl-group-close", daemon=True)
         with _CLOSING_LOCK:
+            _CLOSING.difference_update([c for c in _CLOSING if not c.is_alive()])  # ended: nothing to wait for
             _CLOSING.add(closer)
             closer.start()  # under the lock: wait_closed never sees a thread it cannot join yet
 

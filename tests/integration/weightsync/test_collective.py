@@ -97,12 +97,32 @@ def test_buckets_travel_in_pieces_verified_as_they_land() -> None:
     group.close()
 
 
+def two_rank_groups(name: str) -> dict[int, WeightTransferGroup]:
+    """Ranks 0 and 1 of a gloo group on loopback, built side by side in two threads of this process."""
+    import threading
+
+    from services.weightsync.collective import rendezvous_store
+
+    store = rendezvous_store("127.0.0.1", 30)
+    groups: dict[int, WeightTransferGroup] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = WeightTransferGroup("gloo", "127.0.0.1", store.port, rank, 2, name, timeout_s=30,
+                                           local_address="127.0.0.1", store=store if rank == 0 else None)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return groups
+
+
 def test_close_without_waiting_shuts_the_group_down_in_the_background(monkeypatch: pytest.MonkeyPatch) -> None:
     """close(wait=False) returns while gloo's shutdown (~20 ms) is still running, and the shutdown does run."""
     import threading
 
     from services.weightsync import collective
-    from services.weightsync.collective import rendezvous_store
 
     release, closed = threading.Event(), []
     original = collective._shutdown
@@ -113,18 +133,7 @@ def test_close_without_waiting_shuts_the_group_down_in_the_background(monkeypatc
         closed.append(pg)
 
     monkeypatch.setattr(collective, "_shutdown", held_shutdown)
-    store = rendezvous_store("127.0.0.1", 30)
-    groups: dict[int, WeightTransferGroup] = {}
-
-    def join(rank: int) -> None:
-        groups[rank] = WeightTransferGroup("gloo", "127.0.0.1", store.port, rank, 2, "bg", timeout_s=30,
-                                           local_address="127.0.0.1", store=store if rank == 0 else None)
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    groups = two_rank_groups("bg")
     buf = torch.arange(10, dtype=torch.uint8)
     got = torch.zeros(10, dtype=torch.uint8)
     work = groups[1].broadcast(got, 0)
@@ -143,12 +152,10 @@ def test_wait_closed_returns_only_once_background_closed_groups_are_destroyed(mo
                                                                              ) -> None:
     """A process exiting while a gloo group is being destroyed aborts ("terminate called without an active
     exception"), so waiting must cover the destruction after the shutdown, not just the shutdown."""
-    import threading
     import time
     import weakref
 
     from services.weightsync import collective
-    from services.weightsync.collective import rendezvous_store
 
     original = collective._shutdown
 
@@ -157,18 +164,7 @@ def test_wait_closed_returns_only_once_background_closed_groups_are_destroyed(mo
         time.sleep(0.5)
 
     monkeypatch.setattr(collective, "_shutdown", slow_after_shutdown)
-    store = rendezvous_store("127.0.0.1", 30)
-    groups: dict[int, WeightTransferGroup] = {}
-
-    def join(rank: int) -> None:
-        groups[rank] = WeightTransferGroup("gloo", "127.0.0.1", store.port, rank, 2, "gone", timeout_s=30,
-                                           local_address="127.0.0.1", store=store if rank == 0 else None)
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    groups = two_rank_groups("gone")
     refs = [weakref.ref(g._pg) for g in groups.values()]
     for g in groups.values():
         g.close(wait=False)
@@ -176,3 +172,28 @@ def test_wait_closed_returns_only_once_background_closed_groups_are_destroyed(mo
     assert collective.wait_closed(30)
     assert [r() for r in refs] == [None, None]
     assert not collective._CLOSING
+
+
+def test_closers_that_ended_are_not_kept() -> None:
+    """A replica closes a group per version without ever calling wait_closed: ended closer threads are
+    dropped as new ones start, so the set does not grow with the run."""
+    import threading
+
+    from services.weightsync import collective
+
+    class Group:  # a stand-in process group: close() only calls its shutdown()
+        def __init__(self) -> None:
+            self.down = threading.Event()
+
+        def shutdown(self) -> None:
+            self.down.set()
+
+    for _ in range(5):
+        group = object.__new__(WeightTransferGroup)
+        pg = Group()
+        group._pg, group._store = pg, None
+        group.close(wait=False)
+        assert pg.down.wait(10)
+        for closer in list(collective._CLOSING):
+            closer.join(10)
+    assert len(collective._CLOSING) <= 1
