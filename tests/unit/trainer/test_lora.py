@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,60 @@ def test_peft_state_dict_round_trip_and_mismatch() -> None:
     inject_lora(other, LoraConfig(rank=8))
     with pytest.raises(ValueError, match="shape"):
         load_peft_state_dict(other, peft_state_dict(src))
+
+
+def _lora_linear(dtype: torch.dtype = torch.float32, dropout: float = 0.0, bias: bool = True) -> LoRALinear:
+    torch.manual_seed(0)
+    base = torch.nn.Linear(24, 40, bias=bias).to(dtype)
+    layer = LoRALinear(base, rank=4, scale=2.0, dropout=dropout, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layer.lora_b.normal_(0, 0.1)  # a trained adapter: B = 0 would hide the update path
+    return layer
+
+
+def _low_rank_path(layer: LoRALinear, x: torch.Tensor) -> torch.Tensor:
+    """The textbook LoRA forward, written out: base + scale * (x A^T) B^T."""
+    a, b = layer.lora_a.to(x.dtype), layer.lora_b.to(x.dtype)
+    return torch.nn.functional.linear(x, layer.weight, layer.bias) + (x @ a.t() @ b.t()) * layer.scale
+
+
+@pytest.mark.parametrize("shape,x_grad", [((7, 24), True), ((3, 5, 24), True), ((3, 5, 24), False)])
+def test_fp32_forward_with_the_merged_weight_gives_the_low_rank_paths_outputs_and_gradients(
+        shape: tuple[int, ...], x_grad: bool) -> None:
+    layer = _lora_linear()
+    assert layer._merged_matmul_applies(torch.zeros(shape))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2), requires_grad=x_grad)
+    up = torch.randn(*shape[:-1], 40, generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for name, forward in (("merged", layer), ("low rank", lambda t: _low_rank_path(layer, t))):
+        layer.zero_grad()
+        xi = x.detach().clone().requires_grad_(x_grad)
+        out = forward(xi)
+        (out * up).sum().backward()
+        grads[name] = (out.detach(), layer.lora_a.grad.clone(), layer.lora_b.grad.clone(),
+                       xi.grad.clone() if x_grad else None)
+    for got, want in zip(grads["merged"], grads["low rank"], strict=True):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert layer.weight.grad is None and layer.bias.grad is None  # the base stays frozen
+
+
+@pytest.mark.parametrize("case", ["bf16", "dropout", "autocast"])
+def test_the_low_rank_path_runs_where_a_merged_weight_would_change_the_result(case: str) -> None:
+    """bf16 would round the small update into the weight, dropout must reach the update only, and
+    autocast runs the base in bf16: each keeps the textbook path, bit for bit."""
+    layer = _lora_linear(torch.bfloat16 if case == "bf16" else torch.float32, dropout=0.5 if case == "dropout" else 0.0)
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(2)).to(layer.weight.dtype)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
+    with context:
+        assert not layer._merged_matmul_applies(x)
+        torch.manual_seed(4)
+        got = layer(x)
+        torch.manual_seed(4)
+        a, b = layer.lora_a.to(x.dtype), layer.lora_b.to(x.dtype)
+        base = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        want = base + (torch.nn.functional.linear(torch.nn.functional.linear(layer.dropout(x), a), b)
+                       * layer.scale).to(base.dtype)
+    assert torch.equal(got, want)
