@@ -147,8 +147,9 @@ class LoRALinear(nn.Module):
     def _merged_matmul_applies(self, x: torch.Tensor) -> bool:
         """fp32 throughout (a bf16 merge would round the small update away), no dropout (the update must
         see the same input as the base), a frozen base, no autocast (it would run the base in bf16)."""
-        return (self.merged_matmul and x.dtype == self.weight.dtype == torch.float32 and isinstance(self.dropout, nn.Identity)
-                and not self.weight.requires_grad and not torch.is_autocast_enabled(x.device.type))
+        return (self.merged_matmul and x.dtype == self.weight.dtype == torch.float32
+                and isinstance(self.dropout, nn.Identity) and not self.weight.requires_grad
+                and not torch.is_autocast_enabled(x.device.type))
 
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A in fp32."""
