@@ -88,6 +88,17 @@ def engine(variant: str, micro_batch_tokens: int):
     return e
 
 
+def alternating_steps(engines: dict, batch: list, steps: int) -> dict[str, list[float]]:
+    """Seconds of each engine's train steps, the engines taking turns so machine load hits all alike."""
+    times: dict[str, list[float]] = {variant: [] for variant in engines}
+    for _ in range(steps):
+        for variant, e in engines.items():
+            start = time.perf_counter()
+            e.train_step(batch)
+            times[variant].append(time.perf_counter() - start)
+    return times
+
+
 def packed_micro_batches(batch: list, micro_batch_tokens: int, model: torch.nn.Module, repeats: int = 10
                          ) -> tuple[int, int, float]:
     """(micro-batches the packed engine packs, micro-batches, seconds to plan them and build their
@@ -152,13 +163,7 @@ def main() -> int:
     for _ in range(args.warmup - 1):
         for e in engines.values():
             e.train_step(batch)
-    times: dict[str, list[float]] = {variant: [] for variant in engines}
-    for _ in range(args.steps):
-        for variant, e in engines.items():
-            start = time.perf_counter()
-            e.train_step(batch)
-            times[variant].append(time.perf_counter() - start)
-
+    times = alternating_steps(engines, batch, args.steps)
     best = {v: min(t) for v, t in times.items()}
     median = {v: statistics.median(t) for v, t in times.items()}
     tokens_plain = sum(r.num_tokens for r in batch)

@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -51,17 +50,12 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from bench.prefix_sharing import demo_batch
+    from bench.prefix_sharing import alternating_steps, demo_batch
 
     batch = demo_batch(16, 8, 0, 8, seed=0, min_completion_tokens=1)
     engines = {variant: lora_engine(variant == "merged") for variant in VARIANTS}
     first = {variant: [e.train_step(batch) for _ in range(args.warmup)] for variant, e in engines.items()}
-    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    for _ in range(args.steps):
-        for variant, e in engines.items():
-            start = time.perf_counter()
-            e.train_step(batch)
-            times[variant].append(time.perf_counter() - start)
+    times = alternating_steps(engines, batch, args.steps)
     best = {v: min(t) for v, t in times.items()}
     median = {v: statistics.median(t) for v, t in times.items()}
     rows = [
