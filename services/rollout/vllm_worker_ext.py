@@ -170,25 +170,39 @@ def _repack_cpu_moe_experts(model: Any) -> int:
     return fixed
 
 
-def _skip_cpu_generator_rewind(runner: Any) -> None:
+def _rewind_cpu_generators(runner: Any) -> None:
     """vLLM rewinds a seeded request's generator when it discards the token sampled for a partial
     (chunked) prefill: ``gen.set_offset(gen.get_offset() - 4)``, a Philox (CUDA) notion. A CPU
     generator has no offset, so the first seeded request whose prompt is chunked kills the engine
-    ("CPU Generator does not use offset"). Hiding the discarded requests' generators from that one
-    bookkeeping call skips the rewind; their tokens are still discarded, and seeded sampling stays
-    deterministic for a given schedule (it only no longer ignores how the prompt was chunked)."""
-    original = runner._bookkeeping_sync
+    ("CPU Generator does not use offset"). Instead, the state of those requests' generators is saved
+    just before the step samples and put back after it; the rewind itself is skipped by hiding them
+    from that one bookkeeping call. Their tokens are still discarded, and a seeded request samples the
+    same tokens however its prompt was chunked, which depends on what else the engine was running."""
+    original_sample, original_bookkeeping = runner._sample, runner._bookkeeping_sync
+
+    def discarded_generators() -> dict[int, Any]:
+        batch = runner.input_batch
+        discarded = runner.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
+        return {int(i): batch.generators[int(i)] for i in discarded if int(i) in batch.generators}
+
+    def sample(*args: Any, **kwargs: Any) -> Any:
+        runner._lorarl_generator_states = {i: g.get_state() for i, g in discarded_generators().items()}
+        return original_sample(*args, **kwargs)
 
     def bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
         batch = runner.input_batch
-        discarded = runner.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
-        hidden = {int(i): batch.generators.pop(int(i)) for i in discarded if int(i) in batch.generators}
+        hidden = {i: batch.generators.pop(i) for i in discarded_generators()}
         try:
-            return original(*args, **kwargs)
+            return original_bookkeeping(*args, **kwargs)
         finally:
             batch.generators.update(hidden)
+            states, runner._lorarl_generator_states = runner._lorarl_generator_states, {}
+            for i, state in states.items():
+                if i in hidden:
+                    hidden[i].set_state(state)
 
-    runner._bookkeeping_sync = bookkeeping_sync
+    runner._lorarl_generator_states = {}
+    runner._sample, runner._bookkeeping_sync = sample, bookkeeping_sync
 
 
 def _grouped_lora_matmul(inputs: Any, weights: Any, indices: Any, dtype: Any) -> Any:
@@ -437,6 +451,7 @@ class LorarlWorkerExtension:
         found: dict[str, bool] = {"reload_weights": callable(getattr(self, "reload_weights", None))}
         runner = getattr(self, "model_runner", None)
         found["model_runner._bookkeeping_sync"] = callable(getattr(runner, "_bookkeeping_sync", None))
+        found["model_runner._sample"] = callable(getattr(runner, "_sample", None))
         found["model_runner.discard_request_mask"] = hasattr(getattr(runner, "discard_request_mask", None), "np")
         found["model_runner.input_batch.generators"] = isinstance(
             getattr(getattr(runner, "input_batch", None), "generators", None), dict)
@@ -455,12 +470,12 @@ class LorarlWorkerExtension:
         return found
 
     def lorarl_install_cpu_fixes(self, lean_lora: bool = True, grouped_lora: bool = True) -> bool:
-        """Works around vLLM CPU bugs and slow paths in this worker (see _skip_cpu_generator_rewind,
+        """Works around vLLM CPU bugs and slow paths in this worker (see _rewind_cpu_generators,
         _install_grouped_cpu_lora_ops, _lean_add_lora_linear); idempotent. The two LoRA switches apply
         on every call, so benchmarks and parity tests can compare paths on one engine."""
         runner = self.model_runner  # type: ignore[attr-defined]
         if not getattr(runner, "_lorarl_cpu_fixes", False):
-            _skip_cpu_generator_rewind(runner)
+            _rewind_cpu_generators(runner)
             runner._lorarl_cpu_fixes = True
         _install_grouped_cpu_lora_ops(grouped_lora)
         for wrapper in _cpu_punica_wrappers(runner):

@@ -78,14 +78,15 @@ def test_cpu_reload_bugs_worked_around_are_still_there() -> None:
 
 
 def test_cpu_generator_rewind_bug_worked_around_is_still_there() -> None:
-    """_skip_cpu_generator_rewind hides generators from exactly this rewind; if vLLM stops rewinding
-    (or rewinds elsewhere), the workaround must be revisited."""
+    """_rewind_cpu_generators hides generators from exactly this rewind and restores their state around
+    the step's sampling; if vLLM stops rewinding (or rewinds or samples elsewhere), it must be revisited."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     bookkeeping = source(GPUModelRunner._bookkeeping_sync)
     assert "self.discard_request_mask.np[:num_reqs]" in bookkeeping
     assert "gen = self.input_batch.generators.get(int(i))" in bookkeeping
     assert "gen.set_offset(gen.get_offset() - 4)" in bookkeeping
+    assert "self._sample(logits, spec_decode_metadata)" in source(GPUModelRunner.sample_tokens)
 
 
 def _no_adapter_rows_untouched(theirs: Any, before: Any, no_adapter: Any, untouched: Any = None) -> Any:
