@@ -18,12 +18,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import grpc
 from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 
 from clients.datasets import Example, TrainStream
 from clients.job_config import JobFileConfig
 from clients.rewards import RewardFn
+from services.weightsync.activation import await_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -211,24 +211,12 @@ class RLLoop:
                 self._activating = None
 
     async def _await_activation(self, version: int, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            try:
-                response = await self.weightsync.AwaitActivation(weightsync_pb2.AwaitActivationRequest(
-                    job_id=self.cfg.job_id, version=version, timeout_seconds=min(left, 30.0)))
-            except grpc.aio.AioRpcError as exc:  # ride out a weight-sync restart, as the trainer does
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
-                    raise
-                await asyncio.sleep(min(0.5, left))
-                continue
-            if response.outcome == weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE:
-                self._serving(version)
-                return
-            if response.outcome != weightsync_pb2.ACTIVATION_OUTCOME_PENDING or left <= 0:
-                raise RuntimeError(f"version {version} was not activated: "
-                                   f"{response.error or weightsync_pb2.ActivationOutcome.Name(response.outcome)} "
-                                   f"(failed replicas: {list(response.failed_replicas)})")
+        response = await await_outcome(self.weightsync, self.cfg.job_id, version, timeout_s)
+        if response.outcome != weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE:
+            raise RuntimeError(f"version {version} was not activated: "
+                               f"{response.error or weightsync_pb2.ActivationOutcome.Name(response.outcome)} "
+                               f"(failed replicas: {list(response.failed_replicas)})")
+        self._serving(version)
 
     def _serving(self, version: int) -> None:
         self.state.version = version

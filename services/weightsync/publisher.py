@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 
 from services.common.channel import ClientTls, aio_channel
+from services.weightsync.activation import await_outcome
 from services.weightsync.collective import BACKEND_NAMES, WeightTransferGroup, rendezvous_store, wait_closed
 from services.weightsync.inline import DEFAULT_CHUNK_BYTES, iter_chunks
 from services.weightsync.net import local_address_towards
@@ -41,9 +42,7 @@ logger = logging.getLogger(__name__)
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 ADAPTER = common_pb2.SYNC_MODE_ADAPTER
 MERGED = common_pb2.SYNC_MODE_MERGED
-PENDING = weightsync_pb2.ACTIVATION_OUTCOME_PENDING
 ACTIVE = weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE
-AWAIT_SLICE_S = 30.0
 
 
 class PublishError(RuntimeError):
@@ -291,20 +290,7 @@ class WeightPublisher:
     async def await_activation(self, job_id: str, version: int, timeout_s: float = 600.0) -> ActivationResult:
         """Waits for the version's two-phase outcome (PENDING if `timeout_s` runs out first); rides out a
         weight-sync restart (UNAVAILABLE) until then."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            request = weightsync_pb2.AwaitActivationRequest(job_id=job_id, version=version,
-                                                            timeout_seconds=min(left, AWAIT_SLICE_S))
-            try:
-                response = await self.stub.AwaitActivation(request, timeout=AWAIT_SLICE_S + 30)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
-                    raise
-                await asyncio.sleep(min(0.5, left))
-                continue
-            if response.outcome != PENDING or left <= 0:
-                return ActivationResult.from_proto(response)
+        return ActivationResult.from_proto(await await_outcome(self.stub, job_id, version, timeout_s))
 
     async def status(self, job_id: str = "") -> weightsync_pb2.GetSyncStatusResponse:
         return await self.stub.GetSyncStatus(weightsync_pb2.GetSyncStatusRequest(job_id=job_id), timeout=30)

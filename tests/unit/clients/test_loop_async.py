@@ -84,7 +84,8 @@ class Recorder:
 
     # weight sync
     async def AwaitActivation(  # noqa: N802
-            self, request: weightsync_pb2.AwaitActivationRequest) -> weightsync_pb2.AwaitActivationResponse:
+            self, request: weightsync_pb2.AwaitActivationRequest, timeout: float | None = None
+    ) -> weightsync_pb2.AwaitActivationResponse:
         if self.unavailable:
             self.unavailable -= 1
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
