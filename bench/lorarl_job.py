@@ -69,14 +69,13 @@ class TimedLoop(RLLoop):
 
 def run_job(cfg: JobFileConfig, out: Path, export_every: int = 0, progress: bool = False) -> JobTiming:
     """Starts the services, runs the job once from scratch, stops the services."""
-    from clients.commands.run import stack_sections
-    from clients.stack import LocalStack
+    from clients.commands.run import local_stack
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     timing = JobTiming(mode=cfg.loop.mode)
     started = time.perf_counter()
-    with LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=1) as stack:
+    with local_stack(cfg, out) as stack:
         asyncio.run(_drive(cfg, stack.address("trainer"), stack.address("rollout"), stack.address("weightsync"),
                            stack.token, out, export_every, timing, progress, started))
     return timing

@@ -54,6 +54,8 @@ class LocalStack:
     rollout_replicas: int = 1
     #: Extra environment per process name, e.g. {"rollout-1": {"CUDA_VISIBLE_DEVICES": "2,3"}}.
     process_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Extra `server:` settings per process name, e.g. {"trainer": {"cpus": "1"}}.
+    server_sections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __enter__(self) -> LocalStack:
         try:
@@ -104,7 +106,8 @@ class LocalStack:
         service = service or name
         config = {
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": -1, "log_format": "text",
-                       "shutdown_grace_s": 5, "auth": {"token_env": "LORARL_AUTH_TOKEN", "required": True}},
+                       "shutdown_grace_s": 5, "auth": {"token_env": "LORARL_AUTH_TOKEN", "required": True},
+                       **self.server_sections.get(name, {})},
             service: section,
         }
         config_path = self.workdir / f"{name}.yaml"

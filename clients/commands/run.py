@@ -84,9 +84,37 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+def cpu_pins(cfg) -> dict[str, str]:
+    """CPU lists for a CPU job's two busiest processes (placement.pin_cpus 'auto'): vLLM's engine core on
+    the first half of the CPUs this process may use, the trainer on the rest; the rollout frontend, weight
+    sync and the loop stay where the OS puts them. Empty when off, on accelerators, with several rollout
+    replicas or trainer ranks, or on one CPU."""
+    from services.common.cpu_affinity import available_cpus, format_cpu_list
+
+    cpus = available_cpus()
+    if (cfg.placement.pin_cpus != "auto" or cfg.trainer.device != "cpu" or cfg.rollout.engine != "vllm"
+            or cfg.rollout.replicas > 1 or cfg.trainer.parallel.world_size > 1 or len(cpus) < 2):
+        return {}
+    half = len(cpus) // 2
+    return {"rollout_engine": format_cpu_list(cpus[:half]), "trainer": format_cpu_list(cpus[half:])}
+
+
+def local_stack(cfg, out: Path):
+    """The services `lorarl run` starts for this job, not yet started (benchmarks start the same)."""
+    from clients.stack import LocalStack
+
+    sections = stack_sections(cfg, out)
+    pins = cpu_pins(cfg)
+    if pins:
+        sections["rollout"]["engine_cpus"] = pins["rollout_engine"]
+    threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
+    return LocalStack(out / "services", sections, threads_per_service=threads,
+                      rollout_replicas=cfg.rollout.replicas, process_env=visible_devices(cfg),
+                      server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {})
+
+
 def run_command(args: argparse.Namespace) -> int:
     from clients.plan import print_plan
-    from clients.stack import LocalStack
 
     cfg = load(args)
     if cfg is None:
@@ -102,9 +130,7 @@ def run_command(args: argparse.Namespace) -> int:
               "nodes start `lorarl serve` on each and run `lorarl train` (see examples/models/README.md)",
               file=sys.stderr)
         return 2
-    threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
-    stack = LocalStack(out / "services", stack_sections(cfg, out), threads_per_service=threads,
-                       rollout_replicas=cfg.rollout.replicas, process_env=visible_devices(cfg))
+    stack = local_stack(cfg, out)
     try:
         with stack:
             rollouts = stack.addresses("rollout")

@@ -18,6 +18,8 @@ from types import ModuleType
 from typing import Any
 
 from services.common.config import ConfigError, dump_yaml, load_config
+from services.common.cpu_affinity import parse_cpu_list, pin_process
+from services.common.log import configure_logging
 
 #: Service -> module exposing CONFIG_TYPE (a config dataclass) and `async serve_forever(config)`.
 SERVICES = {
@@ -93,8 +95,16 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_yaml(config), end="")
         return 0
+    # Logging from the start: what start-up reports (the engine, its CPUs) comes before the server runs.
+    configure_logging(args.service, level=config.server.log_level, fmt=config.server.log_format)
     if config.server.cpu_nice:
         lower_priority(config.server.cpu_nice)
+    if config.server.cpus:
+        try:
+            pin_process(parse_cpu_list(config.server.cpus))
+        except ValueError as exc:
+            print(f"{prefix}: invalid configuration: server.cpus: {exc}", file=sys.stderr)
+            return 2
     try:
         asyncio.run(module.serve_forever(config))
     except ConfigError as exc:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.config import ConfigError, existing_file, in_range, port_number, setting
+from services.common.cpu_affinity import check_cpus, cpu_list, parse_cpu_list
 
 DEFAULT_TOKEN_ENV = "LORARL_AUTH_TOKEN"
 MIB = 1024 * 1024
@@ -75,6 +76,10 @@ class ServerConfig:
         "(0: none). For a trainer sharing CPUs with generation prefer trainer.compute_nice (`lorarl run` "
         "uses that): it lowers only the threads that compute."
     )
+    cpus: str = setting(
+        "", check=cpu_list, doc="CPUs the whole process runs on, every thread, as a Linux CPU list ('1', "
+        "'0-3,8'); empty: wherever the OS puts it. `lorarl run` pins a CPU job's trainer (placement.pin_cpus)."
+    )
     log_level: LogLevel = "info"
     log_format: LogFormat = "text"
     ready_file: str | None = setting(
@@ -88,5 +93,10 @@ class ServerConfig:
     def validate(self) -> None:
         if not self.host:
             raise ConfigError("host", "must not be empty")
+        if self.cpus:
+            try:
+                check_cpus(parse_cpu_list(self.cpus))
+            except ValueError as e:
+                raise ConfigError("cpus", str(e)) from None
         if self.metrics_enabled and self.metrics_port and self.metrics_port == self.port:
             raise ConfigError("metrics_port", f"must differ from port ({self.port})")

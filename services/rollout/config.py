@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.config import ConfigError, all_of, existing_dir, in_range, multiple_of, setting
+from services.common.cpu_affinity import check_cpus, cpu_list, parse_cpu_list
 from services.common.server_config import ServerConfig
 
 #: Ranks vLLM accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
@@ -39,6 +40,10 @@ class RolloutSettings:
         None, check=all_of(in_range(16), multiple_of(16)),
         doc="Tokens per KV-cache block (a multiple of 16); prefix caching shares whole blocks, so prompts "
             "shorter than a block are prefilled once per sample. Default: vLLM's (128 on CPU).")
+    engine_cpus: str = setting(
+        "", check=cpu_list, doc="CPUs of the process running vLLM's engine core, every thread, as a Linux CPU "
+        "list ('0', '0-3'); with vLLM in-process that is this service's process. Empty: unpinned. `lorarl run` "
+        "sets it on CPU jobs (placement.pin_cpus).")
     enforce_eager: bool = setting(True, doc="Skip torch.compile / graph capture (fast start, CPU friendly).")
     seed: int = setting(0, check=in_range(0), doc="Engine seed (requests without a seed draw from it).")
     enable_lora: bool | None = setting(
@@ -82,6 +87,14 @@ class RolloutSettings:
         unknown = sorted(set(self.collective_backends) - {"gloo", "nccl", "hccl"})
         if unknown:
             raise ConfigError("collective_backends", f"unknown backends {unknown}; use gloo, nccl or hccl")
+        if self.engine_cpus:
+            if self.engine != "vllm":
+                raise ConfigError("engine_cpus", f"pins vLLM's engine core; engine is {self.engine!r} (use "
+                                  "server.cpus for the whole service)")
+            try:
+                check_cpus(parse_cpu_list(self.engine_cpus))
+            except ValueError as e:
+                raise ConfigError("engine_cpus", str(e)) from None
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ConfigError("max_lora_rank", f"expected one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}")
         if self.adapter_window is not None and self.adapter_window > self.max_loras:

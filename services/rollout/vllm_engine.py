@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from services.common.cpu_affinity import format_cpu_list, parse_cpu_list
 from services.rollout.config import RolloutSettings
 from services.rollout.model_files import ModelFiles
 from services.rollout.schema import (
@@ -143,6 +144,9 @@ class VllmEngine:
         )
         if current_platform.is_cpu():
             await self._llm.collective_rpc("lorarl_install_cpu_fixes")
+        if s.engine_cpus:
+            pinned = await self._llm.collective_rpc("lorarl_pin_cpus", kwargs={"cpus": parse_cpu_list(s.engine_cpus)})
+            logger.info("vLLM engine core pinned to CPUs %s", format_cpu_list(pinned[0]))
         if enable_lora and s.adapter_source == "shm":
             self._shm_root = Path(s.shm_dir) / f"lorarl-rollout-{os.getpid()}-{id(self):x}"
             self._shm_root.mkdir(parents=True, exist_ok=True)

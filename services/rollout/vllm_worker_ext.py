@@ -482,6 +482,13 @@ class LorarlWorkerExtension:
             _set_lean_lora(wrapper, lean_lora)
         return True
 
+    def lorarl_pin_cpus(self, cpus: list[int]) -> list[int]:
+        """Pins every thread of this worker's process (vLLM's engine core, or the whole service when vLLM
+        runs in-process) to ``cpus``; returns the union of the threads' CPU sets afterwards."""
+        from services.common.cpu_affinity import pin_process
+
+        return pin_process(cpus)
+
     def lorarl_lean_lora_state(self) -> dict[str, int]:
         """How much the lean LoRA path has served since switched on: CPU wrappers using it, layers
         whose weights it holds, and how often it (re)built a layer's weights (rises only when vLLM

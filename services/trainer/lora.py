@@ -105,8 +105,11 @@ class _MergedLoRAMatmul(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = (g @ torch.addmm(weight, b, a, alpha=ctx.scale)).view(x.shape)
-        grad_a = torch.mm(torch.mm(g, b).t(), x2).mul_(ctx.scale)
-        grad_b = torch.mm(g.t(), torch.mm(x2, a.t())).mul_(ctx.scale)
+        # Both products keep the rank on the rows ([r, tokens], then [r, in] / [r, out]): MKL runs these
+        # 2-5x faster than the same products with the rank as the output's last dimension
+        # ((g B)^T x and g^T (x A^T)), which cost more than x's gradient itself on the demo shapes.
+        grad_a = torch.mm(torch.mm(b.t(), g.t()), x2).mul_(ctx.scale)
+        grad_b = torch.mm(torch.mm(a, x2.t()), g).mul_(ctx.scale).t()
         return grad_x, None, None, grad_a, grad_b, None
 
 

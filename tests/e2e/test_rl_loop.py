@@ -13,8 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from clients.commands.run import cpu_pins
 from clients.job_config import load_job_config
+from services.common.cpu_affinity import available_cpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +65,11 @@ def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
     assert (out / "learning_curve.png").stat().st_size > 0
     assert "held-out greedy accuracy" in (out / "summary.txt").read_text()
+    if len(available_cpus()) >= 2:  # placement.pin_cpus 'auto': engine core and trainer on CPUs of their own
+        pins = cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), []))
+        services = out / "services"
+        assert yaml.safe_load((services / "trainer.yaml").read_text())["server"]["cpus"] == pins["trainer"]
+        assert f"vLLM engine core pinned to CPUs {pins['rollout_engine']}" in (services / "rollout.log").read_text()
 
 
 def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from lorarl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_gr
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.channel import ClientTls, sync_channel
+from services.common.cpu_affinity import available_cpus
 from services.common.ready import wait_for_ready_file
 
 TOKEN = "process-test-token"
@@ -265,11 +266,27 @@ def test_cpu_nice_lowers_every_thread_of_the_service(launch) -> None:
     assert code == 0, stderr
 
 
+@pytest.mark.skipif(len(available_cpus()) < 2, reason="needs two CPUs to tell pinned from unpinned")
+def test_server_cpus_pins_every_thread_of_the_service(launch) -> None:
+    """server.cpus is applied before the server starts its threads: gRPC, worker and library threads all
+    run on the CPU asked for (the trainer `lorarl run` pins on CPU jobs)."""
+    target = available_cpus()[-1]
+    server = launch("trainer", {"server": {"cpus": str(target)}})
+    pid = server.process.pid
+    threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    assert len(threads) > 1
+    assert {tuple(sorted(os.sched_getaffinity(t))) for t in threads} == {(target,)}
+    code, _, stderr = server.terminate(timeout=10)
+    assert code == 0, stderr
+
+
 @pytest.mark.parametrize(
     ("args", "key"),
     [
         (["--set", "server.prot=1"], "server.prot"),
         (["--set", "server.cpu_nice=20"], "server.cpu_nice"),
+        (["--set", "server.cpus=1-0"], "server.cpus"),
+        (["--set", "server.cpus=4096"], "server.cpus"),
         (["--port", "70000"], "server.port"),
         (["--set", "trainer.device=gpu"], "trainer.device"),
         (["--set", "server.tls.cert_file=/no/such/cert.pem"], "server.tls.cert_file"),

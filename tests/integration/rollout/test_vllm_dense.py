@@ -18,6 +18,7 @@ import pytest
 import torch
 from lorarl.v1 import common_pb2, rollout_pb2
 
+from services.common.cpu_affinity import available_cpus
 from services.rollout.config import RolloutSettings
 from services.rollout.factory import start_core
 from services.rollout.payloads import PolicyPayload
@@ -122,6 +123,26 @@ def test_several_jobs_side_by_side_on_one_base(service: RolloutHarness, model_di
         assert list(future.result().results[0].completions[0].token_ids) == expected[job], job
     for job in ("one", "two"):
         service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id=job))
+
+
+@pytest.mark.skipif(len(available_cpus()) < 2, reason="needs two CPUs to tell pinned from unpinned")
+def test_engine_core_runs_on_the_cpus_it_is_pinned_to(service: RolloutHarness) -> None:
+    """The worker pins every thread of the engine core's process (what rollout.engine_cpus asks at start)
+    and the engine keeps serving; pinning it to every CPU again undoes it."""
+    llm = service.core.engine.llm
+    cpus = available_cpus()
+
+    def pin(to: list[int]) -> list[int]:
+        return service.call(llm.collective_rpc("lorarl_pin_cpus", kwargs={"cpus": to}))[0]
+
+    try:
+        pinned = pin(cpus[-1:])
+        tokens = list(generate(service.stub, PROMPT, greedy(N_TOKENS)).token_ids)
+    finally:
+        restored = pin(cpus)
+    assert pinned == cpus[-1:]
+    assert restored == cpus
+    assert len(tokens) == N_TOKENS
 
 
 def test_cpu_lora_speedups_match_vllms_own_ops(service: RolloutHarness, model_dir, fingerprint) -> None:

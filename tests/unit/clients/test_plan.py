@@ -140,3 +140,25 @@ def test_block_size_reaches_the_rollout_and_must_be_a_multiple_of_16() -> None:
         load_job_config(str(ROOT / "examples/demo.yaml"), ["rollout.block_size=24"])
     with pytest.raises(ConfigError, match="block_size"):
         from_dict(RolloutSettings, {"block_size": 24})
+
+
+def test_lorarl_run_pins_a_cpu_jobs_engine_core_and_trainer_to_halves_of_the_cpus(monkeypatch) -> None:
+    """placement.pin_cpus 'auto': vLLM's engine core on the first half of the CPUs, the trainer on the
+    rest, written into the configs the local stack starts them with; nothing pinned when off, for an
+    accelerator trainer, several replicas, or a single CPU."""
+    from clients.commands.run import cpu_pins, local_stack
+
+    demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
+    for cpus, engine, trainer in (([0, 1], "0", "1"), ([0, 1, 2, 3, 4], "0-1", "2-4"), ([2, 5, 6, 7], "2,5", "6-7")):
+        monkeypatch.setattr("services.common.cpu_affinity.available_cpus", lambda cpus=cpus: cpus)
+        assert cpu_pins(demo) == {"rollout_engine": engine, "trainer": trainer}
+        stack = local_stack(demo, Path("/tmp/x"))
+        assert stack.sections["rollout"]["engine_cpus"] == engine
+        assert stack.server_sections == {"trainer": {"cpus": trainer}}
+    assert cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), ["placement.pin_cpus=off"])) == {}
+    assert cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), ["rollout.replicas=2"])) == {}
+    assert cpu_pins(load_job_config(str(ROOT / "examples/models/qwen3-8b.yaml"), [])) == {}
+    monkeypatch.setattr("services.common.cpu_affinity.available_cpus", lambda: [3])
+    assert cpu_pins(demo) == {}
+    stack = local_stack(demo, Path("/tmp/x"))
+    assert "engine_cpus" not in stack.sections["rollout"] and stack.server_sections == {}
