@@ -12,6 +12,10 @@ learning rate, LoRA rank/alpha/targets, completion length, temperature, step cou
 3. one rollout service scores the base model and every saved adapter of both with the same greedy
    held-out evaluation (lorarl's eval path), so the curves are comparable.
 
+Steps 1 and 2 run ``--rounds`` times, alternating (lorarl, TRL, lorarl, TRL, ...), so a drift of the
+shared machine's speed hits both sides alike; each side's run with the shortest training time is
+compared (TRL's over its thread counts too) and every run's times are listed under the table.
+
 Time to target = training seconds (saves and evaluations excluded) at the first saved step whose
 held-out accuracy reaches base + ``--target-gain``; targets: lorarl <= 0.5x TRL's time, and final
 accuracy at least TRL's minus ``--tolerance``. Needs `make bench-setup` (trl).
@@ -194,8 +198,8 @@ def setup_line(cfg: Any, args: argparse.Namespace, trl_threads: list[int], start
             f"clip {t.loss.clip_eps_low:g}, KL {t.loss.kl_coef:g}, grad-norm cap {t.optimizer.max_grad_norm:g}, "
             f"reward {cfg.data.reward}). lorarl: {cfg.loop.mode} loop, three service processes with one OpenMP "
             f"thread each, vLLM rollout; TRL {trl.__version__}: GRPOTrainer + PEFT LoraConfig, HF generate, "
-            f"one process, one run per torch thread count ({', '.join(map(str, trl_threads))}); run one after the "
-            f"other, lorarl first. Adapters saved every "
+            f"one process, one run per torch thread count ({', '.join(map(str, trl_threads))}); "
+            f"{args.rounds} round(s) of lorarl then TRL, one run after the other. Adapters saved every "
             f"{args.export_every} steps and scored afterwards by one rollout service (greedy, "
             f"{r.eval_max_tokens} tokens, {cfg.data.eval_size or 'all'} held-out problems); training time excludes "
             "saves and evaluations.")
@@ -213,6 +217,8 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="final-accuracy tolerance (fraction)")
     parser.add_argument("--threads", default=f"{os.cpu_count() or 2},1",
                         help="TRL's torch threads, one TRL run per value; the faster run is the peer")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="lorarl and TRL runs alternate this many times; each side's fastest run is compared")
     parser.add_argument("--trl-timeout", type=float, default=1800.0, help="stop a TRL run after this many seconds")
     parser.add_argument("--out", default="runs/bench-trl-vs-lorarl")
     parser.add_argument("--quick", action="store_true", help="4 steps, 4 prompts x 8, scores every 2; no RESULTS.md")
@@ -220,6 +226,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.prompts_per_step, args.export_every = args.steps or 4, args.prompts_per_step or 4, 2
+        args.rounds = 1
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -230,58 +239,69 @@ def main() -> int:
     from clients.job_config import load_job_config
 
     out = ROOT / args.out
-    overrides = [f"output.dir={out / 'lorarl'}", "output.tensorboard=false", "loop.eval_every=0",
-                 "job_id=bench-lorarl"]
+    overrides = ["output.tensorboard=false", "loop.eval_every=0", "job_id=bench-lorarl"]
     for key, value in (("loop.steps", args.steps), ("loop.prompts_per_step", args.prompts_per_step),
                        ("rollout.group_size", args.group_size), ("loop.mode", args.mode)):
         if value is not None:
             overrides.append(f"{key}={value}")
-    cfg = load_job_config(str(ROOT / args.config), overrides)
+    cfg = load_job_config(str(ROOT / args.config), [f"output.dir={out / 'lorarl'}", *overrides])
     load_start = os.getloadavg()[0]
 
-    print(f"lorarl: {cfg.loop.mode} loop, {cfg.loop.steps} steps ...", flush=True)
-    started = time.perf_counter()
-    ours = run_job(cfg, out / "lorarl", export_every=args.export_every)
-    ours_total = time.perf_counter() - started
-    print(f"lorarl: start-up {ours.startup_s:.1f} s, loop {ours.loop_s:.1f} s (training {ours.train_s:.1f} s)",
-          flush=True)
-
-    peers, stopped = {}, []
-    for threads in [int(x) for x in args.threads.split(",")]:
-        print(f"TRL: GRPOTrainer, {cfg.loop.steps} steps, {threads} torch threads ...", flush=True)
-        result = run_trl(trl_spec(cfg, threads, args.export_every), out / f"trl-{threads}threads", args.trl_timeout)
-        if result is None:
-            stopped.append(f"TRL with {threads} torch threads did not finish within {args.trl_timeout:.0f} s and "
-                           "was stopped")
-            print(f"TRL: {stopped[-1]}", flush=True)
-            continue
-        peers[threads] = result
-        print(f"TRL: start-up {result['startup_s']:.1f} s, training {result['train_s']:.1f} s", flush=True)
-    if not peers:
+    ours_runs: list[tuple[Any, float]] = []  # (JobTiming, wall seconds) per round
+    peer_runs: list[tuple[int, dict[str, Any]]] = []  # (torch threads, TRL result) per round and thread count
+    stopped: list[str] = []
+    thread_counts = [int(x) for x in args.threads.split(",")]
+    for round_ in range(args.rounds):
+        suffix = f"-{round_ + 1}" if args.rounds > 1 else ""
+        run_cfg = load_job_config(str(ROOT / args.config), [f"output.dir={out / ('lorarl' + suffix)}", *overrides])
+        print(f"lorarl{suffix}: {cfg.loop.mode} loop, {cfg.loop.steps} steps ...", flush=True)
+        started = time.perf_counter()
+        timing = run_job(run_cfg, out / f"lorarl{suffix}", export_every=args.export_every)
+        ours_runs.append((timing, time.perf_counter() - started))
+        print(f"lorarl{suffix}: start-up {timing.startup_s:.1f} s, loop {timing.loop_s:.1f} s "
+              f"(training {timing.train_s:.1f} s)", flush=True)
+        for threads in thread_counts:
+            print(f"TRL{suffix}: GRPOTrainer, {cfg.loop.steps} steps, {threads} torch threads ...", flush=True)
+            result = run_trl(trl_spec(cfg, threads, args.export_every), out / f"trl-{threads}threads{suffix}",
+                             args.trl_timeout)
+            if result is None:
+                stopped.append(f"TRL with {threads} torch threads did not finish within {args.trl_timeout:.0f} s "
+                               "and was stopped")
+                print(f"TRL: {stopped[-1]}", flush=True)
+                continue
+            peer_runs.append((threads, result))
+            print(f"TRL{suffix}: start-up {result['startup_s']:.1f} s, training {result['train_s']:.1f} s",
+                  flush=True)
+    if not peer_runs:
         print("no TRL run finished", file=sys.stderr)
         return 1
 
     print("scoring the adapters ...", flush=True)
-    adapters = [None, *ours.adapters.values(), *(a for p in peers.values() for a in p["adapters"].values())]
+    adapters = [None, *(a for t, _ in ours_runs for a in t.adapters.values()),
+                *(a for _, p in peer_runs for a in p["adapters"].values())]
     scores = evaluate_adapters(cfg, out / "eval", adapters)
     accuracy = dict(zip([str(a) for a in adapters], scores, strict=True))
     base = accuracy["None"]
     target = base + args.target_gain
-    mine = curve("lorarl", ours.train_s_at_step, ours.adapters, accuracy, ours.startup_s, ours_total)
-    curves = {n: curve(f"TRL ({n} thread{'s' if n > 1 else ''})", p["train_s_at_step"], p["adapters"], accuracy,
-                       p["startup_s"], p["total_s"]) for n, p in peers.items()}
-    best = min(curves, key=lambda n: curves[n].train_s)
-    theirs = curves[best]
+    our_curves = [curve("lorarl", t.train_s_at_step, t.adapters, accuracy, t.startup_s, wall) for t, wall in ours_runs]
+    fastest = min(range(len(ours_runs)), key=lambda i: ours_runs[i][0].train_s)
+    ours, mine = ours_runs[fastest][0], our_curves[fastest]
+    curves = [curve(f"TRL ({n} thread{'s' if n > 1 else ''})", p["train_s_at_step"], p["adapters"], accuracy,
+                    p["startup_s"], p["total_s"]) for n, p in peer_runs]
+    theirs = min(curves, key=lambda c: c.train_s)
     rows = table(mine, theirs, base, target, args.tolerance)
-    others = [f"the other, {c.name}: training {c.train_s:.1f} s for {c.steps} steps, time to target "
-              f"{_reach(time_to_target(c, target), c)}, final held-out accuracy {c.final_accuracy:.3f}, "
-              f"start-up {c.startup_s:.1f} s" for n, c in curves.items() if n != best]
-    if others or stopped:
-        rows += ["", "The peer in the table is the faster TRL run; " + "; ".join([*others, *stopped]) + "."]
+    groups: dict[str, list[Curve]] = {"lorarl": our_curves}
+    for c in curves:
+        groups.setdefault(c.name, []).append(c)
+    runs = [f"{name}: training {', '.join(f'{c.train_s:.1f}' for c in group)} s, time to target "
+            f"{', '.join(_reach(time_to_target(c, target), c) for c in group)}, final held-out accuracy "
+            f"{', '.join(f'{c.final_accuracy:.3f}' for c in group)}" for name, group in groups.items()]
+    rows += ["", f"Every run, in round order ({args.rounds} round(s); the table compares each side's fastest): "
+             + "; ".join([*runs, *stopped]) + "."]
     loop_check = (f"Cross-check: lorarl's own in-loop evaluation after the last step read "
                   f"{ours.final_accuracy:.3f}; the shared evaluator read {mine.final_accuracy:.3f} for the same "
                   f"adapter.")
-    body = [setup_line(cfg, args, list(peers), load_start), "", *rows, "", loop_check, "",
+    body = [setup_line(cfg, args, thread_counts, load_start), "", *rows, "", loop_check, "",
             "Settings that could not be matched: " + "; ".join(_unmatched()) + ".", "",
             f"Command: `.venv/bin/python bench/trl_vs_lorarl.py{_suffix(args)}`"]
     print("\n".join(body))
@@ -312,6 +332,8 @@ def _suffix(args: argparse.Namespace) -> str:
         parts.append(f" --export-every {args.export_every}")
     if args.threads != f"{os.cpu_count() or 2},1":
         parts.append(f" --threads {args.threads}")
+    if args.rounds != 2:
+        parts.append(f" --rounds {args.rounds}")
     return "".join(parts)
 
 
