@@ -21,7 +21,7 @@ from bench.trl_vs_lorarl import table as trl_table
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py"])
+@pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py", "cpu_pinning.py"])
 def test_command_line_parses(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -111,3 +111,14 @@ def test_async_vs_sync_order_summary_and_table() -> None:
 def test_job_timing_takes_evaluations_and_exports_out() -> None:
     timing = JobTiming(mode="sync", loop_s=100.0, eval_s=12.0, export_s=3.0, accuracy_at_step={0: 0.36, 40: 0.8})
     assert timing.train_s == pytest.approx(85.0) and timing.final_accuracy == 0.8
+
+
+def test_cpu_pinning_bench_tells_the_processes_apart() -> None:
+    from bench.cpu_pinning import _process_of
+
+    assert _process_of("VLLM::EngineCore") == "engine"
+    assert _process_of("/x/.venv/bin/python /x/.venv/bin/lorarl serve trainer --config t.yaml") == "trainer"
+    assert _process_of("/x/.venv/bin/python /x/.venv/bin/lorarl serve rollout --config r.yaml") == "rollout"
+    assert _process_of("/x/.venv/bin/python /x/.venv/bin/lorarl serve weightsync --config w.yaml") == "weightsync"
+    assert _process_of("/x/.venv/bin/python /x/.venv/bin/lorarl run --fresh examples/demo.yaml") == "loop"
+    assert _process_of("/x/python -B -c from multiprocessing.resource_tracker import main;main(24)") is None
