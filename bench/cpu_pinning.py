@@ -29,7 +29,7 @@ PROCESSES = ("engine", "trainer", "rollout", "weightsync", "loop")
 
 
 def _process_of(cmdline: str) -> str | None:
-    if "VLLM::EngineCore" in cmdline or "EngineCore" in cmdline.split(" ")[0]:
+    if "EngineCore" in cmdline.split(" ")[0]:  # vLLM titles its engine-core process VLLM::EngineCore
         return "engine"
     for service in ("trainer", "rollout", "weightsync"):
         if f"serve {service}" in cmdline:

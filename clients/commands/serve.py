@@ -13,12 +13,11 @@ import contextlib
 import importlib
 import os
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from services.common.config import ConfigError, dump_yaml, load_config
-from services.common.cpu_affinity import parse_cpu_list, pin_process
+from services.common.cpu_affinity import parse_cpu_list, pin_process, thread_ids
 from services.common.log import configure_logging
 
 #: Service -> module exposing CONFIG_TYPE (a config dataclass) and `async serve_forever(config)`.
@@ -76,10 +75,9 @@ def lower_priority(nice: int) -> None:
     niceness is per thread, so threads that libraries started at import are set one by one too."""
     os.nice(nice)
     target = os.getpriority(os.PRIO_PROCESS, 0)
-    tasks = Path("/proc/self/task")
-    for task in tasks.iterdir() if tasks.is_dir() else ():
-        with contextlib.suppress(OSError, ValueError):  # a thread that has just exited
-            os.setpriority(os.PRIO_PROCESS, int(task.name), target)
+    for tid in thread_ids():
+        with contextlib.suppress(OSError):  # a thread that has just exited
+            os.setpriority(os.PRIO_PROCESS, tid, target)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,6 +61,17 @@ def cpu_list(value: str | None) -> str | None:
     return None
 
 
+def check_cpu_setting(key: str, value: str) -> None:
+    """Config validation of a CPU-list key (syntax is the field's check): ConfigError naming ``key``
+    when the machine lacks one of its CPUs."""
+    from services.common.config import ConfigError
+
+    try:
+        check_cpus(parse_cpu_list(value))
+    except ValueError as e:
+        raise ConfigError(key, str(e)) from None
+
+
 def available_cpus() -> list[int]:
     """The CPUs this process runs on now (what `lorarl run` divides; `taskset` narrows it)."""
     if hasattr(os, "sched_getaffinity"):
@@ -100,18 +111,23 @@ def pin_process(cpus: Iterable[int]) -> list[int]:
     except OSError as e:
         raise ValueError(f"the OS refused CPUs {format_cpu_list(wanted)} for this process ({e.strerror}; "
                          "a container's cpuset may exclude them)") from None
-    tasks = Path("/proc/self/task")
-    for task in tasks.iterdir() if tasks.is_dir() else ():
-        with contextlib.suppress(OSError, ValueError):  # a thread that has just exited
-            os.sched_setaffinity(int(task.name), wanted)
+    for tid in thread_ids():
+        with contextlib.suppress(OSError):  # a thread that has just exited
+            os.sched_setaffinity(tid, wanted)
     return thread_cpus()
 
 
 def thread_cpus() -> list[int]:
     """Every CPU some thread of this process may run on (for checks and logs)."""
     seen: set[int] = set()
-    tasks = Path("/proc/self/task")
-    for task in tasks.iterdir() if tasks.is_dir() else ():
-        with contextlib.suppress(OSError, ValueError):
-            seen.update(os.sched_getaffinity(int(task.name)))
+    for tid in thread_ids():
+        with contextlib.suppress(OSError):
+            seen.update(os.sched_getaffinity(tid))
     return sorted(seen) or available_cpus()
+
+
+def thread_ids() -> list[int]:
+    """This process's threads (Linux; none elsewhere). Per-thread settings (affinity, niceness) must be
+    set on each; one may exit before it is reached."""
+    tasks = Path("/proc/self/task")
+    return [int(task.name) for task in tasks.iterdir() if task.name.isdigit()] if tasks.is_dir() else []

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.config import ConfigError, existing_file, in_range, port_number, setting
-from services.common.cpu_affinity import check_cpus, cpu_list, parse_cpu_list
+from services.common.cpu_affinity import check_cpu_setting, cpu_list
 
 DEFAULT_TOKEN_ENV = "LORARL_AUTH_TOKEN"
 MIB = 1024 * 1024
@@ -94,9 +94,6 @@ class ServerConfig:
         if not self.host:
             raise ConfigError("host", "must not be empty")
         if self.cpus:
-            try:
-                check_cpus(parse_cpu_list(self.cpus))
-            except ValueError as e:
-                raise ConfigError("cpus", str(e)) from None
+            check_cpu_setting("cpus", self.cpus)
         if self.metrics_enabled and self.metrics_port and self.metrics_port == self.port:
             raise ConfigError("metrics_port", f"must differ from port ({self.port})")

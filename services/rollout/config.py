@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.config import ConfigError, all_of, existing_dir, in_range, multiple_of, setting
-from services.common.cpu_affinity import check_cpus, cpu_list, parse_cpu_list
+from services.common.cpu_affinity import check_cpu_setting, cpu_list
 from services.common.server_config import ServerConfig
 
 #: Ranks vLLM accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
@@ -91,10 +91,7 @@ class RolloutSettings:
             if self.engine != "vllm":
                 raise ConfigError("engine_cpus", f"pins vLLM's engine core; engine is {self.engine!r} (use "
                                   "server.cpus for the whole service)")
-            try:
-                check_cpus(parse_cpu_list(self.engine_cpus))
-            except ValueError as e:
-                raise ConfigError("engine_cpus", str(e)) from None
+            check_cpu_setting("engine_cpus", self.engine_cpus)
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ConfigError("max_lora_rank", f"expected one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}")
         if self.adapter_window is not None and self.adapter_window > self.max_loras:
