@@ -95,10 +95,11 @@ def check_cpus(cpus: Iterable[int]) -> list[int]:
         raise ValueError("an empty CPU set")
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError("CPU pinning needs Linux (os.sched_setaffinity)")
-    missing = sorted(set(wanted) - set(machine_cpus()))
+    have = machine_cpus()
+    missing = sorted(set(wanted) - set(have))
     if missing:
         raise ValueError(f"CPUs {format_cpu_list(missing)} are not available here "
-                         f"(this machine has CPUs {format_cpu_list(machine_cpus())})")
+                         f"(this machine has CPUs {format_cpu_list(have)})")
     return wanted
 
 
