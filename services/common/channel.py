@@ -7,7 +7,9 @@ which (unlike call credentials) also works on plaintext loopback channels.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,11 @@ from typing import Any
 import grpc
 
 from services.common.auth import AUTHORIZATION_KEY
+from services.common.server_config import CLIENT_KEEPALIVE_S
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: Overrides every lorarl client's keepalive interval (seconds), e.g. below a load balancer's idle timeout.
+KEEPALIVE_ENV = "LORARL_GRPC_KEEPALIVE_S"
 
 ChannelOptions = Sequence[tuple[str, Any]]
 
@@ -44,14 +49,38 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path is not None else None
 
 
+def client_keepalive_s(env: Mapping[str, str] | None = None) -> float:
+    """How often a client pings a quiet connection: $LORARL_GRPC_KEEPALIVE_S, else CLIENT_KEEPALIVE_S.
+
+    Pings keep NATs and load balancers from dropping calls that carry no data for minutes (a long
+    TrainStep, an idle Subscribe); servers must accept them (``server.min_client_ping_interval_s``).
+    gRPC sends at most one ping a second whatever is asked.
+    """
+    raw = (os.environ if env is None else env).get(KEEPALIVE_ENV)
+    if raw is None or not raw.strip():
+        return CLIENT_KEEPALIVE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1.0):
+        raise ValueError(f"${KEEPALIVE_ENV} must be a number of seconds >= 1 (gRPC's floor), got {raw!r}")
+    return value
+
+
 def channel_options(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    keepalive_time_s: float = 30.0,
+    keepalive_time_s: float | None = None,
     keepalive_timeout_s: float = 20.0,
     server_name: str | None = None,
 ) -> list[tuple[str, Any]]:
-    """Channel arguments matching what lorarl servers accept (message size, keepalive pings)."""
+    """Channel arguments matching what lorarl servers accept (message size, keepalive pings).
+
+    ``keepalive_time_s`` None: `client_keepalive_s()`.
+    """
+    if keepalive_time_s is None:
+        keepalive_time_s = client_keepalive_s()
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

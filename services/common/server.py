@@ -58,9 +58,11 @@ def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
-        # Let clients keep idle connections alive with pings (see channel.channel_options).
+        # Let clients keep idle connections and quiet calls alive with pings (see channel.channel_options).
+        # gRPC's own default accepts one ping per 5 minutes without data and answers the second early
+        # one with GOAWAY too_many_pings: every call quiet for ~2 minutes of 30 s pings would die.
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(config.min_client_ping_interval_s * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
         # Fail loudly if another process already listens on the port instead of sharing it.
         ("grpc.so_reuseport", 0),

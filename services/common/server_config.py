@@ -10,6 +10,10 @@ from services.common.cpu_affinity import check_cpu_setting, cpu_list
 
 DEFAULT_TOKEN_ENV = "LORARL_AUTH_TOKEN"
 MIB = 1024 * 1024
+#: How often lorarl's client channels ping an idle connection (services.common.channel.channel_options).
+CLIENT_KEEPALIVE_S = 30.0
+#: The servers accept pings three times as often as lorarl clients send them: timer jitter never strikes.
+MIN_CLIENT_PING_INTERVAL_S = CLIENT_KEEPALIVE_S / 3
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["json", "text"]
@@ -65,6 +69,12 @@ class ServerConfig:
     max_concurrent_rpcs: int | None = setting(None, check=in_range(1), doc="Beyond this, RPCs are refused.")
     keepalive_time_s: float = setting(60.0, check=in_range(1.0), doc="Ping idle clients this often.")
     keepalive_timeout_s: float = setting(20.0, check=in_range(0.1), doc="Drop clients not answering a ping.")
+    min_client_ping_interval_s: float = setting(
+        MIN_CLIENT_PING_INTERVAL_S, check=in_range(0.01),
+        doc="Accept clients' keepalive pings this often on a connection with no data. Pings sooner than "
+        "this count as strikes and the second strike closes the connection (GOAWAY too_many_pings), so it "
+        f"must stay below the clients' keepalive interval (lorarl clients ping every {CLIENT_KEEPALIVE_S:g} s)."
+    )
     shutdown_grace_s: float = setting(10.0, check=in_range(0.0), doc="Bound on draining in-flight RPCs.")
     metrics_port: int | None = setting(
         None,

@@ -34,8 +34,10 @@ TOKEN = "rollout-test-token"
 
 
 class RolloutHarness:
-    def __init__(self, settings: RolloutSettings) -> None:
+    def __init__(self, settings: RolloutSettings, server: ServerConfig | None = None) -> None:
         self.settings = settings
+        self.server = server or ServerConfig(port=0, metrics_port=-1, shutdown_grace_s=0.5)
+        self.server.auth = AuthConfig(token=TOKEN)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-harness", daemon=True)
         self.core: RolloutCore
@@ -48,8 +50,7 @@ class RolloutHarness:
     def start(self) -> RolloutHarness:
         self._thread.start()
         self.core = self.call(start_core(self.settings))
-        server = ServerConfig(port=0, metrics_port=-1, shutdown_grace_s=0.5, auth=AuthConfig(token=TOKEN))
-        config = RolloutServiceConfig(server=server, rollout=self.settings)
+        config = RolloutServiceConfig(server=self.server, rollout=self.settings)
         self.running, _ = self.call(start_rollout(config, self.core))
         self.channel = sync_channel(self.running.address, token=TOKEN)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
