@@ -63,27 +63,42 @@ def tiny_moe_config() -> Qwen3MoeConfig:
     )
 
 
-def qwen3_0_6b_config(num_layers: int = 28) -> Qwen3Config:
-    """Qwen3-0.6B's real shapes (hidden 1024, 16/8 heads of 128, MLP 3072, tied 151936 vocab),
-    with ``num_layers`` of its 28 layers."""
+def _qwen3_dense_config(num_layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                        tied: bool) -> Qwen3Config:
     return Qwen3Config(
         vocab_size=QWEN3_VOCAB_SIZE,
-        hidden_size=1024,
-        intermediate_size=3072,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=num_layers,
-        num_attention_heads=16,
-        num_key_value_heads=8,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=128,
         hidden_act="silu",
         max_position_embeddings=40_960,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         initializer_range=0.02,
         bos_token_id=QWEN3_BOS_ID,
         eos_token_id=QWEN3_EOS_ID,
         use_cache=True,
     )
+
+
+def qwen3_0_6b_config(num_layers: int = 28) -> Qwen3Config:
+    """Qwen3-0.6B's real shapes (hidden 1024, 16/8 heads of 128, MLP 3072, tied 151936 vocab),
+    with ``num_layers`` of its 28 layers."""
+    return _qwen3_dense_config(num_layers, 1024, 3072, 16, 8, tied=True)
+
+
+def qwen3_1_7b_config(num_layers: int = 28) -> Qwen3Config:
+    """Qwen3-1.7B's real shapes (hidden 2048, 16/8 heads of 128, MLP 6144, tied 151936 vocab)."""
+    return _qwen3_dense_config(num_layers, 2048, 6144, 16, 8, tied=True)
+
+
+def qwen3_8b_config(num_layers: int = 36) -> Qwen3Config:
+    """Qwen3-8B's real shapes (hidden 4096, 32/8 heads of 128, MLP 12288, untied 151936 vocab)."""
+    return _qwen3_dense_config(num_layers, 4096, 12288, 32, 8, tied=False)
 
 
 def qwen3_30b_a3b_config(num_layers: int = 48, num_experts: int = 128, num_experts_per_tok: int = 8) -> Qwen3MoeConfig:
@@ -122,6 +137,8 @@ SHAPES: dict[str, Callable[..., PreTrainedConfig]] = {
     "qwen3-tiny": tiny_dense_config,
     "qwen3-moe-tiny": tiny_moe_config,
     "qwen3-0.6b": qwen3_0_6b_config,
+    "qwen3-1.7b": qwen3_1_7b_config,
+    "qwen3-8b": qwen3_8b_config,
     "qwen3-30b-a3b": qwen3_30b_a3b_config,
 }
 

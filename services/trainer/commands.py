@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.trainer.engine_api import JobSpec, Limits, MegatronSettings, OptimizerSettings, TrajectoryRecord
+from services.trainer.engine_api import (
+    JobSpec,
+    Limits,
+    MegatronSettings,
+    MemorySettings,
+    OptimizerSettings,
+    TrajectoryRecord,
+)
 from services.trainer.lora import LoraConfig
 from services.trainer.losses import LossSettings
 
@@ -71,6 +78,7 @@ def spec_from_json(raw: Any) -> JobSpec:
             "optimizer": OptimizerSettings(**_dict(d.get("optimizer"), "spec.optimizer")),
             "limits": Limits(**_dict(d.get("limits"), "spec.limits")),
             "megatron": MegatronSettings(**_dict(d.get("megatron"), "spec.megatron")),
+            "memory": MemorySettings(**_dict(d.get("memory"), "spec.memory")),
         })
     except (TypeError, ValueError) as e:
         raise CommandError(f"spec: {e}") from None

@@ -10,9 +10,17 @@ from __future__ import annotations
 from lorarl.v1 import common_pb2, trainer_pb2
 
 from services.common.errors import InvalidArgumentError
-from services.trainer.engine_api import JobSpec, Limits, MegatronSettings, OptimizerSettings, TrajectoryRecord
+from services.trainer.engine_api import (
+    JobSpec,
+    Limits,
+    MegatronSettings,
+    MemorySettings,
+    OptimizerSettings,
+    TrajectoryRecord,
+)
 from services.trainer.lora import LoraConfig
 from services.trainer.losses import LossSettings
+from services.trainer.recompute import DEFAULT_LOGITS_CHUNK_TOKENS
 
 LOSS_NAMES = {
     trainer_pb2.LOSS_TYPE_UNSPECIFIED: "grpo",
@@ -104,6 +112,24 @@ def megatron_settings(cfg: trainer_pb2.MegatronConfig, field: str = "config.mega
                   expert_parallel_size=cfg.expert_parallel_size or 1)
 
 
+CHECKPOINTING_NAMES = {
+    trainer_pb2.ACTIVATION_CHECKPOINTING_UNSPECIFIED: "auto",
+    trainer_pb2.ACTIVATION_CHECKPOINTING_AUTO: "auto",
+    trainer_pb2.ACTIVATION_CHECKPOINTING_ON: "on",
+    trainer_pb2.ACTIVATION_CHECKPOINTING_OFF: "off",
+}
+CHECKPOINTING_VALUES = {name: value for value, name in CHECKPOINTING_NAMES.items() if value}
+
+
+def memory_settings(cfg: trainer_pb2.MemoryConfig, field: str = "config.memory") -> MemorySettings:
+    if cfg.activation_checkpointing not in CHECKPOINTING_NAMES:
+        raise InvalidArgumentError(f"{field}.activation_checkpointing",
+                                   f"unknown value {cfg.activation_checkpointing} (use AUTO, ON or OFF)")
+    chunk = cfg.logits_chunk_tokens if cfg.HasField("logits_chunk_tokens") else DEFAULT_LOGITS_CHUNK_TOKENS
+    return _build(field, MemorySettings, activation_checkpointing=CHECKPOINTING_NAMES[cfg.activation_checkpointing],
+                  logits_chunk_tokens=chunk)
+
+
 def job_spec(cfg: trainer_pb2.JobConfig, default_device: str) -> JobSpec:
     """JobConfig -> JobSpec; every bad value is INVALID_ARGUMENT naming its field."""
     if not cfg.base_model_path:
@@ -115,6 +141,7 @@ def job_spec(cfg: trainer_pb2.JobConfig, default_device: str) -> JobSpec:
         dtype=cfg.dtype or "float32", lora=lora_config(cfg.lora), loss=loss_settings(cfg.loss),
         optimizer=optimizer_settings(cfg.optimizer), full_finetune=cfg.full_finetune, seed=cfg.seed,
         engine=cfg.engine or "torch", limits=limits, megatron=megatron_settings(cfg.megatron),
+        memory=memory_settings(cfg.memory),
     )
 
 
@@ -141,6 +168,9 @@ def job_config(spec: JobSpec) -> trainer_pb2.JobConfig:
             tensor_parallel_size=spec.megatron.tensor_parallel_size,
             pipeline_parallel_size=spec.megatron.pipeline_parallel_size,
             expert_parallel_size=spec.megatron.expert_parallel_size),
+        memory=trainer_pb2.MemoryConfig(
+            activation_checkpointing=CHECKPOINTING_VALUES[spec.memory.activation_checkpointing],
+            logits_chunk_tokens=spec.memory.logits_chunk_tokens),
     )
 
 

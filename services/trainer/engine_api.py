@@ -106,6 +106,30 @@ class MegatronSettings:
                 raise ValueError(f"megatron.{name} must be >= 1, got {getattr(self, name)}")
 
 
+CHECKPOINTING = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """How the engine trades compute for memory; mirrors lorarl.v1.MemoryConfig.
+
+    ``activation_checkpointing``: "on" recomputes each decoder layer's activations in backward, "off"
+    keeps them, "auto" turns it on when a full micro-batch's activations would not fit the device
+    (services.trainer.memory). ``logits_chunk_tokens``: rows of one LM-head/log-softmax chunk (0:
+    the whole micro-batch at once).
+    """
+
+    activation_checkpointing: str = "auto"
+    logits_chunk_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"memory.activation_checkpointing must be one of {list(CHECKPOINTING)}, "
+                             f"got {self.activation_checkpointing!r}")
+        if self.logits_chunk_tokens < 0:
+            raise ValueError(f"memory.logits_chunk_tokens must be >= 0 (0: no chunks), got {self.logits_chunk_tokens}")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """Everything needed to build an engine; mirrors lorarl.v1.JobConfig.
@@ -129,6 +153,7 @@ class JobSpec:
     limits: Limits = field(default_factory=Limits)
     recompute_proximal: bool = False
     megatron: MegatronSettings = field(default_factory=MegatronSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
 
     def __post_init__(self) -> None:
         if not self.base_model_path:

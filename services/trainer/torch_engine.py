@@ -24,12 +24,14 @@ from services.trainer.engine_api import EngineStateError, JobSpec
 from services.trainer.export import save_merged_model, save_peft_adapter
 from services.trainer.fingerprint import base_model_fingerprint
 from services.trainer.lora import adapters_disabled, inject_lora, iter_merged_weights, peft_state_dict
+from services.trainer.memory import free_device_bytes, needs_checkpointing
 from services.trainer.policy_engine import (  # noqa: F401  (re-exported: the torch engine's public names)
     ENTROPY_CHUNK_ROWS,
     LOSS_WEIGHTED,
     TOKEN_WEIGHTED,
     TORCH_DTYPES,
     BatchTotals,
+    LossFn,
     PolicyEngine,
     device_for,
     loss_mask,
@@ -43,17 +45,25 @@ from services.trainer.prefix_sharing import (
     shared_prefix_hidden,
     supports_prefix_sharing,
 )
+from services.trainer.recompute import (
+    DEFAULT_LOGITS_CHUNK_TOKENS,
+    activation_checkpointing_enabled,
+    chunked_token_logprobs,
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+)
 
 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False,
-                        share_prompts: bool = True, pack_completions: bool = True
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        share_prompts: bool = True, pack_completions: bool = True,
+                        logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [B, T] of the completion tokens and the policy entropy [B, T] at each of them.
 
     Runs the decoder, then the LM head only at the positions predicting completion tokens (the
-    prompt's logits are never built). Rows repeating a prompt (a GRPO group) share one forward of
-    it when ``share_prompts`` (services.trainer.prefix_sharing; same numbers, less work), and their
-    completions skip padding by packing when ``pack_completions`` and the layout estimate says it pays.
+    prompt's logits are never built), ``logits_chunk_tokens`` rows at a time (services.trainer.recompute).
+    Rows repeating a prompt (a GRPO group) share one forward of it when ``share_prompts``
+    (services.trainer.prefix_sharing; same numbers, less work), and their completions skip padding by
+    packing when ``pack_completions`` and the layout estimate says it pays.
     """
     plan = None
     if share_prompts and supports_prefix_sharing(model):
@@ -64,7 +74,8 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool
         hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                      use_cache=False).last_hidden_state
         selected = hidden.gather(1, batch.target_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    return token_logprobs(model.get_output_embeddings()(selected), batch.completion_ids, entropy_grad)
+    return chunked_token_logprobs(selected, model.get_output_embeddings(), batch.completion_ids, entropy_grad,
+                                  token_logprobs, logits_chunk_tokens)
 
 
 class TorchEngine(PolicyEngine):
@@ -91,6 +102,9 @@ class TorchEngine(PolicyEngine):
             inject_lora(model, replace(spec.lora, seed=spec.seed))
         self.model = model.to(self.device)
         self.model.eval()
+        self._shape = model.config.to_dict()
+        if spec.memory.activation_checkpointing == "on":
+            enable_activation_checkpointing(self.model)
         self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad})
 
     @classmethod
@@ -109,7 +123,29 @@ class TorchEngine(PolicyEngine):
 
     def _completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        return completion_logprobs(self.model, batch, entropy_grad, self.share_prompts, self.pack_completions)
+        return completion_logprobs(self.model, batch, entropy_grad, self.share_prompts, self.pack_completions,
+                                   self.spec.memory.logits_chunk_tokens)
+
+    def _loss_backward(self, batch: PackedBatch, entropy_grad: bool, loss_fn: LossFn) -> dict[str, float]:
+        if self.spec.memory.activation_checkpointing == "auto":
+            self._checkpoint_if_needed(batch)
+        return super()._loss_backward(batch, entropy_grad, loss_fn)
+
+    def _checkpoint_if_needed(self, batch: PackedBatch) -> None:
+        """"auto": checkpoint this micro-batch's layers when its plain activations would crowd the device."""
+        if not self.spec.full_finetune and "num_hidden_layers" in self._shape:
+            rank = self.spec.lora.rank
+            need = needs_checkpointing(self._shape, rank, self.spec.dtype, batch.input_ids.numel(),
+                                       self.spec.memory.logits_chunk_tokens, free_device_bytes(self.device))
+        else:
+            need = False
+        if need != activation_checkpointing_enabled(self.model):
+            (enable_activation_checkpointing if need else disable_activation_checkpointing)(self.model)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether the decoder layers recompute their activations (now; "auto" decides per micro-batch)."""
+        return activation_checkpointing_enabled(self.model)
 
     def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
         return adapters_disabled(self.model)

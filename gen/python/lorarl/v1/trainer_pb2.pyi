@@ -24,6 +24,13 @@ class KlEstimator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KL_ESTIMATOR_K1: _ClassVar[KlEstimator]
     KL_ESTIMATOR_K2: _ClassVar[KlEstimator]
     KL_ESTIMATOR_K3: _ClassVar[KlEstimator]
+
+class ActivationCheckpointing(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACTIVATION_CHECKPOINTING_UNSPECIFIED: _ClassVar[ActivationCheckpointing]
+    ACTIVATION_CHECKPOINTING_AUTO: _ClassVar[ActivationCheckpointing]
+    ACTIVATION_CHECKPOINTING_ON: _ClassVar[ActivationCheckpointing]
+    ACTIVATION_CHECKPOINTING_OFF: _ClassVar[ActivationCheckpointing]
 LOSS_TYPE_UNSPECIFIED: LossType
 LOSS_TYPE_GRPO: LossType
 LOSS_TYPE_DR_GRPO: LossType
@@ -35,6 +42,10 @@ KL_ESTIMATOR_UNSPECIFIED: KlEstimator
 KL_ESTIMATOR_K1: KlEstimator
 KL_ESTIMATOR_K2: KlEstimator
 KL_ESTIMATOR_K3: KlEstimator
+ACTIVATION_CHECKPOINTING_UNSPECIFIED: ActivationCheckpointing
+ACTIVATION_CHECKPOINTING_AUTO: ActivationCheckpointing
+ACTIVATION_CHECKPOINTING_ON: ActivationCheckpointing
+ACTIVATION_CHECKPOINTING_OFF: ActivationCheckpointing
 
 class LossConfig(_message.Message):
     __slots__ = ("type", "clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "kl_estimator", "behavior_weight_cap", "max_staleness", "overlong_buffer", "overlong_penalty", "entropy_coef", "max_response_tokens")
@@ -87,7 +98,7 @@ class OptimizerConfig(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., micro_batch_tokens: _Optional[int] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("base_model_path", "device", "dtype", "lora", "loss", "optimizer", "full_finetune", "seed", "engine", "max_sequence_tokens", "max_buffered_trajectories", "megatron")
+    __slots__ = ("base_model_path", "device", "dtype", "lora", "loss", "optimizer", "full_finetune", "seed", "engine", "max_sequence_tokens", "max_buffered_trajectories", "megatron", "memory")
     BASE_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +111,7 @@ class JobConfig(_message.Message):
     MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BUFFERED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     MEGATRON_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     base_model_path: str
     device: str
     dtype: str
@@ -112,7 +124,16 @@ class JobConfig(_message.Message):
     max_sequence_tokens: int
     max_buffered_trajectories: int
     megatron: MegatronConfig
-    def __init__(self, base_model_path: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraSpec, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., full_finetune: _Optional[bool] = ..., seed: _Optional[int] = ..., engine: _Optional[str] = ..., max_sequence_tokens: _Optional[int] = ..., max_buffered_trajectories: _Optional[int] = ..., megatron: _Optional[_Union[MegatronConfig, _Mapping]] = ...) -> None: ...
+    memory: MemoryConfig
+    def __init__(self, base_model_path: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraSpec, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., full_finetune: _Optional[bool] = ..., seed: _Optional[int] = ..., engine: _Optional[str] = ..., max_sequence_tokens: _Optional[int] = ..., max_buffered_trajectories: _Optional[int] = ..., megatron: _Optional[_Union[MegatronConfig, _Mapping]] = ..., memory: _Optional[_Union[MemoryConfig, _Mapping]] = ...) -> None: ...
+
+class MemoryConfig(_message.Message):
+    __slots__ = ("activation_checkpointing", "logits_chunk_tokens")
+    ACTIVATION_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    activation_checkpointing: ActivationCheckpointing
+    logits_chunk_tokens: int
+    def __init__(self, activation_checkpointing: _Optional[_Union[ActivationCheckpointing, str]] = ..., logits_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class MegatronConfig(_message.Message):
     __slots__ = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")

@@ -1,0 +1,127 @@
+"""How many bytes a torch-engine train step keeps alive: the formulas the `--dry-run` plan prints and
+the engine's ``activation_checkpointing: auto`` decides by. Plain arithmetic on config.json fields.
+
+Activations per token per decoder layer are the bytes autograd saves for backward in a transformers
+Qwen3 / Qwen3-MoE layer with lorarl's LoRA on every linear, counted with saved-tensor hooks
+(tests/unit/trainer/test_memory.py recounts them on small shapes and holds this model to them). With
+b the activation dtype's bytes, H hidden, q/kv the query/key-value widths, I the MLP width, r the
+LoRA rank:
+
+    attention   b·(cH·H + cQ·(q + kv)) + 8·heads + 40 + lora      (cH, cQ) = (5, 4) in bf16, (3, 3) in fp32
+    dense MLP   b·(H + 4·I) + lora
+    MoE MLP     4·experts + top_k·(b·(3·H + 4·I_moe) + 3·b·r)
+    lora        b·r per adapted projection in bf16 (the x·Aᵀ product); 0 for fp32 linears, whose
+                LoRA runs as one merged matmul that saves only its input
+
+(Qwen3-8B, bf16, rank 32: 184.7 KiB per token per layer.) Checkpointed, a layer keeps only its input
+(b·H) and one layer's activations exist at a time, while backward recomputes it. Outside the
+layers each token keeps ~b·H (the final norm's output at the LM head) and, unchunked, the fp32
+log-softmax over the vocabulary (4·V); a logits chunk of c tokens peaks at c·V·(b + 12) bytes (the
+head's output, its fp32 copy, the log-softmax and its gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Bytes beyond the formulas on CPU: the interpreter, torch, transformers and their allocator's slack.
+CPU_RUNTIME_BYTES = 700 << 20
+#: Share of a micro-batch's full activations that must stay free for "auto" to leave checkpointing off.
+AUTO_HEADROOM = 0.5
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else 4
+
+
+def _widths(shape: dict[str, Any]) -> tuple[int, int, int, int]:
+    h = shape["hidden_size"]
+    heads = shape["num_attention_heads"]
+    hd = shape.get("head_dim") or h // heads
+    return h, heads, heads * hd, shape["num_key_value_heads"] * hd
+
+
+def layer_activation_bytes(shape: dict[str, Any], rank: int, dtype: str, adapted: bool = True) -> int:
+    """Bytes one decoder layer saves for backward per token (see the module docstring)."""
+    b = dtype_bytes(dtype)
+    h, heads, q, kv = _widths(shape)
+    lora = b * rank if adapted and b == 2 else 0
+    c_h, c_q = (5, 4) if b == 2 else (3, 3)
+    attention = b * (c_h * h + c_q * (q + kv)) + 8 * heads + 40 + 4 * lora
+    experts = shape.get("num_experts") or shape.get("num_local_experts") or 0
+    if experts:
+        top_k = shape["num_experts_per_tok"]
+        inter = shape["moe_intermediate_size"]
+        expert_lora = 3 * b * rank if adapted else 0
+        mlp = 4 * experts + top_k * (b * (3 * h + 4 * inter) + expert_lora)
+    else:
+        mlp = b * (h + 4 * shape["intermediate_size"]) + 3 * lora
+    return attention + mlp
+
+
+def logits_bytes(vocab: int, tokens: int, dtype: str) -> int:
+    """Peak bytes of the LM head and log-softmax over ``tokens`` rows at once."""
+    return tokens * vocab * (dtype_bytes(dtype) + 12)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """A train step's peak bytes beyond weights and optimiser state, per trainer device."""
+
+    tokens: int  # tokens of the largest micro-batch
+    activations: int  # saved for backward, at the peak
+    logits: int  # the LM-head chunk's transient tensors
+    checkpointing: bool
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.logits
+
+
+def step_memory(shape: dict[str, Any], rank: int, dtype: str, tokens: int, checkpointing: bool,
+                logits_chunk_tokens: int, layers: int | None = None, adapted: bool = True) -> StepMemory:
+    """Peak activation and logits bytes of one micro-batch of ``tokens`` tokens on one device holding
+    ``layers`` decoder layers (default: all of them)."""
+    b = dtype_bytes(dtype)
+    n_layers = shape["num_hidden_layers"] if layers is None else layers
+    per_layer = layer_activation_bytes(shape, rank, dtype, adapted)
+    vocab = shape["vocab_size"]
+    chunked = 0 < logits_chunk_tokens < tokens
+    outside = tokens * b * shape["hidden_size"] + (0 if chunked else tokens * 4 * vocab)
+    if checkpointing:
+        kept = n_layers * tokens * b * shape["hidden_size"] + tokens * per_layer
+    else:
+        kept = n_layers * tokens * per_layer
+    logits = logits_bytes(vocab, logits_chunk_tokens if chunked else tokens, dtype)
+    return StepMemory(tokens, kept + outside, logits, checkpointing)
+
+
+def free_device_bytes(device: Any) -> int:
+    """Bytes free on a torch device now: the accelerator's own count, or the host's MemAvailable on CPU."""
+    kind = getattr(device, "type", str(device))
+    if kind in ("cuda", "npu"):
+        import torch
+
+        if kind == "npu":
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        free, _ = getattr(torch, kind).mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def needs_checkpointing(shape: dict[str, Any], rank: int, dtype: str, tokens: int, logits_chunk_tokens: int,
+                        free_bytes: int, layers: int | None = None) -> bool:
+    """"auto": checkpoint when a micro-batch's unchecked step would take more than AUTO_HEADROOM of what
+    is free on the device once weights and optimiser state are in place."""
+    plain = step_memory(shape, rank, dtype, tokens, False, logits_chunk_tokens, layers)
+    return plain.total > AUTO_HEADROOM * free_bytes
