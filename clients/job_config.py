@@ -34,6 +34,8 @@ class DataConfig:
                                        "'module:function'.")
     chat_template: bool = setting(True, doc="Render prompts with the model's chat template.")
     eval_size: int = setting(0, check=in_range(0), doc="Held-out problems evaluated (0: all).")
+    max_prompt_tokens: int = setting(256, check=in_range(1), doc="Longest prompt in tokens: the --dry-run plan's "
+                                                                 "sequence length is this plus rollout.max_tokens.")
     seed: int = setting(0, check=in_range(0), doc="Shuffle seed of the train stream.")
 
     def validate(self) -> None:
@@ -88,6 +90,15 @@ class ParallelSection:
 
 
 @dataclass
+class MemorySection:
+    activation_checkpointing: Literal["auto", "on", "off"] = setting(
+        "auto", doc="Recompute decoder activations in backward: 'on', 'off', or 'auto' (on for micro-batches whose "
+        "activations would not fit the device).")
+    logits_chunk_tokens: int = setting(1024, check=in_range(0), doc="Tokens per LM-head/log-softmax chunk "
+                                                                    "(0: a whole micro-batch at once).")
+
+
+@dataclass
 class TrainerSection:
     device: str = setting("cpu", doc="cpu, cuda or npu (the first of the trainer's devices).")
     engine: Literal["torch", "megatron"] = setting("torch", doc="'torch' (transformers) or 'megatron' (TP/PP/EP).")
@@ -96,6 +107,7 @@ class TrainerSection:
     lora: LoraSection = field(default_factory=LoraSection)
     loss: LossSection = field(default_factory=LossSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    memory: MemorySection = field(default_factory=MemorySection)
 
 
 @dataclass

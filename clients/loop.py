@@ -63,6 +63,10 @@ def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConf
             learning_rate=t.optimizer.learning_rate, weight_decay=t.optimizer.weight_decay,
             warmup_steps=t.optimizer.warmup_steps, max_grad_norm=t.optimizer.max_grad_norm or 1e9,
             micro_batch_tokens=t.optimizer.micro_batch_tokens),
+        memory=trainer_pb2.MemoryConfig(
+            activation_checkpointing=trainer_pb2.ActivationCheckpointing.Value(
+                f"ACTIVATION_CHECKPOINTING_{t.memory.activation_checkpointing.upper()}"),
+            logits_chunk_tokens=t.memory.logits_chunk_tokens),
     )
 
 

@@ -2,9 +2,12 @@
 
 Sizes come from the model's config.json when the weights are present; otherwise from the
 ``model.shape`` named in the job file (published shapes below), so configs for real models can be
-checked on a machine that has neither the weights nor the accelerators. The plan counts weights,
-adapters, Adam moments and the KV cache per device; activations are not estimated, so a plan that
-fits with little headroom may still run out of memory.
+checked on a machine that has neither the weights nor the accelerators. The plan counts, per device,
+the trainer's weights, adapters and their gradients, Adam moments, the activations of its largest
+micro-batch (with or without activation checkpointing, as the engine will run it) and its logits
+chunk, from the formulas the engine itself decides by (services.trainer.memory); and the rollout's
+weights and KV cache, with how many whole sequences the cache holds. A plan that does not fit is an
+error naming the key to change.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from services.trainer.memory import StepMemory, needs_checkpointing, step_memory
 
 GIB = 1 << 30
 ADAPTER_BYTES = 4  # adapters and their Adam moments stay fp32 whatever the base dtype
@@ -165,6 +170,74 @@ def place(cfg) -> list[Slot]:
     return slots
 
 
+@dataclass(frozen=True)
+class TrainerMemory:
+    """One trainer device's peak bytes in a step, by part (services.trainer.memory's formulas)."""
+
+    weights: float
+    adapters: float  # fp32 adapters + their gradients
+    adam: float
+    step: StepMemory  # activations and logits chunk of the largest micro-batch, as the job runs
+    unchecked: StepMemory  # the same micro-batch without activation checkpointing
+    checkpointed: StepMemory  # and with it
+    sequence_tokens: int
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.adapters + self.adam
+
+    @property
+    def total(self) -> float:
+        return self.static + self.step.total
+
+
+def micro_batch_tokens(cfg) -> tuple[int, int]:
+    """(tokens of the largest micro-batch per trainer rank, tokens of one sequence) the plan assumes."""
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+    per_rank = -(-cfg.loop.prompts_per_step * cfg.rollout.group_size // cfg.trainer.parallel.data) * seq
+    budget = cfg.trainer.optimizer.micro_batch_tokens
+    # A micro-batch holds whole sequences: at most the budget, but never less than one sequence.
+    return (max(min(budget, per_rank), seq) if budget else per_rank), seq
+
+
+def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: float | None) -> TrainerMemory:
+    """Weights, adapters, Adam and the step's activations on one trainer device; ``free_bytes`` (the
+    device's memory, None if unknown) decides ``activation_checkpointing: auto`` as the engine does."""
+    dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    par = cfg.trainer.parallel
+    # Dense weights split by TP x PP, experts additionally by EP.
+    dense_bytes = (n["base"] - n["expert_params"]) * dtype_bytes
+    weights = dense_bytes / (par.tensor * par.pipeline) + n["expert_params"] * dtype_bytes / (
+        par.tensor * par.pipeline * par.expert)
+    adapters = ((n["lora"] - n["lora_experts"]) / (par.tensor * par.pipeline) + n["lora_experts"] / (
+        par.tensor * par.pipeline * par.expert)) * ADAPTER_BYTES
+    tokens, seq = micro_batch_tokens(cfg)
+    memory = cfg.trainer.memory
+    layers = -(-shape["num_hidden_layers"] // par.pipeline)
+    rank, dtype, chunk = cfg.trainer.lora.rank, cfg.model.dtype, memory.logits_chunk_tokens
+    static = weights + 4 * adapters  # adapters, their gradients, two Adam moments
+    if memory.activation_checkpointing == "auto":
+        checkpointing = free_bytes is not None and needs_checkpointing(shape, rank, dtype, tokens, chunk,
+                                                                        int(free_bytes - static), layers)
+    else:
+        checkpointing = memory.activation_checkpointing == "on"
+
+    def per_device(on: bool) -> StepMemory:
+        step = step_memory(shape, rank, dtype, tokens, on, chunk, layers)
+        # Tensor parallelism splits the layers' activations (not the LM-head chunk, gathered per rank).
+        return StepMemory(step.tokens, int(step.activations / par.tensor), step.logits, on)
+
+    return TrainerMemory(weights, 2 * adapters, 2 * adapters, per_device(checkpointing), per_device(False),
+                         per_device(True), seq)
+
+
+def kv_bytes_per_token(shape: dict[str, Any], dtype: str) -> int:
+    """The rollout's KV cache per token: keys and values of every full-attention layer."""
+    hd = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    full = sum(_is_full_attention(shape, i) for i in range(shape["num_hidden_layers"]))
+    return 2 * full * shape["num_key_value_heads"] * hd * (2 if dtype == "bfloat16" else 4)
+
+
 def print_plan(cfg) -> int:
     try:
         shape = model_shape(cfg)
@@ -175,15 +248,11 @@ def print_plan(cfg) -> int:
     dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
     par = cfg.trainer.parallel
     base_bytes = n["base"] * dtype_bytes
-    # Per trainer device: dense weights split by TP x PP, experts additionally by EP.
-    dense_bytes = (n["base"] - n["expert_params"]) * dtype_bytes
-    trainer_base = dense_bytes / (par.tensor * par.pipeline) + n["expert_params"] * dtype_bytes / (
-        par.tensor * par.pipeline * par.expert)
-    adapters = ((n["lora"] - n["lora_experts"]) / (par.tensor * par.pipeline) + n["lora_experts"] / (
-        par.tensor * par.pipeline * par.expert)) * ADAPTER_BYTES
-    adam = 2 * adapters
+    device_memory = cfg.placement.device_memory_gib * GIB if cfg.placement.devices_per_node else 0.0
+    trainer = trainer_memory(cfg, shape, n, HEADROOM * device_memory if device_memory else None)
     rollout_base = base_bytes / cfg.rollout.tensor_parallel_size
     kv = cfg.rollout.kv_cache_gib * GIB
+    kv_per_token = kv_bytes_per_token(shape, cfg.model.dtype) / cfg.rollout.tensor_parallel_size
     moe_on_cpu = bool(n["experts"]) and cfg.rollout.engine == "vllm" and cfg.trainer.device == "cpu"
     mode = cfg.sync.mode if cfg.sync.mode != "auto" else ("merged" if moe_on_cpu else "adapter (if replicas can)")
 
@@ -196,13 +265,26 @@ def print_plan(cfg) -> int:
           f"{cfg.model.dtype})" + (f", {', '.join(extras)}" if extras else ""))
     print(f"adapters: rank {cfg.trainer.lora.rank}, {human_count(n['lora'])} parameters "
           f"({100 * n['lora'] / n['base']:.2f}% of base), {human_bytes(n['lora'] * ADAPTER_BYTES)} fp32")
+    step, unchecked = trainer.step, trainer.unchecked
+    ckpt_mode = cfg.trainer.memory.activation_checkpointing
+    ckpt = ("on" if step.checkpointing else "off") + (" (auto)" if ckpt_mode == "auto" else "")
     print(f"trainer ({cfg.trainer.engine} engine, {cfg.trainer.device}, TP {par.tensor} x PP {par.pipeline} x "
-          f"DP {par.data}, EP {par.expert}): per device base {human_bytes(trainer_base)} + adapters "
-          f"{human_bytes(adapters)} + Adam {human_bytes(adam)} + activations")
+          f"DP {par.data}, EP {par.expert}): per device base {human_bytes(trainer.weights)} + adapters and grads "
+          f"{human_bytes(trainer.adapters)} + Adam {human_bytes(trainer.adam)} + activations "
+          f"{human_bytes(step.activations)} + logits chunk {human_bytes(step.logits)} = {human_bytes(trainer.total)}")
+    print(f"trainer activations: micro-batch of {step.tokens:,} tokens ({trainer.sequence_tokens:,}-token sequences: "
+          f"data.max_prompt_tokens + rollout.max_tokens); checkpointing {ckpt}: {human_bytes(step.activations)}, "
+          f"without: {human_bytes(unchecked.activations)}")
+    sequences = kv / (kv_per_token * trainer.sequence_tokens) if kv_per_token else float("inf")
     print(f"rollout ({cfg.rollout.engine}, {cfg.rollout.replicas} replica(s) x TP {cfg.rollout.tensor_parallel_size}):"
-          f" per device base {human_bytes(rollout_base)} + KV cache {human_bytes(kv)}")
+          f" per device base {human_bytes(rollout_base)} + KV cache {human_bytes(kv)} "
+          f"({human_bytes(kv_per_token)} per token: {sequences:,.1f} full sequences)")
     print(f"weight sync: {mode}; per version {human_bytes(n['lora'] * ADAPTER_BYTES)} (adapter, fp32) vs "
           f"{human_bytes(base_bytes)} (merged)")
+    if sequences < 1:
+        print(f"lorarl: bad config: rollout.kv_cache_gib: {human_bytes(kv)} holds "
+              f"{int(kv / kv_per_token):,} tokens, less than one {trainer.sequence_tokens:,}-token sequence")
+        return 2
     if cfg.placement.devices_per_node:
         try:
             slots = place(cfg)
@@ -213,16 +295,33 @@ def print_plan(cfg) -> int:
             here = [f"{s.role} (devices {s.devices[0]}-{s.devices[-1]})" if len(s.devices) > 1
                     else f"{s.role} (device {s.devices[0]})" for s in slots if s.node == node]
             print(f"node {node}: " + (", ".join(here) if here else "idle"))
-        memory = cfg.placement.device_memory_gib * GIB
-        if memory:
-            need = {"trainer": trainer_base + adapters + adam, "rollout": rollout_base + kv}
-            for role, used in need.items():
-                verdict = "fits" if used <= HEADROOM * memory else "DOES NOT FIT"
-                print(f"{role}: {human_bytes(used)} of {human_bytes(memory)} per device before activations: "
-                      f"{verdict}")
-                if used > HEADROOM * memory:
-                    print(f"lorarl: bad config: placement.device_memory_gib: the {role} needs "
-                          f"{human_bytes(used)} per device (more parallelism or more devices)")
-                    return 2
+        if device_memory:
+            return _check_fit(trainer, rollout_base + kv, device_memory)
     print("config OK")
     return 0
+
+
+def _check_fit(trainer: TrainerMemory, rollout: float, memory: float) -> int:
+    """Whether the trainer and a rollout replica fit their devices; a misfit names the key to change."""
+    limit = HEADROOM * memory
+    for role, used in (("trainer", trainer.total), ("rollout", rollout)):
+        verdict = "fits" if used <= limit else "DOES NOT FIT"
+        print(f"{role}: {human_bytes(used)} of {human_bytes(memory)} per device: {verdict}")
+    if trainer.total > limit:
+        need = human_bytes(trainer.total)
+        if trainer.static > limit:
+            key, hint = "placement.device_memory_gib", "weights and optimiser state alone do not fit: more "\
+                "parallelism (trainer.parallel.*) or larger devices"
+        elif not trainer.step.checkpointing and trainer.static + trainer.checkpointed.total <= limit:
+            key, hint = "trainer.memory.activation_checkpointing", "set it to 'on' (or 'auto')"
+        else:
+            key, hint = "trainer.optimizer.micro_batch_tokens", "a smaller micro-batch (or more parallelism)"
+        print(f"lorarl: bad config: {key}: the trainer needs {need} per device of {human_bytes(limit)} usable; {hint}")
+        return 2
+    if rollout > limit:
+        print(f"lorarl: bad config: rollout.kv_cache_gib: a rollout replica needs {human_bytes(rollout)} per device "
+              f"of {human_bytes(limit)} usable (a smaller KV cache or a larger rollout.tensor_parallel_size)")
+        return 2
+    print("config OK")
+    return 0
+

@@ -162,3 +162,28 @@ def test_lorarl_run_pins_a_cpu_jobs_engine_core_and_trainer_to_halves_of_the_cpu
     assert cpu_pins(demo) == {}
     stack = local_stack(demo, Path("/tmp/x"))
     assert "engine_cpus" not in stack.sections["rollout"] and stack.server_sections == {}
+
+
+def test_the_plan_counts_activations_as_the_engine_will_run_them(capsys) -> None:
+    path = ROOT / "examples/models/qwen3-8b.yaml"
+    code, out = dry_run(capsys, path)
+    assert code == 0 and "checkpointing on (auto)" in out and "micro-batch of 32,768 tokens" in out
+    cfg = load_job_config(str(path), [])
+    from clients.plan import model_shape, trainer_memory
+
+    shape = model_shape(cfg)
+    memory = trainer_memory(cfg, shape, count(shape, 32), free_bytes=72 * 2**30)
+    assert memory.step.checkpointing and memory.step.activations < memory.unchecked.activations / 8
+    assert memory.total == pytest.approx(memory.static + memory.step.activations + memory.step.logits)
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["trainer.memory.activation_checkpointing=off"], "trainer.memory.activation_checkpointing"),
+    (["trainer.optimizer.micro_batch_tokens=400000"], "trainer.optimizer.micro_batch_tokens"),
+    (["placement.device_memory_gib=16"], "placement.device_memory_gib"),
+    (["rollout.kv_cache_gib=0.25"], "rollout.kv_cache_gib"),
+])
+def test_a_plan_that_does_not_fit_is_an_error_naming_the_key(capsys, overrides: list[str], key: str) -> None:
+    code, out = dry_run(capsys, ROOT / "examples/models/qwen3-8b.yaml", *overrides)
+    assert code == 2, out
+    assert f"lorarl: bad config: {key}:" in out and "config OK" not in out
