@@ -1,9 +1,11 @@
-"""`lorarl eval CONFIG [--adapter DIR] [key=value ...]` and `lorarl export --trainer A JOB --mode M`.
+"""`lorarl eval CONFIG [--adapter DIR] [key=value ...]` and `lorarl export`.
 
 eval:   held-out greedy accuracy of the config's base model, or of a PEFT adapter directory (e.g. a
         `lorarl export` or the trainer's Export) served on top of it, through a rollout service started
         on loopback for the purpose.
-export: asks a running trainer to write a job's adapter (PEFT) or merged model (HF) to disk.
+export: a job's adapter (PEFT) or merged model (HF) on disk, either from a training checkpoint with
+        nothing running (`lorarl export --checkpoint DIR --mode merged --out DIR`), or by asking a
+        running trainer (`lorarl export JOB --trainer HOST:PORT`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ def add_parsers(subparsers: Any) -> None:
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     ev.add_argument("--adapter", metavar="DIR", help="PEFT adapter directory to serve on the base model")
     ev.set_defaults(handler=eval_command)
-    ex = subparsers.add_parser("export", help="write a job's adapter or merged model from a running trainer",
+    ex = subparsers.add_parser("export", help="write a job's adapter or merged model, from a checkpoint or a trainer",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ex.add_argument("job_id")
-    ex.add_argument("--trainer", required=True, metavar="HOST:PORT")
+    ex.add_argument("job_id", nargs="?", help="the job, with --trainer")
+    source = ex.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a training checkpoint (runs/<job>/checkpoints/...)")
+    source.add_argument("--trainer", metavar="HOST:PORT", help="a running trainer that holds the job")
     ex.add_argument("--mode", choices=["adapter", "merged"], default="adapter")
-    ex.add_argument("--path", default="", help="directory on the trainer's side (default: under its export_dir)")
+    ex.add_argument("--out", metavar="DIR", help="output directory, with --checkpoint")
+    ex.add_argument("--base-model", metavar="DIR", help="with --checkpoint: the base model, if not where the "
+                                                        "checkpoint recorded it")
+    ex.add_argument("--path", default="", help="with --trainer: directory on the trainer's side (default: under its "
+                                               "export_dir)")
     ex.set_defaults(handler=export_command)
 
 
@@ -97,6 +105,11 @@ async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[
 
 
 def export_command(args: argparse.Namespace) -> int:
+    if args.checkpoint:
+        return export_checkpoint_command(args)
+    if not args.job_id:
+        print("lorarl export: --trainer needs the JOB to export", file=sys.stderr)
+        return 2
     from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
     from services.common.channel import sync_channel
@@ -106,4 +119,24 @@ def export_command(args: argparse.Namespace) -> int:
         response = trainer_pb2_grpc.TrainerServiceStub(channel).Export(
             trainer_pb2.ExportRequest(job_id=args.job_id, mode=mode, path=args.path), timeout=600)
     print(response.path)
+    return 0
+
+
+def export_checkpoint_command(args: argparse.Namespace) -> int:
+    """Offline export; a missing, corrupt or foreign checkpoint is a one-line error and exit code 2."""
+    if not args.out:
+        print("lorarl export: --checkpoint needs --out DIR", file=sys.stderr)
+        return 2
+    if args.job_id or args.path:
+        print("lorarl export: JOB and --path go with --trainer, not --checkpoint", file=sys.stderr)
+        return 2
+    from services.trainer.checkpoint import CheckpointError
+    from services.trainer.offline_export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.mode, args.base_model)
+    except CheckpointError as e:
+        print(f"lorarl export: {e}", file=sys.stderr)
+        return 2
+    print(out)
     return 0

@@ -16,8 +16,9 @@ LoRA rank:
 (Qwen3-8B, bf16, rank 32: 184.7 KiB per token per layer.) Checkpointed, a layer keeps only its input
 (b·H) and one layer's activations exist at a time, while backward recomputes it. Outside the
 layers each token keeps ~b·H (the final norm's output at the LM head) and, unchunked, the fp32
-log-softmax over the vocabulary (4·V); a logits chunk of c tokens peaks at c·V·(b + 12) bytes (the
-head's output, its fp32 copy, the log-softmax and its gradient).
+log-softmax over the vocabulary (4·V) and its backward briefly needs 8·V more (`logits_bytes`); a
+checkpointed logits chunk of c tokens keeps nothing and peaks at 12·c·V while it is recomputed and
+differentiated (2 more bytes per entry for a bf16 head's own output).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: Bytes beyond the formulas on CPU: the interpreter, torch, transformers and their allocator's slack.
-CPU_RUNTIME_BYTES = 700 << 20
+#: Bytes beyond the formulas on CPU: the interpreter, torch and transformers once imported (measured by
+#: bench/memory_plan.py as the resident set before a step less the weights: 0.41 GiB).
+CPU_RUNTIME_BYTES = 420 << 20
 #: Share of a micro-batch's full activations that must stay free for "auto" to leave checkpointing off.
 AUTO_HEADROOM = 0.5
 
@@ -60,9 +62,13 @@ def layer_activation_bytes(shape: dict[str, Any], rank: int, dtype: str, adapted
     return attention + mlp
 
 
-def logits_bytes(vocab: int, tokens: int, dtype: str) -> int:
-    """Peak bytes of the LM head and log-softmax over ``tokens`` rows at once."""
-    return tokens * vocab * (dtype_bytes(dtype) + 12)
+def logits_bytes(vocab: int, tokens: int, dtype: str, chunked: bool) -> int:
+    """Peak transient bytes of the LM head and log-softmax over ``tokens`` rows at once, beyond what the
+    step keeps: its backward holds the log-softmax's output, its gradient and the logits' gradient (fp32,
+    plus the head's own output dtype when that is not fp32). A whole micro-batch keeps the fp32
+    log-softmax for backward anyway (counted in the activations); a checkpointed chunk recomputes it."""
+    extra = 0 if dtype_bytes(dtype) == 4 else 2
+    return tokens * vocab * ((12 if chunked else 8) + extra)
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ def step_memory(shape: dict[str, Any], rank: int, dtype: str, tokens: int, check
         kept = n_layers * tokens * b * shape["hidden_size"] + tokens * per_layer
     else:
         kept = n_layers * tokens * per_layer
-    logits = logits_bytes(vocab, logits_chunk_tokens if chunked else tokens, dtype)
+    logits = logits_bytes(vocab, logits_chunk_tokens if chunked else tokens, dtype, chunked)
     return StepMemory(tokens, kept + outside, logits, checkpointing)
 
 

@@ -386,7 +386,8 @@ class PolicyEngine(TrainEngine):
         return ckpt.CheckpointMeta(
             base_model_fingerprint=self._fingerprint,
             lora=None if self.spec.full_finetune else ckpt.lora_identity(self.spec.lora),
-            loss=asdict(self.spec.loss), full_finetune=self.spec.full_finetune, dtype=self.spec.dtype)
+            loss=asdict(self.spec.loss), full_finetune=self.spec.full_finetune, dtype=self.spec.dtype,
+            base_model_path=str(Path(self.spec.base_model_path).resolve()), engine=self.spec.engine)
 
     def _training_state(self, data_cursor: Any) -> ckpt.TrainingState:
         """What a checkpoint holds; engines with sharded parameters override it to gather them."""
