@@ -46,6 +46,12 @@ from services.trainer.engine_api import (
     TrajectoryRecord,
 )
 from services.trainer.losses import AGGREGATION, LossInputs, LossSettings, policy_loss
+from services.trainer.memory import free_device_bytes, needs_checkpointing
+from services.trainer.recompute import (
+    activation_checkpointing_enabled,
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Metrics averaged over loss weight (the micro-batch's share of the loss) vs over its share of tokens.
@@ -142,6 +148,29 @@ class PolicyEngine(TrainEngine):
     _fingerprint: str
     _named_trainable: dict[str, nn.Parameter]
     _trainable: list[nn.Parameter]
+
+    def _init_memory(self, layered: nn.Module, shape: dict[str, Any], local_layers: int) -> None:
+        """Where activation checkpointing applies: ``layered``'s decoder layers (``local_layers`` of the
+        model's, on this rank), sized by ``shape`` (config.json fields); "on" takes effect now."""
+        self._layered, self._shape, self._local_layers = layered, shape, local_layers
+        if self.spec.memory.activation_checkpointing == "on":
+            enable_activation_checkpointing(layered)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether the decoder layers recompute their activations now ("auto" decides per micro-batch)."""
+        return activation_checkpointing_enabled(self._layered)
+
+    def _choose_checkpointing(self, batch: PackedBatch) -> None:
+        """"auto": checkpoint this micro-batch's layers when its plain activations would crowd the device
+        (services.trainer.memory.needs_checkpointing, the rule the --dry-run plan applies too)."""
+        if self.spec.memory.activation_checkpointing != "auto" or self.spec.full_finetune:
+            return
+        need = needs_checkpointing(self._shape, self.spec.lora.rank, self.spec.dtype, batch.input_ids.numel(),
+                                   self.spec.memory.logits_chunk_tokens, free_device_bytes(self.device),
+                                   layers=self._local_layers)
+        if need != activation_checkpointing_enabled(self._layered):
+            (enable_activation_checkpointing if need else disable_activation_checkpointing)(self._layered)
 
     def _init_training(self, named_trainable: dict[str, nn.Parameter]) -> None:
         """AdamW over ``named_trainable`` and fresh counters (call once the parameters exist)."""
@@ -285,6 +314,7 @@ class PolicyEngine(TrainEngine):
             return loss * share, metrics
 
         self._set_training(True)
+        self._choose_checkpointing(batch)
         m = self._loss_backward(batch, bool(settings.entropy_coef), scaled_loss)
         self._set_training(False)
         out = {k: m[k] * share for k in LOSS_WEIGHTED if k in m}

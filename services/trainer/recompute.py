@@ -86,7 +86,8 @@ def _checkpointed_forward(self: nn.Module, hidden_states: torch.Tensor, *args: A
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    """The decoder layers of a transformers causal LM, or of a megatron GPTModel (``decoder.layers``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "decoder", model)
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(decoder).__name__} has no decoder layers to checkpoint")

@@ -24,14 +24,12 @@ from services.trainer.engine_api import EngineStateError, JobSpec
 from services.trainer.export import save_merged_model, save_peft_adapter
 from services.trainer.fingerprint import base_model_fingerprint
 from services.trainer.lora import adapters_disabled, inject_lora, iter_merged_weights, peft_state_dict
-from services.trainer.memory import free_device_bytes, needs_checkpointing
 from services.trainer.policy_engine import (  # noqa: F401  (re-exported: the torch engine's public names)
     ENTROPY_CHUNK_ROWS,
     LOSS_WEIGHTED,
     TOKEN_WEIGHTED,
     TORCH_DTYPES,
     BatchTotals,
-    LossFn,
     PolicyEngine,
     device_for,
     loss_mask,
@@ -45,13 +43,7 @@ from services.trainer.prefix_sharing import (
     shared_prefix_hidden,
     supports_prefix_sharing,
 )
-from services.trainer.recompute import (
-    DEFAULT_LOGITS_CHUNK_TOKENS,
-    activation_checkpointing_enabled,
-    chunked_token_logprobs,
-    disable_activation_checkpointing,
-    enable_activation_checkpointing,
-)
+from services.trainer.recompute import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_token_logprobs
 
 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False,
@@ -102,9 +94,7 @@ class TorchEngine(PolicyEngine):
             inject_lora(model, replace(spec.lora, seed=spec.seed))
         self.model = model.to(self.device)
         self.model.eval()
-        self._shape = model.config.to_dict()
-        if spec.memory.activation_checkpointing == "on":
-            enable_activation_checkpointing(self.model)
+        self._init_memory(self.model, model.config.to_dict(), model.config.num_hidden_layers)
         self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad})
 
     @classmethod
@@ -126,26 +116,6 @@ class TorchEngine(PolicyEngine):
         return completion_logprobs(self.model, batch, entropy_grad, self.share_prompts, self.pack_completions,
                                    self.spec.memory.logits_chunk_tokens)
 
-    def _loss_backward(self, batch: PackedBatch, entropy_grad: bool, loss_fn: LossFn) -> dict[str, float]:
-        if self.spec.memory.activation_checkpointing == "auto":
-            self._checkpoint_if_needed(batch)
-        return super()._loss_backward(batch, entropy_grad, loss_fn)
-
-    def _checkpoint_if_needed(self, batch: PackedBatch) -> None:
-        """"auto": checkpoint this micro-batch's layers when its plain activations would crowd the device."""
-        if not self.spec.full_finetune and "num_hidden_layers" in self._shape:
-            rank = self.spec.lora.rank
-            need = needs_checkpointing(self._shape, rank, self.spec.dtype, batch.input_ids.numel(),
-                                       self.spec.memory.logits_chunk_tokens, free_device_bytes(self.device))
-        else:
-            need = False
-        if need != activation_checkpointing_enabled(self.model):
-            (enable_activation_checkpointing if need else disable_activation_checkpointing)(self.model)
-
-    @property
-    def activation_checkpointing(self) -> bool:
-        """Whether the decoder layers recompute their activations (now; "auto" decides per micro-batch)."""
-        return activation_checkpointing_enabled(self.model)
 
     def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
         return adapters_disabled(self.model)

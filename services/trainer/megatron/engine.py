@@ -84,6 +84,8 @@ class MegatronEngine(PolicyEngine):
         self.dp = MegatronDataParallel(self.device)
         self.lora = inject_megatron_lora(self.model, spec.lora, spec.seed, self.layout)
         self._base_elements = _checkpoint_elements(spec.base_model_path)
+        # Checkpointing wraps this rank's TransformerLayers (its pipeline stage's share of the model).
+        self._init_memory(self.model, built.hf_config, len(self.model.decoder.layers))
         self._init_training(self.lora.named_parameters())
 
     @classmethod

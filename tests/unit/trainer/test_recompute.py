@@ -165,13 +165,13 @@ def test_engine_memory_settings_switch_checkpointing_and_train_alike(tmp_path: P
 
 
 def test_auto_checkpoints_a_micro_batch_that_would_crowd_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.trainer.torch_engine as torch_engine
+    import services.trainer.policy_engine as policy_engine
 
     engine = TorchEngine(make_spec(DENSE_MODEL_DIR))
-    monkeypatch.setattr(torch_engine, "free_device_bytes", lambda device: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(policy_engine, "free_device_bytes", lambda device: 1 << 20)  # 1 MiB free
     engine.forward_backward(synthetic_batch(4, groups=2, group_size=4))
     assert engine.activation_checkpointing
-    monkeypatch.setattr(torch_engine, "free_device_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(policy_engine, "free_device_bytes", lambda device: 1 << 40)
     engine.forward_backward(synthetic_batch(4, groups=2, group_size=4))
     assert not engine.activation_checkpointing
 

@@ -170,3 +170,22 @@ def test_job_spec_settings_are_checked() -> None:
         MegatronEngine(megatron_spec(DENSE_MODEL_DIR, full_finetune=True))
     with pytest.raises(ValueError, match="megatron fuses"):
         MegatronEngine(megatron_spec(DENSE_MODEL_DIR, lora=LoraConfig(target_modules=("q_proj",))))
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_activation_checkpointing_trains_exactly_what_the_plain_layers_train(which: str) -> None:
+    from services.trainer.engine_api import MemorySettings
+
+    batch = synthetic_batch(6, vocab=VOCAB)
+    grads = {}
+    for mode in ("off", "on"):
+        engine = create_engine(megatron_spec(MODELS[which], memory=MemorySettings(activation_checkpointing=mode)))
+        assert engine.activation_checkpointing == (mode == "on")
+        randomize(engine)
+        metrics = engine.forward_backward(batch)
+        grads[mode] = (metrics["loss"], {n: p.grad.clone() for n, p in engine.named_trainable_parameters().items()
+                                         if p.grad is not None})
+    assert grads["on"][0] == pytest.approx(grads["off"][0], abs=1e-6)
+    assert grads["on"][1].keys() == grads["off"][1].keys() and grads["off"][1]
+    for name, grad in grads["off"][1].items():
+        torch.testing.assert_close(grads["on"][1][name], grad, rtol=1e-5, atol=1e-7)
