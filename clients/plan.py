@@ -223,9 +223,8 @@ def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: fl
         checkpointing = memory.activation_checkpointing == "on"
 
     def per_device(on: bool) -> StepMemory:
-        step = step_memory(shape, rank, dtype, tokens, on, chunk, layers)
         # Tensor parallelism splits the layers' activations (not the LM-head chunk, gathered per rank).
-        return StepMemory(step.tokens, int(step.activations / par.tensor), step.logits, on)
+        return step_memory(shape, rank, dtype, tokens, on, chunk, layers).split(par.tensor)
 
     return TrainerMemory(weights, 2 * adapters, 2 * adapters, per_device(checkpointing), per_device(False),
                          per_device(True), seq)
@@ -270,8 +269,10 @@ def print_plan(cfg) -> int:
     ckpt = ("on" if step.checkpointing else "off") + (" (auto)" if ckpt_mode == "auto" else "")
     print(f"trainer ({cfg.trainer.engine} engine, {cfg.trainer.device}, TP {par.tensor} x PP {par.pipeline} x "
           f"DP {par.data}, EP {par.expert}): per device base {human_bytes(trainer.weights)} + adapters and grads "
-          f"{human_bytes(trainer.adapters)} + Adam {human_bytes(trainer.adam)} + activations "
-          f"{human_bytes(step.activations)} + logits chunk {human_bytes(step.logits)} = {human_bytes(trainer.total)}")
+          f"{human_bytes(trainer.adapters)} + Adam {human_bytes(trainer.adam)} + step {human_bytes(step.total)} "
+          f"(activations kept {human_bytes(step.kept)}, then the larger of one recomputed layer "
+          f"{human_bytes(step.recompute)} and the logits chunk {human_bytes(step.logits)}) "
+          f"= {human_bytes(trainer.total)}")
     print(f"trainer activations: micro-batch of {step.tokens:,} tokens ({trainer.sequence_tokens:,}-token sequences: "
           f"data.max_prompt_tokens + rollout.max_tokens); checkpointing {ckpt}: {human_bytes(step.activations)}, "
           f"without: {human_bytes(unchecked.activations)}")

@@ -76,12 +76,33 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0",
                     "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
                     **({"block_size": cfg.rollout.block_size} if cfg.rollout.block_size else {}),
+                    **({"max_model_len": length} if (length := serving_length(cfg)) else {}),
+                    **{key: getattr(cfg.rollout, key) for key in ("enforce_eager", "gpu_memory_utilization")
+                       if getattr(cfg.rollout, key) is not None},
                     # A step's whole batch (prompts x group) in one decode wave on every replica.
                     "max_num_seqs": cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
                                                                       * cfg.rollout.group_size
                                                                       // cfg.rollout.replicas)),
                     "collective_backends": sorted({backend, "gloo"})},
     }
+
+
+def serving_length(cfg) -> int | None:
+    """The rollout's max_model_len: rollout.max_model_len, else the smallest power of two >= 2048 that holds
+    the longest prompt and completion, at most the model's own context (None: the model's, unknown here).
+    vLLM refuses to start when its KV cache cannot hold one max_model_len sequence, and Qwen3's 40K
+    default would make that most caches on a GPU."""
+    if cfg.rollout.max_model_len:
+        return cfg.rollout.max_model_len
+    config = Path(cfg.model.path) / "config.json"
+    if not config.is_file():
+        return None
+    import json
+
+    context = json.loads(config.read_text()).get("max_position_embeddings")
+    need = cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.rollout.eval_max_tokens)
+    length = max(2048, 1 << (need - 1).bit_length())
+    return min(length, context) if context else length
 
 
 def cpu_pins(cfg) -> dict[str, str]:

@@ -31,7 +31,12 @@ class RolloutSettings:
     device: str = setting("cpu", doc="Torch device for the hf engine; vLLM picks its platform itself.")
     dtype: DType = setting("auto", doc="Weights and activations dtype; 'auto' keeps the checkpoint's.")
     max_model_len: int | None = setting(None, check=in_range(16), doc="Context length; default: the model's.")
-    kv_cache_gib: float = setting(1.0, check=in_range(0.0625), doc="KV cache size in GiB (vLLM).")
+    kv_cache_gib: float | None = setting(
+        None, check=in_range(0.0625), doc="KV cache size in GiB (vLLM); null: 1 GiB on CPU, and on GPUs what "
+        "gpu_memory_utilization leaves once the weights are loaded.")
+    gpu_memory_utilization: float | None = setting(
+        None, check=in_range(0.05, 1.0), doc="Share of each GPU's memory the vLLM engine may use (weights, "
+        "activations, KV cache); null: vLLM's default (0.9). Ignored on CPU.")
     tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices one vLLM engine spans (TP).")
     max_num_batched_tokens: int | None = setting(
         None, check=in_range(16), doc="Tokens vLLM schedules per step (longer prefills are chunked); default: vLLM's.")
@@ -44,7 +49,9 @@ class RolloutSettings:
         "", check=cpu_list, doc="CPUs of the process running vLLM's engine core, every thread, as a Linux CPU "
         "list ('0', '0-3'); with vLLM in-process that is this service's process. Empty: unpinned. `lorarl run` "
         "sets it on CPU jobs (placement.pin_cpus).")
-    enforce_eager: bool = setting(True, doc="Skip torch.compile / graph capture (fast start, CPU friendly).")
+    enforce_eager: bool | None = setting(
+        None, doc="Skip torch.compile and CUDA graph capture; null: true on CPU (vLLM CPU runs eager), false "
+        "on GPUs, where captured graphs make decoding several times faster (at a slower start).")
     seed: int = setting(0, check=in_range(0), doc="Engine seed (requests without a seed draw from it).")
     enable_lora: bool | None = setting(
         None, doc="Start the engine with LoRA; null: yes unless the model cannot run LoRA on this platform."

@@ -70,6 +70,18 @@ def safetensors_blobs(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: in
         yield save(group)
 
 
+
+def engine_memory_args(s: RolloutSettings, on_cpu: bool) -> dict[str, Any]:
+    """vLLM's graph and memory arguments for this platform: eager and a 1 GiB KV cache on CPU unless set;
+    on GPUs CUDA graphs, and the KV cache sized by gpu_memory_utilization unless kv_cache_gib is set."""
+    args: dict[str, Any] = {"enforce_eager": on_cpu if s.enforce_eager is None else s.enforce_eager}
+    kv_gib = s.kv_cache_gib if s.kv_cache_gib is not None else (1.0 if on_cpu else None)
+    if kv_gib is not None:
+        args["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
+    if s.gpu_memory_utilization is not None and not on_cpu:
+        args["gpu_memory_utilization"] = s.gpu_memory_utilization
+    return args
+
 class VllmEngine:
     """GenerationEngine backed by vllm.v1 AsyncLLM (see module docstring)."""
 
@@ -104,13 +116,12 @@ class VllmEngine:
             model=str(self.files.root),
             dtype=s.dtype,
             max_model_len=s.max_model_len,
-            enforce_eager=s.enforce_eager,
+            **engine_memory_args(s, current_platform.is_cpu()),
             seed=s.seed,
             max_num_seqs=s.max_num_seqs,
             block_size=s.block_size,
             tensor_parallel_size=s.tensor_parallel_size,
             max_num_batched_tokens=s.max_num_batched_tokens,
-            kv_cache_memory_bytes=int(s.kv_cache_gib * (1 << 30)),
             max_logprobs=max(s.max_logprobs, 1),
             logprobs_mode=s.logprobs_mode,
             enable_lora=enable_lora,

@@ -16,9 +16,10 @@ LoRA rank:
 (Qwen3-8B, bf16, rank 32: 184.7 KiB per token per layer.) Checkpointed, a layer keeps only its input
 (b·H) and one layer's activations exist at a time, while backward recomputes it. Outside the
 layers each token keeps ~b·H (the final norm's output at the LM head) and, unchunked, the fp32
-log-softmax over the vocabulary (4·V) and its backward briefly needs 8·V more (`logits_bytes`); a
+log-softmax over the vocabulary (4·V), and its backward briefly needs 8·V more (`logits_bytes`); a
 checkpointed logits chunk of c tokens keeps nothing and peaks at 12·c·V while it is recomputed and
-differentiated (2 more bytes per entry for a bf16 head's own output).
+differentiated (2 more bytes per entry for a bf16 head's own output). The step's peak is the kept
+bytes plus the larger of the logits transient and one recomputed layer: the two never overlap.
 """
 
 from __future__ import annotations
@@ -64,25 +65,39 @@ def layer_activation_bytes(shape: dict[str, Any], rank: int, dtype: str, adapted
 
 def logits_bytes(vocab: int, tokens: int, dtype: str, chunked: bool) -> int:
     """Peak transient bytes of the LM head and log-softmax over ``tokens`` rows at once, beyond what the
-    step keeps: its backward holds the log-softmax's output, its gradient and the logits' gradient (fp32,
-    plus the head's own output dtype when that is not fp32). A whole micro-batch keeps the fp32
-    log-softmax for backward anyway (counted in the activations); a checkpointed chunk recomputes it."""
+    step keeps. A whole micro-batch keeps its fp32 log-softmax for backward (counted in the kept
+    activations); its backward adds the gradients of the log-softmax and of the logits (8 bytes per
+    entry). A checkpointed chunk keeps nothing, so its recomputed log-softmax joins them (12). A bf16
+    head adds its own output (2). Measured by bench/memory_plan.py."""
     extra = 0 if dtype_bytes(dtype) == 4 else 2
     return tokens * vocab * ((12 if chunked else 8) + extra)
 
 
 @dataclass(frozen=True)
 class StepMemory:
-    """A train step's peak bytes beyond weights and optimiser state, per trainer device."""
+    """A train step's peak bytes beyond weights and optimiser state, per trainer device.
+
+    The step peaks either in the LM head's backward (kept + logits) or, with checkpointing, while a
+    layer is recomputed and differentiated (kept + recompute); not in both at once.
+    """
 
     tokens: int  # tokens of the largest micro-batch
-    activations: int  # saved for backward, at the peak
+    kept: int  # saved for backward through the whole backward pass
+    recompute: int  # one checkpointed layer's activations, alive while backward recomputes it
     logits: int  # the LM-head chunk's transient tensors
     checkpointing: bool
 
     @property
+    def activations(self) -> int:
+        return self.kept + self.recompute
+
+    @property
     def total(self) -> int:
-        return self.activations + self.logits
+        return self.kept + max(self.recompute, self.logits)
+
+    def split(self, ways: int) -> StepMemory:
+        """The same step with the layers' activations split ``ways`` ways (tensor parallel)."""
+        return StepMemory(self.tokens, self.kept // ways, self.recompute // ways, self.logits, self.checkpointing)
 
 
 def step_memory(shape: dict[str, Any], rank: int, dtype: str, tokens: int, checkpointing: bool,
@@ -96,11 +111,11 @@ def step_memory(shape: dict[str, Any], rank: int, dtype: str, tokens: int, check
     chunked = 0 < logits_chunk_tokens < tokens
     outside = tokens * b * shape["hidden_size"] + (0 if chunked else tokens * 4 * vocab)
     if checkpointing:
-        kept = n_layers * tokens * b * shape["hidden_size"] + tokens * per_layer
+        kept, recompute = n_layers * tokens * b * shape["hidden_size"], tokens * per_layer
     else:
-        kept = n_layers * tokens * per_layer
+        kept, recompute = n_layers * tokens * per_layer, 0
     logits = logits_bytes(vocab, logits_chunk_tokens if chunked else tokens, dtype, chunked)
-    return StepMemory(tokens, kept + outside, logits, checkpointing)
+    return StepMemory(tokens, kept + outside, recompute, logits, checkpointing)
 
 
 def free_device_bytes(device: Any) -> int:

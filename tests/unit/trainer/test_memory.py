@@ -50,11 +50,12 @@ def test_step_memory_counts_checkpointing_and_logits_chunks() -> None:
     chunked = step_memory(shape, 16, "bfloat16", 8192, checkpointing=False, logits_chunk_tokens=1024)
     checkpointed = step_memory(shape, 16, "bfloat16", 8192, checkpointing=True, logits_chunk_tokens=1024)
     per_layer = layer_activation_bytes(shape, 16, "bfloat16")
-    assert plain.activations == 28 * 8192 * per_layer + 8192 * (2 * 512 + 4 * 151936)
+    assert plain.kept == 28 * 8192 * per_layer + 8192 * (2 * 512 + 4 * 151936) and plain.recompute == 0
     assert plain.logits == logits_bytes(151936, 8192, "bfloat16", chunked=False) == 10 * 8192 * 151936
+    assert chunked.kept == 28 * 8192 * per_layer + 8192 * 2 * 512
     assert chunked.logits == logits_bytes(151936, 1024, "bfloat16", chunked=True) == 14 * 1024 * 151936
-    assert chunked.activations == 28 * 8192 * per_layer + 8192 * 2 * 512
-    assert checkpointed.activations == 8192 * (28 * 2 * 512 + per_layer + 2 * 512)
+    assert checkpointed.kept == 8192 * (28 * 2 * 512 + 2 * 512) and checkpointed.recompute == 8192 * per_layer
+    assert checkpointed.total == checkpointed.kept + max(checkpointed.recompute, checkpointed.logits)
     assert checkpointed.activations < chunked.activations / 8
     assert needs_checkpointing(shape, 16, "bfloat16", 8192, 1024, free_bytes=chunked.total)
     assert not needs_checkpointing(shape, 16, "bfloat16", 8192, 1024, free_bytes=3 * chunked.total)
