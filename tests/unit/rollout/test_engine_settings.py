@@ -1,0 +1,50 @@
+"""vLLM's graph and memory arguments per platform, and the context `lorarl run` gives its rollouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clients.commands.run import serving_length, stack_sections
+from clients.job_config import load_job_config
+from services.common.config import ConfigError, load_config
+from services.rollout.config import RolloutServiceConfig, RolloutSettings
+from services.rollout.vllm_engine import engine_memory_args
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_cpu_runs_eager_with_a_fixed_kv_cache_and_gpus_capture_graphs() -> None:
+    assert engine_memory_args(RolloutSettings(), on_cpu=True) == {"enforce_eager": True,
+                                                                  "kv_cache_memory_bytes": 1 << 30}
+    assert engine_memory_args(RolloutSettings(), on_cpu=False) == {"enforce_eager": False}
+    gpu = RolloutSettings(gpu_memory_utilization=0.7, kv_cache_gib=8.0, enforce_eager=True)
+    assert engine_memory_args(gpu, on_cpu=False) == {"enforce_eager": True, "kv_cache_memory_bytes": 8 << 30,
+                                                     "gpu_memory_utilization": 0.7}
+    assert "gpu_memory_utilization" not in engine_memory_args(gpu, on_cpu=True)
+
+
+def test_rollout_memory_settings_are_validated() -> None:
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        load_config(RolloutServiceConfig, overrides=["rollout.gpu_memory_utilization=1.5"], env={})
+    config = load_config(RolloutServiceConfig, overrides=["rollout.enforce_eager=false"], env={})
+    assert config.rollout.enforce_eager is False
+
+
+def test_lorarl_run_sizes_the_context_from_prompt_and_completion(tmp_path: Path) -> None:
+    demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
+    assert serving_length(demo) == 2048  # the tiny model's own context: the demo is unchanged
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 40960}')
+    long = load_job_config(str(ROOT / "examples/demo.yaml"), [
+        f"model.path={model}", "data.max_prompt_tokens=512", "rollout.max_tokens=2048", "rollout.eval_max_tokens=4096"])
+    assert serving_length(long) == 8192  # 512 + 4096 -> the next power of two
+    assert serving_length(load_job_config(str(ROOT / "examples/demo.yaml"), [
+        f"model.path={model}", "rollout.max_model_len=5000"])) == 5000
+    sections = stack_sections(load_job_config(str(ROOT / "examples/demo.yaml"), [
+        f"model.path={model}", "rollout.gpu_memory_utilization=0.8", "rollout.enforce_eager=false"]), tmp_path)
+    assert sections["rollout"]["gpu_memory_utilization"] == 0.8 and sections["rollout"]["enforce_eager"] is False
+    assert sections["rollout"]["max_model_len"] == 2048
+    assert "enforce_eager" not in stack_sections(demo, tmp_path)["rollout"]
