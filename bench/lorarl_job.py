@@ -16,13 +16,17 @@ import asyncio
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clients.job_config import JobFileConfig
 from clients.loop import LoopState, RLLoop
 from services.common.config import to_dict
+
+if TYPE_CHECKING:
+    from clients.stack import LocalStack
 
 
 @dataclass
@@ -67,8 +71,10 @@ class TimedLoop(RLLoop):
             self.eval_s += time.perf_counter() - started
 
 
-def run_job(cfg: JobFileConfig, out: Path, export_every: int = 0, progress: bool = False) -> JobTiming:
-    """Starts the services, runs the job once from scratch, stops the services."""
+def run_job(cfg: JobFileConfig, out: Path, export_every: int = 0, progress: bool = False,
+            before_stop: Callable[[LocalStack], None] | None = None) -> JobTiming:
+    """Starts the services, runs the job once from scratch, stops the services (``before_stop`` sees
+    them still running, e.g. to read a process's peak memory)."""
     from clients.commands.run import local_stack
 
     out.mkdir(parents=True, exist_ok=True)
@@ -78,6 +84,8 @@ def run_job(cfg: JobFileConfig, out: Path, export_every: int = 0, progress: bool
     with local_stack(cfg, out) as stack:
         asyncio.run(_drive(cfg, stack.address("trainer"), stack.address("rollout"), stack.address("weightsync"),
                            stack.token, out, export_every, timing, progress, started))
+        if before_stop is not None:
+            before_stop(stack)
     return timing
 
 
