@@ -21,7 +21,8 @@ from bench.trl_vs_lorarl import table as trl_table
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py", "cpu_pinning.py"])
+@pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py", "cpu_pinning.py", "memory_plan.py",
+                                    "scaling.py", "gpu_check.py"])
 def test_command_line_parses(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -122,3 +123,19 @@ def test_cpu_pinning_bench_tells_the_processes_apart() -> None:
     assert _process_of("/x/.venv/bin/python /x/.venv/bin/lorarl serve weightsync --config w.yaml") == "weightsync"
     assert _process_of("/x/.venv/bin/python /x/.venv/bin/lorarl run --fresh examples/demo.yaml") == "loop"
     assert _process_of("/x/python -B -c from multiprocessing.resource_tracker import main;main(24)") is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["memory_plan.py", "gpu_check.py"])
+def test_memory_benchmarks_run_their_quick_rows_on_cpu(script: str) -> None:
+    """The trainer-memory rows of bench/memory_plan.py and bench/gpu_check.py (the GPU session's script),
+    at small sizes on CPU: plan and measurement within the benchmark's own tolerance."""
+    args = ["--quick", "--no-write"] + (["--device", "cpu"] if script == "gpu_check.py" else [])
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = list(dict.fromkeys(line for line in done.stdout.splitlines() if line.startswith("| qwen3-0.6b")))
+    assert len(rows) == 2
+    for row in rows:
+        ratio = float(row.split("|")[7 if script == "memory_plan.py" else 6])
+        assert 0.8 <= ratio <= 1.2, row
