@@ -169,6 +169,10 @@ class PlacementSection:
     nodes: int = setting(1, check=in_range(1, 4096))
     devices_per_node: int = setting(0, check=in_range(0, 64), doc="Accelerators per node (0: CPU only).")
     device_memory_gib: float = setting(0.0, check=in_range(0.0), doc="Memory per accelerator (0: unknown).")
+    device_tflops: float = setting(0.0, check=in_range(0.0), doc="Dense peak TFLOP/s per accelerator in the job's "
+                                   "dtype, for the plan's step-time estimate (0: unknown; H100/H200 bf16: 989).")
+    device_bandwidth_gbs: float = setting(0.0, check=in_range(0.0), doc="Memory bandwidth per accelerator in GB/s "
+                                          "(0: unknown; H100 SXM: 3350, H200: 4800).")
     pin_cpus: Literal["auto", "off"] = setting(
         "auto", doc="`lorarl run`, CPU job on one host: 'auto' keeps vLLM's engine core and the trainer on CPUs "
         "of their own (half each; 6-7% shorter steps on 2 cores, bench/RESULTS.md); 'off': the OS places them.")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clients.step_time import IMBALANCE, StepTime, estimate
 from services.trainer.memory import StepMemory, needs_checkpointing, step_memory
 
 GIB = 1 << 30
@@ -296,10 +297,27 @@ def print_plan(cfg) -> int:
             here = [f"{s.role} (devices {s.devices[0]}-{s.devices[-1]})" if len(s.devices) > 1
                     else f"{s.role} (device {s.devices[0]})" for s in slots if s.node == node]
             print(f"node {node}: " + (", ".join(here) if here else "idle"))
+        speed = cfg.placement
+        if speed.device_tflops and speed.device_bandwidth_gbs:
+            _print_step_time(estimate(cfg, shape, n, trainer.step.checkpointing, kv_per_token, speed.device_tflops,
+                                      speed.device_bandwidth_gbs), cfg)
         if device_memory:
             return _check_fit(trainer, rollout_base + kv, device_memory)
     print("config OK")
     return 0
+
+
+def _print_step_time(t: StepTime, cfg) -> None:
+    print(f"step time estimate (clients/step_time.py): train ~{t.train_s:,.0f} s on "
+          f"{cfg.trainer.parallel.world_size} device(s), generate ~{t.generate_s:,.0f} s on {cfg.rollout.replicas} "
+          f"replica(s) ({t.concurrency} sequences at once, {t.waves} wave(s)): "
+          + ("balanced" if t.ratio <= IMBALANCE else "IMBALANCED"))
+    if t.ratio > IMBALANCE:
+        slower = "training" if t.train_s > t.generate_s else "generation"
+        fix = ("more trainer devices (trainer.parallel.data or tensor) or fewer rollout replicas"
+               if slower == "training"
+               else "more rollout replicas or fewer trainer devices")
+        print(f"warning: {slower} takes {t.ratio:.1f}x as long as the other half of the step; {fix}")
 
 
 def _check_fit(trainer: TrainerMemory, rollout: float, memory: float) -> int:

@@ -61,13 +61,14 @@ def test_units_follow_the_size() -> None:
 def test_placement_of_the_multinode_job(capsys) -> None:
     cfg = load_job_config(str(ROOT / "examples/models/qwen3.6-27b-multinode.yaml"), [])
     slots = place(cfg)
-    assert slots[0].role == "trainer" and slots[0].node == 0 and slots[0].devices == (0,)
+    trainers = [s for s in slots if s.role == "trainer"]
+    assert [(s.node, s.devices) for s in trainers] == [(0, tuple(range(8))), (1, tuple(range(8)))]
     rollouts = [s for s in slots if s.role.startswith("rollout")]
-    assert len(rollouts) == 31 and {s.node for s in rollouts} == {0, 1, 2, 3}
+    assert len(rollouts) == 16 and {s.node for s in rollouts} == {2, 3}
     used = [(s.node, d) for s in slots for d in s.devices]
     assert len(used) == len(set(used)) == 32  # every device used once
     _, out = dry_run(capsys, ROOT / "examples/models/qwen3.6-27b-multinode.yaml")
-    assert "node 3: rollout-23 (device 0)" in out
+    assert "node 3: rollout-8 (device 0)" in out
 
 
 def test_tensor_parallel_groups_stay_on_one_node(capsys) -> None:
@@ -82,7 +83,7 @@ def test_tensor_parallel_groups_stay_on_one_node(capsys) -> None:
 
 def test_too_few_devices_is_a_config_error_naming_the_key(capsys) -> None:
     code, out = dry_run(capsys, ROOT / "examples/models/qwen3-8b.yaml", "rollout.replicas=8")
-    assert code == 2 and "placement.devices_per_node" in out and "needs 9 devices" in out
+    assert code == 2 and "placement.devices_per_node" in out and "needs 12 devices" in out  # trainer 4 + 8
 
 
 def test_a_plan_that_does_not_fit_fails(capsys) -> None:
@@ -109,9 +110,10 @@ def test_device_masks_per_process() -> None:
     assert masks["trainer"] == {"CUDA_VISIBLE_DEVICES": "0"}
     assert masks["rollout-2"] == {"CUDA_VISIBLE_DEVICES": "5,6"}
     megatron = load_job_config(str(ROOT / "examples/models/qwen3-30b-a3b-megatron.yaml"), [])
-    assert visible_devices(megatron)["trainer"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    assert stack_sections(megatron, Path("/tmp/x"))["trainer"]["ranks"] == 4
-    single = load_job_config(str(ROOT / "examples/models/qwen3-0.6b.yaml"), ["trainer.device=npu"])
+    assert visible_devices(megatron)["trainer"] == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert stack_sections(megatron, Path("/tmp/x"))["trainer"]["ranks"] == 2
+    single = load_job_config(str(ROOT / "examples/models/qwen3-0.6b.yaml"),
+                             ["trainer.device=npu", "rollout.replicas=1"])
     assert visible_devices(single) == {"trainer": {"ASCEND_RT_VISIBLE_DEVICES": "0"},
                                        "rollout": {"ASCEND_RT_VISIBLE_DEVICES": "1"}}
     assert visible_devices(load_job_config(str(ROOT / "examples/demo.yaml"), [])) == {}
@@ -187,3 +189,16 @@ def test_a_plan_that_does_not_fit_is_an_error_naming_the_key(capsys, overrides: 
     code, out = dry_run(capsys, ROOT / "examples/models/qwen3-8b.yaml", *overrides)
     assert code == 2, out
     assert f"lorarl: bad config: {key}:" in out and "config OK" not in out
+
+
+def test_every_real_model_example_is_balanced_by_the_step_time_estimate(capsys) -> None:
+    for path in sorted((ROOT / "examples/models").glob("*.yaml")):
+        code, out = dry_run(capsys, path)
+        assert code == 0 and "step time estimate" in out and ": balanced" in out, f"{path.name}: {out}"
+
+
+def test_an_unbalanced_split_is_flagged(capsys) -> None:
+    code, out = dry_run(capsys, ROOT / "examples/models/qwen3-8b.yaml", "trainer.parallel.data=1",
+                        "rollout.replicas=7")
+    assert code == 0 and "IMBALANCED" in out
+    assert "warning: training takes 6.1x as long" in out and "trainer.parallel.data" in out
