@@ -8,7 +8,9 @@ the dotted key (services.common.config does the work).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from services.common.config import ConfigError, all_of, in_range, multiple_of, setting
@@ -220,3 +222,19 @@ def load_job_config(path: str | None, overrides: list[str]) -> JobFileConfig:
     from services.common.config import load_config
 
     return load_config(JobFileConfig, path, overrides=overrides, env={})
+
+
+def serving_length(cfg) -> int | None:
+    """The rollout's max_model_len: rollout.max_model_len, else the smallest power of two >= 2048 that holds
+    the longest prompt and completion, at most the model's own context (None: the model's, unknown here).
+    vLLM refuses to start when its KV cache cannot hold one max_model_len sequence, and Qwen3's 40K
+    default would make that most caches on a GPU."""
+    if cfg.rollout.max_model_len:
+        return cfg.rollout.max_model_len
+    config = Path(cfg.model.path) / "config.json"
+    if not config.is_file():
+        return None
+    context = json.loads(config.read_text()).get("max_position_embeddings")
+    need = cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.rollout.eval_max_tokens)
+    length = max(2048, 1 << (need - 1).bit_length())
+    return min(length, context) if context else length

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 
 from clients.datasets import Example, TrainStream
-from clients.job_config import JobFileConfig
+from clients.job_config import JobFileConfig, serving_length
 from clients.rewards import RewardFn
 from services.weightsync.activation import await_outcome
 
@@ -35,6 +35,8 @@ EXPERT_MODES = {"none": common_pb2.EXPERT_ADAPTER_MODE_NONE, "per_expert": commo
 SYNC_MODES = {"adapter": common_pb2.SYNC_MODE_ADAPTER, "merged": common_pb2.SYNC_MODE_MERGED,
               "auto": common_pb2.SYNC_MODE_AUTO}
 EVAL_CHUNK = 64
+#: The trainer's own default limit on prompt + completion tokens (services.trainer.engine_api.Limits).
+DEFAULT_MAX_SEQUENCE_TOKENS = 4096
 
 
 def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConfig:
@@ -55,6 +57,8 @@ def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConf
     return trainer_pb2.JobConfig(
         base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, seed=t.seed, engine=t.engine,
         megatron=megatron,
+        # The rollout never returns a prompt and completion longer than its context: the trainer takes them all.
+        max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS),
         lora=common_pb2.LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
                                  target_modules=t.lora.target_modules, expert_mode=EXPERT_MODES[t.lora.expert_mode],
                                  use_rslora=t.lora.use_rslora),
@@ -176,11 +180,16 @@ class RLLoop:
         async def requests():
             yield trainer_pb2.PushTrajectoriesRequest(job_id=job, trajectories=batch.trajectories)
 
+        refused = 0
         async for response in self.trainer.PushTrajectories(requests()):
             rejected = [s for s in response.statuses if s.code != 0]
             if rejected:
+                refused += len(rejected)
                 logger.warning("trainer refused %d trajectories, e.g. %s: %s", len(rejected), rejected[0].field,
                                rejected[0].message)
+        if refused and refused == len(batch.trajectories):
+            raise RuntimeError(f"the trainer refused all {refused} trajectories of step {batch.index} "
+                               f"({rejected[0].field}: {rejected[0].message}); nothing to train on")
         result = await self.trainer.TrainStep(trainer_pb2.TrainStepRequest(job_id=job))
         metrics = {f"train/{k}": v for k, v in result.metrics.values.items()}
         metrics["train/version"] = result.version

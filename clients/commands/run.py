@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clients.job_config import serving_length
 from services.common.config import ConfigError, to_dict
 
 
@@ -85,24 +86,6 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                                                                       // cfg.rollout.replicas)),
                     "collective_backends": sorted({backend, "gloo"})},
     }
-
-
-def serving_length(cfg) -> int | None:
-    """The rollout's max_model_len: rollout.max_model_len, else the smallest power of two >= 2048 that holds
-    the longest prompt and completion, at most the model's own context (None: the model's, unknown here).
-    vLLM refuses to start when its KV cache cannot hold one max_model_len sequence, and Qwen3's 40K
-    default would make that most caches on a GPU."""
-    if cfg.rollout.max_model_len:
-        return cfg.rollout.max_model_len
-    config = Path(cfg.model.path) / "config.json"
-    if not config.is_file():
-        return None
-    import json
-
-    context = json.loads(config.read_text()).get("max_position_embeddings")
-    need = cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.rollout.eval_max_tokens)
-    length = max(2048, 1 << (need - 1).bit_length())
-    return min(length, context) if context else length
 
 
 def cpu_pins(cfg) -> dict[str, str]:

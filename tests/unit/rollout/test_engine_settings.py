@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.commands.run import serving_length, stack_sections
-from clients.job_config import load_job_config
+from clients.commands.run import stack_sections
+from clients.job_config import load_job_config, serving_length
 from services.common.config import ConfigError, load_config
 from services.rollout.config import RolloutServiceConfig, RolloutSettings
 from services.rollout.vllm_engine import engine_memory_args
@@ -48,3 +48,16 @@ def test_lorarl_run_sizes_the_context_from_prompt_and_completion(tmp_path: Path)
     assert sections["rollout"]["gpu_memory_utilization"] == 0.8 and sections["rollout"]["enforce_eager"] is False
     assert sections["rollout"]["max_model_len"] == 2048
     assert "enforce_eager" not in stack_sections(demo, tmp_path)["rollout"]
+
+
+def test_the_trainer_accepts_every_sequence_the_rollout_can_return(tmp_path: Path) -> None:
+    from clients.loop import job_config_proto
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 40960}')
+    cfg = load_job_config(str(ROOT / "examples/demo.yaml"), [f"model.path={model}", "rollout.max_tokens=4096"])
+    assert serving_length(cfg) == 8192  # 18 + 4096 tokens
+    assert job_config_proto(cfg, str(model)).max_sequence_tokens == 8192  # not the trainer's default 4096
+    demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
+    assert job_config_proto(demo, "x").max_sequence_tokens == 4096
