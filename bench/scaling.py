@@ -95,6 +95,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="two short settings (a smoke test)")
     parser.add_argument("--steps", type=int, default=1, help="steps per setting (the last one is reported)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    parser.add_argument("--settings", default="", help="only these, e.g. '4096x4,4096x16' (completion x group)")
     args = parser.parse_args()
 
     import torch
@@ -102,6 +103,8 @@ def main() -> int:
     from assets.models import build_random_model
 
     settings = QUICK if args.quick else FULL
+    if args.settings:
+        settings = [tuple(int(v) for v in item.split("x")) for item in args.settings.split(",")]
     points = []
     lines = ["| completion | group | tokens/step | step s | generate s | train s | sync s | rollout tok/s | "
              "trainer peak GiB |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -115,6 +118,8 @@ def main() -> int:
                     f"{p.train_s:.1f} | {p.sync_s:.2f} | {p.tokens_per_s:.0f} | {p.trainer_peak_gib:.2f} |")
             print(line, flush=True)
             lines.append(line)
+    if len(points) < 2:
+        return 0
     time_exp = fit_exponent([p.tokens for p in points], [p.step_s for p in points])
     memory_exps = []
     for group in sorted({p.group for p in points}):
