@@ -216,7 +216,8 @@ def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: fl
     memory = cfg.trainer.memory
     layers = -(-shape["num_hidden_layers"] // par.pipeline)
     rank, dtype, chunk = cfg.trainer.lora.rank, cfg.model.dtype, memory.logits_chunk_tokens
-    static = weights + 4 * adapters  # adapters, their gradients, two Adam moments
+    with_grads, adam = 2 * adapters, 2 * adapters  # adapters and their gradients; two Adam moments
+    static = weights + with_grads + adam
     if memory.activation_checkpointing == "auto":
         checkpointing = free_bytes is not None and needs_checkpointing(shape, rank, dtype, tokens, chunk,
                                                                         int(free_bytes - static), layers)
@@ -227,8 +228,8 @@ def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: fl
         # Tensor parallelism splits the layers' activations (not the LM-head chunk, gathered per rank).
         return step_memory(shape, rank, dtype, tokens, on, chunk, layers).split(par.tensor)
 
-    return TrainerMemory(weights, 2 * adapters, 2 * adapters, per_device(checkpointing), per_device(False),
-                         per_device(True), seq)
+    return TrainerMemory(weights, with_grads, adam, per_device(checkpointing), per_device(False), per_device(True),
+                         seq)
 
 
 def kv_bytes_per_token(shape: dict[str, Any], dtype: str) -> int:
