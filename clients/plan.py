@@ -218,15 +218,20 @@ def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: fl
     rank, dtype, chunk = cfg.trainer.lora.rank, cfg.model.dtype, memory.logits_chunk_tokens
     with_grads, adam = 2 * adapters, 2 * adapters  # adapters and their gradients; two Adam moments
     static = weights + with_grads + adam
+    # The torch engine takes a frozen head's gradient in closed form, in chunks; Megatron's output layer
+    # goes through autograd over the whole micro-batch's logits.
+    frozen_head = cfg.trainer.engine == "torch"
+    if not frozen_head:
+        chunk = 0
     if memory.activation_checkpointing == "auto":
         checkpointing = free_bytes is not None and needs_checkpointing(shape, rank, dtype, tokens, chunk,
-                                                                        int(free_bytes - static), layers)
+                                                                        int(free_bytes - static), layers, frozen_head)
     else:
         checkpointing = memory.activation_checkpointing == "on"
 
     def per_device(on: bool) -> StepMemory:
         # Tensor parallelism splits the layers' activations (not the LM-head chunk, gathered per rank).
-        return step_memory(shape, rank, dtype, tokens, on, chunk, layers).split(par.tensor)
+        return step_memory(shape, rank, dtype, tokens, on, chunk, layers, frozen_head=frozen_head).split(par.tensor)
 
     return TrainerMemory(weights, with_grads, adam, per_device(checkpointing), per_device(False), per_device(True),
                          seq)

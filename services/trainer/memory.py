@@ -15,11 +15,14 @@ LoRA rank:
 
 (Qwen3-8B, bf16, rank 32: 184.7 KiB per token per layer.) Checkpointed, a layer keeps only its input
 (b·H) and one layer's activations exist at a time, while backward recomputes it. Outside the
-layers each token keeps ~b·H (the final norm's output at the LM head) and, unchunked, the fp32
-log-softmax over the vocabulary (4·V), and its backward briefly needs 8·V more (`logits_bytes`); a
-checkpointed logits chunk of c tokens keeps nothing and peaks at 12·c·V while it is recomputed and
-differentiated (2 more bytes per entry for a bf16 head's own output). The step's peak is the kept
-bytes plus the larger of the logits transient and one recomputed layer: the two never overlap.
+layers each token keeps ~b·H (the final norm's output at the LM head). A frozen LM head (every LoRA
+job) takes its gradient in closed form (services.trainer.head_logprobs): each token keeps a 4·H
+fp32 basis and a chunk of c tokens peaks at 8·c·V in forward (log-softmax and softmax). A head that
+trains (full fine-tuning) goes through autograd: unchunked, each token keeps the fp32 log-softmax
+(4·V) and backward briefly needs 8·V more; a checkpointed chunk keeps nothing and peaks at 12·c·V
+while it is recomputed and differentiated (`logits_bytes`; 2 more bytes per entry for a bf16 head's
+own output). The step's peak is the kept bytes plus the larger of the logits transient and one
+recomputed layer: the two never overlap.
 """
 
 from __future__ import annotations
@@ -63,14 +66,16 @@ def layer_activation_bytes(shape: dict[str, Any], rank: int, dtype: str, adapted
     return attention + mlp
 
 
-def logits_bytes(vocab: int, tokens: int, dtype: str, chunked: bool) -> int:
+def logits_bytes(vocab: int, tokens: int, dtype: str, chunked: bool, frozen_head: bool = True) -> int:
     """Peak transient bytes of the LM head and log-softmax over ``tokens`` rows at once, beyond what the
-    step keeps. A whole micro-batch keeps its fp32 log-softmax for backward (counted in the kept
-    activations); its backward adds the gradients of the log-softmax and of the logits (8 bytes per
-    entry). A checkpointed chunk keeps nothing, so its recomputed log-softmax joins them (12). A bf16
-    head adds its own output (2). Measured by bench/memory_plan.py."""
+    step keeps. A frozen head's closed form holds the fp32 log-softmax and softmax of one chunk (8 bytes
+    per entry), in forward only. Through autograd, a whole micro-batch keeps its fp32 log-softmax for
+    backward (counted in the kept activations) and its backward adds the gradients of the log-softmax
+    and of the logits (8); a checkpointed chunk keeps nothing, so its recomputed log-softmax joins them
+    (12). A bf16 head adds its own output (2). Measured by bench/memory_plan.py."""
     extra = 0 if dtype_bytes(dtype) == 4 else 2
-    return tokens * vocab * ((12 if chunked else 8) + extra)
+    per_entry = 8 if frozen_head else 12 if chunked else 8
+    return tokens * vocab * (per_entry + extra)
 
 
 @dataclass(frozen=True)
@@ -101,20 +106,22 @@ class StepMemory:
 
 
 def step_memory(shape: dict[str, Any], rank: int, dtype: str, tokens: int, checkpointing: bool,
-                logits_chunk_tokens: int, layers: int | None = None, adapted: bool = True) -> StepMemory:
+                logits_chunk_tokens: int, layers: int | None = None, adapted: bool = True,
+                frozen_head: bool = True) -> StepMemory:
     """Peak activation and logits bytes of one micro-batch of ``tokens`` tokens on one device holding
-    ``layers`` decoder layers (default: all of them)."""
+    ``layers`` decoder layers (default: all of them); ``frozen_head`` False for a head that trains."""
     b = dtype_bytes(dtype)
     n_layers = shape["num_hidden_layers"] if layers is None else layers
     per_layer = layer_activation_bytes(shape, rank, dtype, adapted)
-    vocab = shape["vocab_size"]
+    vocab, hidden = shape["vocab_size"], shape["hidden_size"]
     chunked = 0 < logits_chunk_tokens < tokens
-    outside = tokens * b * shape["hidden_size"] + (0 if chunked else tokens * 4 * vocab)
+    whole_log_softmax = 0 if frozen_head or chunked else tokens * 4 * vocab  # kept by autograd
+    outside = tokens * (b + (4 if frozen_head else 0)) * hidden + whole_log_softmax
     if checkpointing:
         kept, recompute = n_layers * tokens * b * shape["hidden_size"], tokens * per_layer
     else:
         kept, recompute = n_layers * tokens * per_layer, 0
-    logits = logits_bytes(vocab, logits_chunk_tokens if chunked else tokens, dtype, chunked)
+    logits = logits_bytes(vocab, logits_chunk_tokens if chunked else tokens, dtype, chunked, frozen_head)
     return StepMemory(tokens, kept + outside, recompute, logits, checkpointing)
 
 
@@ -141,8 +148,8 @@ def free_device_bytes(device: Any) -> int:
 
 
 def needs_checkpointing(shape: dict[str, Any], rank: int, dtype: str, tokens: int, logits_chunk_tokens: int,
-                        free_bytes: int, layers: int | None = None) -> bool:
+                        free_bytes: int, layers: int | None = None, frozen_head: bool = True) -> bool:
     """"auto": checkpoint when a micro-batch's unchecked step would take more than AUTO_HEADROOM of what
     is free on the device once weights and optimiser state are in place."""
-    plain = step_memory(shape, rank, dtype, tokens, False, logits_chunk_tokens, layers)
+    plain = step_memory(shape, rank, dtype, tokens, False, logits_chunk_tokens, layers, frozen_head=frozen_head)
     return plain.total > AUTO_HEADROOM * free_bytes

@@ -148,6 +148,9 @@ class PolicyEngine(TrainEngine):
     _fingerprint: str
     _named_trainable: dict[str, nn.Parameter]
     _trainable: list[nn.Parameter]
+    #: Whether a frozen LM head's gradient is taken in closed form (services.trainer.head_logprobs), which
+    #: the memory rule must know: it keeps no [tokens, vocab] tensor for backward.
+    closed_form_head: bool = False
 
     def _init_memory(self, layered: nn.Module, shape: dict[str, Any], local_layers: int) -> None:
         """Where activation checkpointing applies: ``layered``'s decoder layers (``local_layers`` of the
@@ -168,7 +171,7 @@ class PolicyEngine(TrainEngine):
             return
         need = needs_checkpointing(self._shape, self.spec.lora.rank, self.spec.dtype, batch.input_ids.numel(),
                                    self.spec.memory.logits_chunk_tokens, free_device_bytes(self.device),
-                                   layers=self._local_layers)
+                                   layers=self._local_layers, frozen_head=self.closed_form_head)
         if need != activation_checkpointing_enabled(self._layered):
             (enable_activation_checkpointing if need else disable_activation_checkpointing)(self._layered)
 

@@ -23,6 +23,7 @@ from services.trainer.batching import PackedBatch
 from services.trainer.engine_api import EngineStateError, JobSpec
 from services.trainer.export import save_merged_model, save_peft_adapter
 from services.trainer.fingerprint import base_model_fingerprint
+from services.trainer.head_logprobs import head_token_logprobs
 from services.trainer.lora import adapters_disabled, inject_lora, iter_merged_weights, peft_state_dict
 from services.trainer.policy_engine import (  # noqa: F401  (re-exported: the torch engine's public names)
     ENTROPY_CHUNK_ROWS,
@@ -43,7 +44,7 @@ from services.trainer.prefix_sharing import (
     shared_prefix_hidden,
     supports_prefix_sharing,
 )
-from services.trainer.recompute import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_token_logprobs
+from services.trainer.recompute import DEFAULT_LOGITS_CHUNK_TOKENS
 
 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False,
@@ -52,7 +53,7 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool
     """Logprobs [B, T] of the completion tokens and the policy entropy [B, T] at each of them.
 
     Runs the decoder, then the LM head only at the positions predicting completion tokens (the
-    prompt's logits are never built), ``logits_chunk_tokens`` rows at a time (services.trainer.recompute).
+    prompt's logits are never built), ``logits_chunk_tokens`` rows at a time (services.trainer.head_logprobs).
     Rows repeating a prompt (a GRPO group) share one forward of it when ``share_prompts``
     (services.trainer.prefix_sharing; same numbers, less work), and their completions skip padding by
     packing when ``pack_completions`` and the layout estimate says it pays.
@@ -66,8 +67,8 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool
         hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                      use_cache=False).last_hidden_state
         selected = hidden.gather(1, batch.target_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    return chunked_token_logprobs(selected, model.get_output_embeddings(), batch.completion_ids, entropy_grad,
-                                  token_logprobs, logits_chunk_tokens)
+    return head_token_logprobs(selected, model.get_output_embeddings(), batch.completion_ids, entropy_grad,
+                               token_logprobs, logits_chunk_tokens)
 
 
 class TorchEngine(PolicyEngine):
@@ -94,6 +95,7 @@ class TorchEngine(PolicyEngine):
             inject_lora(model, replace(spec.lora, seed=spec.seed))
         self.model = model.to(self.device)
         self.model.eval()
+        self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
         self._init_memory(self.model, model.config.to_dict(), model.config.num_hidden_layers)
         self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad})
 

@@ -50,11 +50,21 @@ def test_step_memory_counts_checkpointing_and_logits_chunks() -> None:
     chunked = step_memory(shape, 16, "bfloat16", 8192, checkpointing=False, logits_chunk_tokens=1024)
     checkpointed = step_memory(shape, 16, "bfloat16", 8192, checkpointing=True, logits_chunk_tokens=1024)
     per_layer = layer_activation_bytes(shape, 16, "bfloat16")
-    assert plain.kept == 28 * 8192 * per_layer + 8192 * (2 * 512 + 4 * 151936) and plain.recompute == 0
+    # A frozen head (closed form): a 4·H fp32 basis per token, never [tokens, V]; the chunk only sizes the
+    # forward's transient log-softmax and softmax.
+    assert plain.kept == chunked.kept == 28 * 8192 * per_layer + 8192 * (2 + 4) * 512 and plain.recompute == 0
     assert plain.logits == logits_bytes(151936, 8192, "bfloat16", chunked=False) == 10 * 8192 * 151936
-    assert chunked.kept == 28 * 8192 * per_layer + 8192 * 2 * 512
-    assert chunked.logits == logits_bytes(151936, 1024, "bfloat16", chunked=True) == 14 * 1024 * 151936
-    assert checkpointed.kept == 8192 * (28 * 2 * 512 + 2 * 512) and checkpointed.recompute == 8192 * per_layer
+    assert chunked.logits == logits_bytes(151936, 1024, "bfloat16", chunked=True) == 10 * 1024 * 151936
+    # A head that trains goes through autograd: whole, its fp32 log-softmax is kept; chunked, recomputed.
+    trained = step_memory(shape, 16, "bfloat16", 8192, False, 0, frozen_head=False)
+    trained_chunked = step_memory(shape, 16, "bfloat16", 8192, False, 1024, frozen_head=False)
+    assert trained.kept == 28 * 8192 * per_layer + 8192 * (2 * 512 + 4 * 151936)
+    assert trained.logits == 10 * 8192 * 151936
+    assert trained_chunked.kept == 28 * 8192 * per_layer + 8192 * 2 * 512
+    assert trained_chunked.logits == logits_bytes(151936, 1024, "bfloat16", True, frozen_head=False)
+    assert trained_chunked.logits == 14 * 1024 * 151936
+    checkpointed_kept = 8192 * (28 * 2 * 512 + (2 + 4) * 512)
+    assert checkpointed.kept == checkpointed_kept and checkpointed.recompute == 8192 * per_layer
     assert checkpointed.total == checkpointed.kept + max(checkpointed.recompute, checkpointed.logits)
     assert checkpointed.activations < chunked.activations / 8
     assert needs_checkpointing(shape, 16, "bfloat16", 8192, 1024, free_bytes=chunked.total)
