@@ -177,7 +177,9 @@ class PlacementSection:
                                           "(0: unknown; H100 SXM: 3350, H200: 4800).")
     pin_cpus: Literal["auto", "off"] = setting(
         "auto", doc="`lorarl run`, CPU job on one host: 'auto' keeps vLLM's engine core and the trainer on CPUs "
-        "of their own (half each; 6-7% shorter steps on 2 cores, bench/RESULTS.md); 'off': the OS places them.")
+        "of their own in an async loop (half each; 6-7% shorter steps on 2 cores), and gives each all CPUs, "
+        "one OpenMP thread per CPU, in a sync loop, where they take turns (bench/RESULTS.md); 'off': the OS "
+        "places them, one thread each.")
 
 
 @dataclass

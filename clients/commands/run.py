@@ -89,18 +89,37 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
 
 
 def cpu_pins(cfg) -> dict[str, str]:
-    """CPU lists for a CPU job's two busiest processes (placement.pin_cpus 'auto'): vLLM's engine core on
-    the first half of the CPUs this process may use, the trainer on the rest; the rollout frontend, weight
-    sync and the loop stay where the OS puts them. Empty when off, on accelerators, with several rollout
-    replicas or trainer ranks, or on one CPU."""
+    """CPU lists for a CPU job's two busiest processes (placement.pin_cpus 'auto'). An async loop
+    generates while it trains: vLLM's engine core on the first half of the CPUs this process may use,
+    the trainer on the rest. A sync loop takes turns (generate, then train), so each takes every CPU
+    while the other waits: at the Qwen3-0.6B shape on 2 cores a step fell from 36 s to 31 s (generation
+    19 -> 13 s; bench/RESULTS.md). The rollout frontend, weight sync and the loop stay where the OS puts
+    them. Empty when off, on accelerators, with several rollout replicas or trainer ranks, or on one CPU."""
     from services.common.cpu_affinity import available_cpus, format_cpu_list
 
     cpus = available_cpus()
     if (cfg.placement.pin_cpus != "auto" or cfg.trainer.device != "cpu" or cfg.rollout.engine != "vllm"
             or cfg.rollout.replicas > 1 or cfg.trainer.parallel.world_size > 1 or len(cpus) < 2):
         return {}
+    if cfg.loop.mode == "sync":
+        return {"rollout_engine": format_cpu_list(cpus), "trainer": format_cpu_list(cpus)}
     half = len(cpus) // 2
     return {"rollout_engine": format_cpu_list(cpus[:half]), "trainer": format_cpu_list(cpus[half:])}
+
+
+def pinned_threads(pins: dict[str, str]) -> dict[str, dict[str, str]]:
+    """OpenMP threads of the pinned processes: one per CPU each is pinned to (the other services keep one:
+    two threads per process on two cores made a step 20x slower while all three computed at once).
+    Several threads wait passively: threads spinning between ops took the CPUs from the other services'
+    Python threads, and a sync demo job (8 steps) took 54 s instead of 34; passive, 32 s."""
+    from services.common.cpu_affinity import parse_cpu_list
+
+    env = {}
+    for process, key in (("trainer", "trainer"), ("rollout", "rollout_engine")):
+        threads = len(parse_cpu_list(pins[key])) if key in pins else 1
+        if key in pins:
+            env[process] = {"OMP_NUM_THREADS": str(threads), **({"OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 else {})}
+    return env
 
 
 def local_stack(cfg, out: Path):
@@ -112,8 +131,8 @@ def local_stack(cfg, out: Path):
     if pins:
         sections["rollout"]["engine_cpus"] = pins["rollout_engine"]
     threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
-    return LocalStack(out / "services", sections, threads_per_service=threads,
-                      rollout_replicas=cfg.rollout.replicas, process_env=visible_devices(cfg),
+    return LocalStack(out / "services", sections, threads_per_service=threads, rollout_replicas=cfg.rollout.replicas,
+                      process_env={**visible_devices(cfg), **pinned_threads(pins)},
                       server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {})
 
 

@@ -66,7 +66,7 @@ def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
     assert (out / "learning_curve.png").stat().st_size > 0
     assert "held-out greedy accuracy" in (out / "summary.txt").read_text()
     if len(available_cpus()) >= 2:  # placement.pin_cpus 'auto': engine core and trainer on CPUs of their own
-        pins = cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), []))
+        pins = cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), [f"loop.mode={mode}"]))
         services = out / "services"
         assert yaml.safe_load((services / "trainer.yaml").read_text())["server"]["cpus"] == pins["trainer"]
         assert f"vLLM engine core pinned to CPUs {pins['rollout_engine']}" in (services / "rollout.log").read_text()

@@ -145,25 +145,39 @@ def test_block_size_reaches_the_rollout_and_must_be_a_multiple_of_16() -> None:
 
 
 def test_lorarl_run_pins_a_cpu_jobs_engine_core_and_trainer_to_halves_of_the_cpus(monkeypatch) -> None:
-    """placement.pin_cpus 'auto': vLLM's engine core on the first half of the CPUs, the trainer on the
-    rest, written into the configs the local stack starts them with; nothing pinned when off, for an
-    accelerator trainer, several replicas, or a single CPU."""
+    """placement.pin_cpus 'auto': in an async loop vLLM's engine core on the first half of the CPUs, the
+    trainer on the rest; in a sync loop (they take turns) both on all of them; one OpenMP thread per
+    pinned CPU; written into the configs and environments the local stack starts them with; nothing
+    pinned when off, for an accelerator trainer, several replicas, or a single CPU."""
     from clients.commands.run import cpu_pins, local_stack
+    from services.common.cpu_affinity import format_cpu_list
 
     demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
-    for cpus, engine, trainer in (([0, 1], "0", "1"), ([0, 1, 2, 3, 4], "0-1", "2-4"), ([2, 5, 6, 7], "2,5", "6-7")):
+    sync = load_job_config(str(ROOT / "examples/demo.yaml"), ["loop.mode=sync"])
+    for cpus, engine, trainer, threads in (([0, 1], "0", "1", ("1", "1")), ([0, 1, 2, 3, 4], "0-1", "2-4", ("2", "3")),
+                                           ([2, 5, 6, 7], "2,5", "6-7", ("2", "2"))):
         monkeypatch.setattr("services.common.cpu_affinity.available_cpus", lambda cpus=cpus: cpus)
         assert cpu_pins(demo) == {"rollout_engine": engine, "trainer": trainer}
         stack = local_stack(demo, Path("/tmp/x"))
         assert stack.sections["rollout"]["engine_cpus"] == engine
         assert stack.server_sections == {"trainer": {"cpus": trainer}}
+        assert {p: env["OMP_NUM_THREADS"] for p, env in stack.process_env.items()} == {
+            "rollout": threads[0], "trainer": threads[1]}
+        assert all((env.get("OMP_WAIT_POLICY") == "PASSIVE") == (env["OMP_NUM_THREADS"] != "1")
+                   for env in stack.process_env.values())
+        everything = format_cpu_list(cpus)
+        assert cpu_pins(sync) == {"rollout_engine": everything, "trainer": everything}
+        stack = local_stack(sync, Path("/tmp/x"))
+        assert stack.server_sections == {"trainer": {"cpus": everything}}
+        assert {p: env["OMP_NUM_THREADS"] for p, env in stack.process_env.items()} == {
+            "rollout": str(len(cpus)), "trainer": str(len(cpus))}
     assert cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), ["placement.pin_cpus=off"])) == {}
     assert cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), ["rollout.replicas=2"])) == {}
     assert cpu_pins(load_job_config(str(ROOT / "examples/models/qwen3-8b.yaml"), [])) == {}
     monkeypatch.setattr("services.common.cpu_affinity.available_cpus", lambda: [3])
     assert cpu_pins(demo) == {}
     stack = local_stack(demo, Path("/tmp/x"))
-    assert "engine_cpus" not in stack.sections["rollout"] and stack.server_sections == {}
+    assert "engine_cpus" not in stack.sections["rollout"] and stack.server_sections == {} and stack.process_env == {}
 
 
 def test_the_plan_counts_activations_as_the_engine_will_run_them(capsys) -> None:
