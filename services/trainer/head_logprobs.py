@@ -12,7 +12,8 @@ gradient to its input has a closed form that needs only the softmax, which the f
 so `FrozenHeadLogprobs` takes the ``p @ W`` matmul in forward, keeps that [tokens, hidden] fp32
 basis, and its backward is one multiply: two matmuls per step instead of three, and no [tokens, V]
 tensor is kept between forward and backward whatever the chunk size. Measured on 2,048 tokens of
-the 0.6B head (1 thread): 15.5 s against 28.0 s chunked and 17.8 s unchunked (bench/RESULTS.md).
+the 0.6B head (1 thread, bench/head_logprobs.py): 16.9 s against 26.5 s chunked, and 18.1 s for the
+whole micro-batch at once, which keeps 1.2 GiB of log-softmax for backward.
 The logprobs and entropies are those of `token_logprobs` (the same per-row operations; a chunk's
 matmul may round apart from the whole one's), the gradients agree to fp32 rounding (the subtraction
 happens in fp32 instead of on rounded logit gradients).
