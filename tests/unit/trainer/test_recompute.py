@@ -110,7 +110,8 @@ def test_chunked_logprobs_through_the_engine_path_equal_the_plain_one() -> None:
     model.lm_head.weight.requires_grad_(True)
     plain = run(model, records, share=True, chunk=0)
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fused[1], plain[1], rtol=1e-6, atol=1e-6)
+    # The closed form sums p * log p as a matmul, the plain path with sum(): fp32 rounding apart.
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
     for g, w in zip(fused[2], plain[2], strict=True):
         assert w.norm() > 0
         # Both sit ~7e-6 (of the largest entry) from a float64 run of the same model: fp32 noise, not a bias.
