@@ -156,6 +156,7 @@ async def _evaluate_adapters(cfg: JobFileConfig, address: str, token: str, adapt
     from clients.datasets import load_examples
     from clients.rewards import load_reward
     from services.common.channel import aio_channel
+    from services.contract.lora import LoraSpec
     from services.rollout.client import load_weights_stream
 
     cfg = copy.deepcopy(cfg)
@@ -171,9 +172,7 @@ async def _evaluate_adapters(cfg: JobFileConfig, address: str, token: str, adapt
             state = LoopState()
             if adapter is not None:
                 config, tensors = read_adapter(Path(adapter))
-                lora = common_pb2.LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                                           target_modules=list(config.get("target_modules") or []),
-                                           use_rslora=bool(config.get("use_rslora", False)))
+                lora = LoraSpec.from_peft_config(config).to_proto()
                 version += 1
                 await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, version, tensors,
                                                               common_pb2.SYNC_MODE_ADAPTER,

@@ -184,10 +184,10 @@ async def measure(case: ModelCase, args: argparse.Namespace, address: str) -> No
     from lorarl.v1 import common_pb2, rollout_pb2_grpc
 
     from services.common.channel import aio_channel
+    from services.contract.lora import LoraSpec
     from services.rollout.config import RolloutSettings
     from services.rollout.model_files import ModelFiles
     from services.rollout.payloads import complete_weights, merge_adapter
-    from services.rollout.schema import LoraSettings
     from services.rollout.vllm_engine import VllmEngine
 
     batch = prompts(case, args.groups)
@@ -216,7 +216,7 @@ async def measure(case: ModelCase, args: argparse.Namespace, address: str) -> No
             case.load_s["adapter"] = await load(stub, "lora", adapter, common_pb2.SYNC_MODE_ADAPTER, fingerprint)
             await service_round(stub, batch[:2], 2, 8, "lora")
             await alternate("adapter", "lora")
-            lora = LoraSettings(rank=RANK, alpha=2.0 * RANK, target_modules=MODULES)
+            lora = LoraSpec(rank=RANK, alpha=2.0 * RANK, target_modules=MODULES)
             merged = dict(complete_weights(merge_adapter(adapter, lora, files), files))
             case.load_s["merged"] = await load(stub, "merged", merged, common_pb2.SYNC_MODE_MERGED, fingerprint)
             del merged

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from services.common.config import ConfigError, all_of, in_range, multiple_of, setting
+from services.contract.lora import ALL_LINEAR, DEFAULT_RANK, ExpertMode, LoraSpec, default_alpha
 
 SyncModeName = Literal["adapter", "merged", "auto"]
 LoopMode = Literal["sync", "async"]
@@ -49,12 +50,19 @@ class DataConfig:
 
 @dataclass
 class LoraSection:
-    rank: int = setting(8, check=in_range(1, 512))
-    alpha: float = setting(16.0, check=in_range(0.0))
+    """The job file's `trainer.lora`: the fields of services.contract.lora.LoraSpec, with its defaults."""
+
+    rank: int = setting(DEFAULT_RANK, check=in_range(1, 512))
+    alpha: float | None = setting(None, check=in_range(0.0), doc="Default: twice the rank.")
     dropout: float = setting(0.0, check=in_range(0.0, 0.99))
-    target_modules: list[str] = setting(default_factory=lambda: ["all-linear"])
-    expert_mode: Literal["none", "per_expert", "shared"] = setting("per_expert")
+    target_modules: list[str] = setting(default_factory=lambda: [ALL_LINEAR])
+    expert_mode: ExpertMode = setting("per_expert")
     use_rslora: bool = setting(False)
+
+    def spec(self) -> LoraSpec:
+        return LoraSpec(rank=self.rank, alpha=self.alpha or default_alpha(self.rank),
+                        target_modules=tuple(self.target_modules), dropout=self.dropout,
+                        expert_mode=self.expert_mode, use_rslora=self.use_rslora)
 
 
 @dataclass

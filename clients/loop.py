@@ -30,8 +30,6 @@ logger = logging.getLogger(__name__)
 LOSS_TYPES = {"grpo": trainer_pb2.LOSS_TYPE_GRPO, "dr_grpo": trainer_pb2.LOSS_TYPE_DR_GRPO,
               "dapo": trainer_pb2.LOSS_TYPE_DAPO, "rloo": trainer_pb2.LOSS_TYPE_RLOO,
               "gspo": trainer_pb2.LOSS_TYPE_GSPO, "ppo": trainer_pb2.LOSS_TYPE_PPO}
-EXPERT_MODES = {"none": common_pb2.EXPERT_ADAPTER_MODE_NONE, "per_expert": common_pb2.EXPERT_ADAPTER_MODE_PER_EXPERT,
-                "shared": common_pb2.EXPERT_ADAPTER_MODE_SHARED}
 SYNC_MODES = {"adapter": common_pb2.SYNC_MODE_ADAPTER, "merged": common_pb2.SYNC_MODE_MERGED,
               "auto": common_pb2.SYNC_MODE_AUTO}
 EVAL_CHUNK = 64
@@ -59,9 +57,7 @@ def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConf
         megatron=megatron,
         # The rollout never returns a prompt and completion longer than its context: the trainer takes them all.
         max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS),
-        lora=common_pb2.LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, dropout=t.lora.dropout,
-                                 target_modules=t.lora.target_modules, expert_mode=EXPERT_MODES[t.lora.expert_mode],
-                                 use_rslora=t.lora.use_rslora),
+        lora=t.lora.spec().to_proto(),
         loss=loss,
         optimizer=trainer_pb2.OptimizerConfig(
             learning_rate=t.optimizer.learning_rate, weight_decay=t.optimizer.weight_decay,

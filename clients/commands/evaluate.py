@@ -83,6 +83,7 @@ async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[
     from clients.loop import LoopState, RLLoop
     from clients.rewards import load_reward
     from services.common.channel import aio_channel
+    from services.contract.lora import LoraSpec
     from services.rollout.client import load_weights_stream
 
     test = load_examples(cfg.data.source, "test", cfg.data.test_path)
@@ -92,9 +93,7 @@ async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[
         if adapter is not None:
             config, tensors = adapter
             caps = await rollout.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
-            lora = common_pb2.LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                                       target_modules=list(config.get("target_modules") or []),
-                                       use_rslora=bool(config.get("use_rslora", False)))
+            lora = LoraSpec.from_peft_config(config).to_proto()
             await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, 1, tensors, common_pb2.SYNC_MODE_ADAPTER,
                                                           caps.base_model_fingerprint, lora))
             state.version = 1

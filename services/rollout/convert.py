@@ -8,10 +8,11 @@ import torch
 from lorarl.v1 import common_pb2, rollout_pb2
 
 from services.common.errors import InvalidArgumentError
+from services.contract.lora import LoraSpec
 from services.rollout.config import RolloutSettings
 from services.rollout.core import ReplicaStatus
 from services.rollout.payloads import PolicyPayload
-from services.rollout.schema import Completion, CompletionChunk, EngineInfo, Finish, LoraSettings, Mode
+from services.rollout.schema import Completion, CompletionChunk, EngineInfo, Finish, Mode
 
 FINISH_TO_PROTO = {
     Finish.STOP: common_pb2.FINISH_REASON_STOP,
@@ -58,9 +59,6 @@ def replica_status(status: ReplicaStatus, replica_id: str) -> rollout_pb2.GetRep
                   for p in status.policies])
 
 
-def lora_settings(spec: common_pb2.LoraSpec) -> LoraSettings:
-    return LoraSettings(rank=spec.rank, alpha=spec.alpha, target_modules=tuple(spec.target_modules),
-                        use_rslora=spec.use_rslora)
 
 
 def policy_payload(manifest: common_pb2.WeightManifest, tensors: Mapping[str, torch.Tensor],
@@ -70,7 +68,12 @@ def policy_payload(manifest: common_pb2.WeightManifest, tensors: Mapping[str, to
     if mode is None:
         raise InvalidArgumentError("manifest.mode", "must be SYNC_MODE_ADAPTER or SYNC_MODE_MERGED")
     serve = MODE_FROM_PROTO.get(serve_mode, mode) if serve_mode else mode
-    lora = lora_settings(manifest.lora) if manifest.HasField("lora") and manifest.lora.rank else None
+    lora = None
+    if manifest.HasField("lora") and manifest.lora.rank:
+        try:
+            lora = LoraSpec.from_proto(manifest.lora)
+        except ValueError as e:
+            raise InvalidArgumentError("manifest.lora", str(e)) from None
     if mode is Mode.ADAPTER and lora is None:
         raise InvalidArgumentError("manifest.lora", "an adapter manifest needs its LoRA spec (rank, alpha)")
     return PolicyPayload(job_id=manifest.job_id, version=manifest.version, mode=mode, serve_mode=serve,

@@ -14,7 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from services.rollout.schema import AdapterHandle, EngineInfo, EngineStats, LoraSettings, SegmentEvent, SegmentSpec
+from services.contract.lora import LoraSpec
+from services.rollout.schema import AdapterHandle, EngineInfo, EngineStats, SegmentEvent, SegmentSpec
 
 
 @runtime_checkable
@@ -48,7 +49,7 @@ class GenerationEngine(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def add_adapter(self, handle: AdapterHandle, lora: LoraSettings, tensors: Mapping[str, torch.Tensor]
+    async def add_adapter(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]
                           ) -> None:
         """Loads an adapter (PEFT tensor names) under `handle`; raises if the engine refuses it."""
         ...

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.contract.lora import LoraSpec
 from services.rollout.config import RolloutSettings
 from services.rollout.model_files import ModelFiles
 from services.rollout.payloads import PEFT_NAME
@@ -32,7 +33,6 @@ from services.rollout.schema import (
     EngineInfo,
     EngineStats,
     Finish,
-    LoraSettings,
     Sampling,
     SegmentEvent,
     SegmentSpec,
@@ -204,7 +204,7 @@ class HfEngine:
 
     # ---------------------------------------------------------------------------- adapters
 
-    async def add_adapter(self, handle: AdapterHandle, lora: LoraSettings, tensors: Mapping[str, torch.Tensor]
+    async def add_adapter(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]
                           ) -> None:
         modules: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():

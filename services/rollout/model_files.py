@@ -115,6 +115,6 @@ class ModelFiles:
 
     def fingerprint(self) -> str:
         """The trainer's fingerprint of this base model, so adapters are never applied to another."""
-        from services.trainer.fingerprint import base_model_fingerprint
+        from services.contract.fingerprint import base_model_fingerprint
 
         return base_model_fingerprint(self.root)

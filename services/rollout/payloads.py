@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
+from services.contract.lora import LoraSpec
 from services.rollout.model_files import ModelFiles
-from services.rollout.schema import LoraSettings, Mode
+from services.rollout.schema import Mode
 
 PEFT_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 LM_HEAD = "lm_head.weight"
@@ -33,7 +34,7 @@ class PolicyPayload:
     serve_mode: Mode  # how to serve them (MERGED + ADAPTER tensors: merge locally)
     fingerprint: str
     tensors: Mapping[str, torch.Tensor]
-    lora: LoraSettings | None = None
+    lora: LoraSpec | None = None
 
     @property
     def local_merge(self) -> bool:
@@ -55,8 +56,8 @@ def adapter_modules(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torc
     return {module: (h["A"], h["B"]) for module, h in halves.items()}
 
 
-def check_adapter(tensors: Mapping[str, torch.Tensor], lora: LoraSettings, files: ModelFiles, max_rank: int
-                  ) -> LoraSettings:
+def check_adapter(tensors: Mapping[str, torch.Tensor], lora: LoraSpec, files: ModelFiles, max_rank: int
+                  ) -> LoraSpec:
     """Validates an adapter for this model; returns its LoRA settings with the modules it really targets."""
     if lora.rank < 1:
         raise InvalidArgumentError("manifest.lora.rank", "must be >= 1")
@@ -78,7 +79,7 @@ def check_adapter(tensors: Mapping[str, torch.Tensor], lora: LoraSettings, files
         if not (a.is_floating_point() and b.is_floating_point()):
             raise InvalidArgumentError("manifest.tensors", f"{module}: adapter tensors must be floating point")
     targets = tuple(sorted({m.rsplit(".", 1)[-1] for m in modules}))
-    return LoraSettings(rank=lora.rank, alpha=lora.alpha, target_modules=targets, use_rslora=lora.use_rslora)
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=targets, use_rslora=lora.use_rslora)
 
 
 def check_merged(tensors: Mapping[str, torch.Tensor], files: ModelFiles) -> None:
@@ -105,12 +106,9 @@ def complete_weights(tensors: Mapping[str, torch.Tensor], files: ModelFiles) -> 
         yield name, tensors[name] if name in tensors else base[name]
 
 
-def merge_adapter(tensors: Mapping[str, torch.Tensor], lora: LoraSettings, files: ModelFiles
+def merge_adapter(tensors: Mapping[str, torch.Tensor], lora: LoraSpec, files: ModelFiles
                   ) -> dict[str, torch.Tensor]:
     """W + B @ A * scale for each adapted module, from the pristine base (same arithmetic as the trainer)."""
-    from lorarl.v1 import common_pb2
-
     from services.weightsync.merge import merged_from_adapter
 
-    spec = common_pb2.LoraSpec(rank=lora.rank, alpha=lora.alpha, use_rslora=lora.use_rslora)
-    return dict(merged_from_adapter(tensors, spec, files.tensor))
+    return dict(merged_from_adapter(tensors, lora, files.tensor))

@@ -7,9 +7,7 @@ fake engine in unit tests, and keeps protobuf conversion in one place (services/
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 BASE_JOB = ""
 """job_id of the base model (no adapter, no merged weights)."""
@@ -67,32 +65,6 @@ class PolicyRef:
         if self.is_base:
             return "base model"
         return f"{self.job_id} {'latest' if self.version == LATEST else f'v{self.version}'}"
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """The LoRA spec of an adapter payload, as engines need it (PEFT semantics)."""
-
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    use_rslora: bool = False
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
-
-    def peft_config(self) -> dict[str, Any]:
-        """adapter_config.json content as PEFT writes it (what vLLM's PEFTHelper reads)."""
-        return {
-            "peft_type": "LORA",
-            "r": self.rank,
-            "lora_alpha": self.alpha,
-            "target_modules": sorted(self.target_modules),
-            "use_rslora": self.use_rslora,
-            "bias": "none",
-            "lora_dropout": 0.0,
-        }
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from services.common.cpu_affinity import format_cpu_list, parse_cpu_list
+from services.contract.lora import LoraSpec
 from services.rollout.config import RolloutSettings
 from services.rollout.model_files import ModelFiles
 from services.rollout.schema import (
@@ -31,7 +32,6 @@ from services.rollout.schema import (
     EngineInfo,
     EngineStats,
     Finish,
-    LoraSettings,
     SegmentEvent,
     SegmentSpec,
 )
@@ -248,7 +248,7 @@ class VllmEngine:
 
     # ---------------------------------------------------------------------------- adapters
 
-    async def add_adapter(self, handle: AdapterHandle, lora: LoraSettings, tensors: Mapping[str, torch.Tensor]
+    async def add_adapter(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]
                           ) -> None:
         from vllm.lora.request import LoRARequest
 
@@ -270,7 +270,7 @@ class VllmEngine:
             raise
         self._lora_requests[handle.lora_int_id] = request
 
-    def _write_peft_dir(self, handle: AdapterHandle, lora: LoraSettings, tensors: Mapping[str, torch.Tensor]) -> str:
+    def _write_peft_dir(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]) -> str:
         from safetensors.torch import save_file
 
         assert self._shm_root is not None

@@ -38,15 +38,6 @@ KL_NAMES = {
     trainer_pb2.KL_ESTIMATOR_K2: "k2",
     trainer_pb2.KL_ESTIMATOR_K3: "k3",
 }
-EXPERT_MODES = {
-    common_pb2.EXPERT_ADAPTER_MODE_UNSPECIFIED: "per_expert",
-    common_pb2.EXPERT_ADAPTER_MODE_NONE: "none",
-    common_pb2.EXPERT_ADAPTER_MODE_PER_EXPERT: "per_expert",
-    common_pb2.EXPERT_ADAPTER_MODE_SHARED: "shared",
-}
-EXPERT_MODE_ENUMS = {"none": common_pb2.EXPERT_ADAPTER_MODE_NONE,
-                     "per_expert": common_pb2.EXPERT_ADAPTER_MODE_PER_EXPERT,
-                     "shared": common_pb2.EXPERT_ADAPTER_MODE_SHARED}
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "",
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -69,17 +60,8 @@ def _build(field: str, factory, *args, **kwargs):
 
 
 def lora_config(spec: common_pb2.LoraSpec, field: str = "config.lora") -> LoraConfig:
-    if spec.expert_mode not in EXPERT_MODES:
-        raise InvalidArgumentError(f"{field}.expert_mode", f"unknown value {spec.expert_mode}")
-    return _build(field, LoraConfig, rank=spec.rank or 16, alpha=_or(spec.alpha, 2.0 * (spec.rank or 16)),
-                  dropout=spec.dropout, target_modules=tuple(spec.target_modules) or ("all-linear",),
-                  expert_mode=EXPERT_MODES[spec.expert_mode], use_rslora=spec.use_rslora)
-
-
-def lora_spec(config: LoraConfig) -> common_pb2.LoraSpec:
-    return common_pb2.LoraSpec(rank=config.rank, alpha=config.alpha, dropout=config.dropout,
-                               target_modules=list(config.target_modules),
-                               expert_mode=EXPERT_MODE_ENUMS[config.expert_mode], use_rslora=config.use_rslora)
+    """The spec to train by (services.contract.lora: zeros are unset), INVALID_ARGUMENT under ``field``."""
+    return _build(field, LoraConfig.from_proto, spec)
 
 
 def loss_settings(cfg: trainer_pb2.LossConfig, field: str = "config.loss") -> LossSettings:
@@ -149,7 +131,7 @@ def job_config(spec: JobSpec) -> trainer_pb2.JobConfig:
     """JobSpec -> JobConfig with every default made explicit (what the job really runs with)."""
     loss, opt = spec.loss, spec.optimizer
     return trainer_pb2.JobConfig(
-        base_model_path=spec.base_model_path, device=spec.device, dtype=spec.dtype, lora=lora_spec(spec.lora),
+        base_model_path=spec.base_model_path, device=spec.device, dtype=spec.dtype, lora=spec.lora.to_proto(),
         loss=trainer_pb2.LossConfig(
             type=LOSS_TYPES[loss.name], clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high,
             dual_clip=loss.dual_clip, kl_coef=loss.kl_coef,

@@ -300,16 +300,3 @@ class TrainEngine(abc.ABC):
     @property
     @abc.abstractmethod
     def vocab_size(self) -> int: ...
-
-
-def create_engine(spec: JobSpec) -> TrainEngine:
-    """The engine named by ``spec.engine``, imported lazily (torch is heavy, Megatron optional)."""
-    if spec.engine == "torch":
-        from services.trainer.torch_engine import TorchEngine
-
-        return TorchEngine.create(spec)
-    if spec.engine == "megatron":
-        from services.trainer.megatron.engine import MegatronEngine
-
-        return MegatronEngine.create(spec)
-    raise ValueError(f"engine {spec.engine!r} is not available in this build")

@@ -11,29 +11,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from services.trainer.lora import LINEAR_TARGETS, LoraConfig, iter_merged_weights, peft_state_dict
+from services.contract.lora import LINEAR_TARGETS, LoraSpec
+from services.trainer.lora import iter_merged_weights, peft_state_dict
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
-
-
-def peft_adapter_config(lora: LoraConfig, base_model_path: str, target_modules: list[str]) -> dict:
-    """adapter_config.json as PEFT writes it (the fields PEFT and vLLM read)."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_path,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "use_rslora": lora.use_rslora,
-        "target_modules": target_modules,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "init_lora_weights": True,
-    }
 
 
 def adapted_module_names(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -59,7 +41,7 @@ def _publish_dir(tmp: Path, final: Path) -> None:
         tmp.rename(final)
 
 
-def save_peft_adapter(model: nn.Module, lora: LoraConfig, base_model_path: str, out_dir: str | Path,
+def save_peft_adapter(model: nn.Module, lora: LoraSpec, base_model_path: str, out_dir: str | Path,
                       dtype: torch.dtype = torch.float32) -> Path:
     """adapter_config.json + adapter_model.safetensors, written to a temp dir then renamed."""
     final = Path(out_dir)
@@ -67,7 +49,7 @@ def save_peft_adapter(model: nn.Module, lora: LoraConfig, base_model_path: str, 
     tmp = _atomic_dir(final)
     tensors = {k: v.to(dtype).contiguous().cpu() for k, v in peft_state_dict(model).items()}
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = peft_adapter_config(lora, base_model_path, adapted_module_names(tensors))
+    config = lora.peft_config(base_model_path, adapted_module_names(tensors))
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     _publish_dir(tmp, final)
     return final

@@ -26,6 +26,7 @@ from torch import nn
 
 from services.trainer.recompute import TokenLogprobs, chunked_token_logprobs
 
+
 def is_frozen_linear_head(head: nn.Module) -> bool:
     """Whether ``head`` is a plain linear layer none of whose parameters train (the closed form holds)."""
     return type(head) is nn.Linear and not any(p.requires_grad for p in head.parameters())

@@ -29,7 +29,8 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.gc_heap import freeze_long_lived
-from services.trainer.engine_api import JobSpec, Metrics, TrainEngine, TrajectoryRecord, create_engine
+from services.trainer.engine_api import JobSpec, Metrics, TrainEngine, TrajectoryRecord
+from services.trainer.engine_factory import create_engine
 from services.trainer.validation import BufferFullError, InvalidTrajectory, TrajectoryBuffer, validate_trajectory
 
 logger = logging.getLogger(__name__)
@@ -245,7 +246,6 @@ class JobManager:
         """
         import grpc
 
-        from services.trainer.convert import lora_spec
         from services.weightsync.catalog import catalog_from_tensors
         from services.weightsync.publisher import PublishError
 
@@ -261,7 +261,7 @@ class JobManager:
                 if job_id not in publisher.jobs:
                     catalog = await self._in_engine_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
                     await publisher.register_job(job_id, base_model_fingerprint=engine.base_model_fingerprint,
-                                                 lora=lora_spec(job.spec.lora), catalog=catalog, mode=mode,
+                                                 lora=job.spec.lora.to_proto(), catalog=catalog, mode=mode,
                                                  start_version=version - 1)
                 result = await publisher.publish(
                     job_id, version, wait=False,

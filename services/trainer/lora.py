@@ -13,64 +13,30 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ALL_LINEAR = "all-linear"
-DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: Qwen3.5 / Qwen3.6 Gated DeltaNet (linear-attention) projections; vLLM serves LoRA on all five
-#: (packed as in_proj_qkvz = [in_proj_qkv, in_proj_z], in_proj_ba = [in_proj_b, in_proj_a], out_proj).
-LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-#: What "all-linear" adapts: every decoder linear of the supported families (absent names match nothing).
-LINEAR_TARGETS = DENSE_TARGETS + LINEAR_ATTENTION_TARGETS
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-ExpertMode = Literal["none", "per_expert", "shared"]
+from services.contract.lora import (  # noqa: F401  (re-exported: the trainer's LoRA names)
+    ALL_LINEAR,
+    DENSE_TARGETS,
+    EXPERT_PROJS,
+    LINEAR_ATTENTION_TARGETS,
+    LINEAR_TARGETS,
+    ExpertMode,
+    LoraSpec,
+)
+from services.contract.merge import lora_delta, merge_lora
 
 
-@dataclass(frozen=True)
-class LoraConfig:
-    """What to adapt and how; mirrors lorarl.v1.LoraSpec."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = (ALL_LINEAR,)
-    expert_mode: ExpertMode = "per_expert"
-    use_rslora: bool = False
-    seed: int = 0
-    extra: dict[str, str] = field(default_factory=dict)
+class LoraConfig(LoraSpec):
+    """A LoRA spec a trainer trains by: `LoraSpec` (services.contract.lora: fields, defaults, scale, PEFT
+    config, proto form) whose targets are checked on construction (`LoraSpec.check_trainable`)."""
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        unknown = set(self.target_modules) - {ALL_LINEAR, *LINEAR_TARGETS}
-        if unknown:
-            raise ValueError(
-                f"lora.target_modules has unknown names {sorted(unknown)}; "
-                f"use {ALL_LINEAR!r} or names from {list(LINEAR_TARGETS)}"
-            )
-        if "in_proj_z" in self.target_modules and "in_proj_qkv" not in self.target_modules:
-            # vLLM packs them as in_proj_qkvz and cannot load an adapter with in_proj_z alone.
-            raise ValueError("lora.target_modules: in_proj_z needs in_proj_qkv too (vLLM serves them packed)")
-        if self.expert_mode not in ("none", "per_expert", "shared"):
-            raise ValueError(f"lora.expert_mode must be none, per_expert or shared, got {self.expert_mode!r}")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
-
-    def targets(self) -> frozenset[str]:
-        if ALL_LINEAR in self.target_modules:
-            return frozenset(LINEAR_TARGETS)
-        return frozenset(self.target_modules)
+        super().__post_init__()
+        self.check_trainable()
 
 
 def _init_pair(a: torch.Tensor, b: torch.Tensor, generator: torch.Generator) -> None:
@@ -156,11 +122,11 @@ class LoRALinear(nn.Module):
 
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A in fp32."""
-        return (self.lora_b.float() @ self.lora_a.float()) * self.scale
+        return lora_delta(self.lora_a, self.lora_b, self.scale)
 
     def merged_weight(self) -> torch.Tensor:
         """W + scale * B @ A, computed in fp32 and cast back; the base stays untouched."""
-        return (self.weight.float() + self.delta_weight()).to(self.weight.dtype)
+        return merge_lora(self.weight, self.lora_a, self.lora_b, self.scale)
 
 
 class LoRAExperts(nn.Module):
@@ -231,15 +197,14 @@ class LoRAExperts(nn.Module):
 
     def delta_weight(self, proj: str, expert: int) -> torch.Tensor:
         a, b = self._adapter(proj, expert)
-        return (b.float() @ a.float()) * self.scale
+        return lora_delta(a, b, self.scale)
 
     def merged_expert_weights(self, expert: int) -> dict[str, torch.Tensor]:
         """Per-expert HF weights (gate_proj, up_proj, down_proj) with the adapter merged in fp32."""
         inter = self.intermediate_dim
-        gate_up = self.gate_up_proj[expert].float()
-        base = {"gate_proj": gate_up[:inter], "up_proj": gate_up[inter:], "down_proj": self.down_proj[expert].float()}
-        dtype = self.gate_up_proj.dtype
-        return {p: (w + self.delta_weight(p, expert)).to(dtype) for p, w in base.items()}
+        gate_up = self.gate_up_proj[expert]
+        base = {"gate_proj": gate_up[:inter], "up_proj": gate_up[inter:], "down_proj": self.down_proj[expert]}
+        return {p: merge_lora(w, *self._adapter(p, expert), self.scale) for p, w in base.items()}
 
     def base_expert_weights(self, expert: int) -> dict[str, torch.Tensor]:
         inter = self.intermediate_dim
@@ -251,11 +216,12 @@ def _is_experts(module: nn.Module) -> bool:
     return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "num_experts")
 
 
-def inject_lora(model: nn.Module, config: LoraConfig) -> list[str]:
-    """Freezes every base parameter and swaps target modules for LoRA layers; returns their names."""
+def inject_lora(model: nn.Module, config: LoraSpec, seed: int = 0) -> list[str]:
+    """Freezes every base parameter and swaps target modules for LoRA layers (adapters drawn from ``seed``);
+    returns their names."""
     for p in model.parameters():
         p.requires_grad_(False)
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(seed)
     targets = config.targets()
     replaced: list[str] = []
     for name, module in list(model.named_modules()):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from services.contract.fingerprint import base_model_fingerprint
 from services.trainer import checkpoint as ckpt
 from services.trainer.engine_api import JobSpec, MemorySettings
-from services.trainer.fingerprint import base_model_fingerprint
 from services.trainer.lora import LoraConfig
 from services.trainer.losses import LossSettings
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 from services.trainer.commands import Command, CommandError
-from services.trainer.engine_api import JobSpec, TrainEngine, create_engine
+from services.trainer.engine_api import JobSpec, TrainEngine
+from services.trainer.engine_factory import create_engine
 
 EngineFactory = Callable[[JobSpec], TrainEngine]
 

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from services.contract.fingerprint import base_model_fingerprint
 from services.trainer.batching import PackedBatch
 from services.trainer.engine_api import EngineStateError, JobSpec
 from services.trainer.export import save_merged_model, save_peft_adapter
-from services.trainer.fingerprint import base_model_fingerprint
 from services.trainer.head_logprobs import head_token_logprobs
 from services.trainer.lora import adapters_disabled, inject_lora, iter_merged_weights, peft_state_dict
 from services.trainer.policy_engine import (  # noqa: F401  (re-exported: the torch engine's public names)
@@ -92,7 +91,7 @@ class TorchEngine(PolicyEngine):
             model.requires_grad_(True)
         else:
             # Injected on CPU (the init generator is a CPU one), then moved with the model.
-            inject_lora(model, replace(spec.lora, seed=spec.seed))
+            inject_lora(model, spec.lora, seed=spec.seed)
         self.model = model.to(self.device)
         self.model.eval()
         self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)

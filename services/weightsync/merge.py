@@ -2,27 +2,21 @@
 
 A late joiner of a MERGED job, or a replica that cannot run LoRA, is sent the small adapter and
 builds the merged weights itself from the base weights it already holds: tens of MB on the wire
-instead of the whole model, and the service only ever stores adapters. The arithmetic is the
-trainer's (services/trainer/lora.py): W' = (W.float() + (B.float() @ A.float()) * scale).to(W.dtype),
-so the result is bit-identical to the trainer's merged tensor for the same base and scale.
-Always merge into the pristine base, never into a previously merged weight.
+instead of the whole model, and the service only ever stores adapters. The arithmetic is the one
+merge (services.contract.merge), so the result is bit-identical to the trainer's merged tensor for the
+same base and scale. Always merge into the pristine base, never into a previously merged weight.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from lorarl.v1 import common_pb2
 
+from services.contract.lora import LoraSpec
+from services.contract.merge import merge_lora
 from services.weightsync.catalog import adapter_module
-
-
-def lora_scale(lora: common_pb2.LoraSpec) -> float:
-    """alpha / r, or alpha / sqrt(r) with rsLoRA (as the trainer's LoraConfig.scale)."""
-    alpha = float(lora.alpha)
-    return alpha / (math.sqrt(lora.rank) if lora.use_rslora else lora.rank)
 
 
 def adapter_pairs(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -36,12 +30,10 @@ def adapter_pairs(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.
     return {module: (h["A"], h["B"]) for module, h in halves.items()}
 
 
-def merged_from_adapter(adapter: Mapping[str, torch.Tensor], lora: common_pb2.LoraSpec,
+def merged_from_adapter(adapter: Mapping[str, torch.Tensor], lora: LoraSpec | common_pb2.LoraSpec,
                         base_weight: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, merged weight) for every adapted module; `base_weight(name)` returns the pristine base."""
-    scale = lora_scale(lora)
+    scale = (lora if isinstance(lora, LoraSpec) else LoraSpec.from_proto(lora)).scale
     for module, (a, b) in adapter_pairs(adapter).items():
         name = f"{module}.weight"
-        base = base_weight(name)
-        delta = (b.float() @ a.float()) * scale
-        yield name, (base.float() + delta.to(base.device)).to(base.dtype)
+        yield name, merge_lora(base_weight(name), a, b, scale)

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from services.contract.fingerprint import base_model_fingerprint
 from services.trainer import checkpoint as ckpt
 from services.trainer.batching import PackedBatch, micro_batches, pack
 from services.trainer.engine_api import CheckpointInfo, JobSpec, Metrics, TrajectoryRecord
-from services.trainer.fingerprint import base_model_fingerprint
 from services.trainer.losses import LossSettings
 from services.trainer.megatron.data_parallel import MegatronDataParallel
 from services.trainer.megatron.export import iter_hf_weights, peft_tensors, save_merged, save_peft

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from services.contract.merge import merge_lora
 from services.trainer.checkpoint import atomic_directory
-from services.trainer.export import HF_SIDE_FILES, adapted_module_names, peft_adapter_config
+from services.trainer.export import HF_SIDE_FILES, adapted_module_names
 from services.trainer.lora import PEFT_PREFIX, LoraConfig
 from services.trainer.megatron import convert
 from services.trainer.megatron.lora import MegatronLora
@@ -80,7 +81,7 @@ def save_peft(tensors: dict[str, torch.Tensor], lora: LoraConfig, base_model_pat
     with atomic_directory(final) as tmp:
         data = {k: v.to(dtype).contiguous().cpu() for k, v in tensors.items()}
         save_file(data, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = peft_adapter_config(lora, base_model_path, adapted_module_names(data))
+        config = lora.peft_config(base_model_path, adapted_module_names(data))
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return final
 
@@ -135,8 +136,7 @@ def _merged(name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], 
         module = f"{shared[1]}.shared.{shared[2]}" if shared else module
     if f"{module}.lora_A" not in adapters:
         return weight
-    delta = adapters[f"{module}.lora_B"].float() @ adapters[f"{module}.lora_A"].float()
-    return (weight.float() + scale * delta.to(weight.device)).to(weight.dtype)
+    return merge_lora(weight, adapters[f"{module}.lora_A"], adapters[f"{module}.lora_B"], scale)
 
 
 def _layer_index(local: str) -> int | None:

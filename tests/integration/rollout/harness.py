@@ -20,13 +20,13 @@ from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.common.channel import sync_channel
 from services.common.server_config import AuthConfig, ServerConfig
+from services.contract.lora import LoraSpec
 from services.rollout.client import load_weights_stream
 from services.rollout.config import RolloutServiceConfig, RolloutSettings
 from services.rollout.core import RolloutCore
 from services.rollout.factory import start_core
 from services.rollout.model_files import ModelFiles
 from services.rollout.payloads import complete_weights, merge_adapter
-from services.rollout.schema import LoraSettings
 from services.rollout.server import start_rollout
 
 T = TypeVar("T")
@@ -64,12 +64,12 @@ class RolloutHarness:
         self._thread.join(10)
 
 
-def lora_spec(lora: LoraSettings) -> common_pb2.LoraSpec:
+def lora_spec(lora: LoraSpec) -> common_pb2.LoraSpec:
     return common_pb2.LoraSpec(rank=lora.rank, alpha=lora.alpha, use_rslora=lora.use_rslora)
 
 
 def load_requests(job_id: str, version: int, tensors: Mapping[str, torch.Tensor], mode: int, fingerprint: str,
-                  lora: LoraSettings | None = None, chunk_bytes: int = 1 << 20, corrupt: bool = False
+                  lora: LoraSpec | None = None, chunk_bytes: int = 1 << 20, corrupt: bool = False
                   ) -> Iterator[rollout_pb2.LoadWeightsRequest]:
     """A LoadWeights stream for these tensors; with `corrupt`, one byte of the first chunk is flipped."""
     spec = lora_spec(lora) if lora is not None else None
@@ -81,7 +81,7 @@ def load_requests(job_id: str, version: int, tensors: Mapping[str, torch.Tensor]
         yield request
 
 
-def merged_weights(model_dir: Path, adapter: Mapping[str, torch.Tensor], lora: LoraSettings,
+def merged_weights(model_dir: Path, adapter: Mapping[str, torch.Tensor], lora: LoraSpec,
                    extra: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every checkpoint weight with the adapter merged in (the trainer's arithmetic), plus `extra` overrides."""
     files = ModelFiles(model_dir)
@@ -105,7 +105,7 @@ def save_checkpoint(model_dir: Path, weights: Mapping[str, torch.Tensor]) -> Pat
 
 @torch.no_grad()
 def reference_greedy(model_dir: Path, prompt: tuple[int, ...], max_new: int,
-                     adapter: Mapping[str, torch.Tensor] | None = None, lora: LoraSettings | None = None
+                     adapter: Mapping[str, torch.Tensor] | None = None, lora: LoraSpec | None = None
                      ) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs from transformers (+ PEFT for an adapter), fp32, EOS ignored."""
     from transformers import AutoModelForCausalLM

@@ -19,11 +19,12 @@ import torch
 from lorarl.v1 import common_pb2, rollout_pb2
 
 from services.common.cpu_affinity import available_cpus
+from services.contract.fingerprint import base_model_fingerprint
+from services.contract.lora import LoraSpec
 from services.rollout.config import RolloutSettings
 from services.rollout.factory import start_core
 from services.rollout.payloads import PolicyPayload
-from services.rollout.schema import GenerateInput, LoraSettings, Mode, PolicyRef, Sampling
-from services.trainer.fingerprint import base_model_fingerprint
+from services.rollout.schema import GenerateInput, Mode, PolicyRef, Sampling
 from tests.integration.rollout.harness import (
     RolloutHarness,
     field_of,
@@ -74,7 +75,7 @@ def reference(model_dir: Path, adapter: dict[str, torch.Tensor]) -> dict[str, tu
 
 
 def load(service: RolloutHarness, job: str, version: int, tensors: dict, mode: int, fingerprint: str,
-         lora: LoraSettings = LORA, **kwargs: object) -> rollout_pb2.LoadWeightsResponse:
+         lora: LoraSpec = LORA, **kwargs: object) -> rollout_pb2.LoadWeightsResponse:
     lora = lora if mode == ADAPTER else None
     return service.stub.LoadWeights(load_requests(job, version, tensors, mode, fingerprint, lora, **kwargs),
                                     timeout=120)
@@ -382,7 +383,7 @@ def test_bad_inputs_get_clear_statuses_while_others_continue(service: RolloutHar
     code, details, _ = code_of(lambda: generate(service.stub, PROMPT, greedy(4), "bad", 99))
     assert code == grpc.StatusCode.NOT_FOUND and "bad v99" in details
     code, details, _ = code_of(lambda: load(service, "bad", 2, random_adapter(model_dir, rank=32), ADAPTER,
-                                            fingerprint, LoraSettings(32, 64.0, ())))
+                                            fingerprint, LoraSpec(32, 64.0, ())))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "max_lora_rank" in details
     code, details, _ = code_of(lambda: load(service, "bad", 2, adapter, ADAPTER, "sha256:someone-else"))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "sha256:someone-else" in details

@@ -16,9 +16,9 @@ import pytest
 import torch
 from lorarl.v1 import common_pb2, rollout_pb2
 
+from services.contract.fingerprint import base_model_fingerprint
 from services.rollout.config import RolloutSettings
 from services.rollout.model_files import ModelFiles
-from services.trainer.fingerprint import base_model_fingerprint
 from tests.integration.rollout.harness import (
     RolloutHarness,
     generate,

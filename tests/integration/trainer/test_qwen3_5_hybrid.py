@@ -25,10 +25,10 @@ from lorarl.v1 import common_pb2, rollout_pb2
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from services.contract.fingerprint import base_model_fingerprint
+from services.contract.lora import LoraSpec
 from services.rollout.config import RolloutSettings
-from services.rollout.schema import LoraSettings
 from services.trainer.engine_api import TrajectoryRecord
-from services.trainer.fingerprint import base_model_fingerprint
 from services.trainer.lora import LINEAR_ATTENTION_TARGETS, LoraConfig, LoRALinear, lora_modules, lora_parameters
 from services.trainer.torch_engine import TorchEngine
 from tests.integration.rollout.harness import RolloutHarness, generate, greedy, load_requests
@@ -217,7 +217,7 @@ def test_vllm_serves_the_trainer_adapter(service: RolloutHarness, model_dir: Pat
                                          std: float) -> None:
     engine = trained_engine(model_dir, targets, std=std)
     tensors = dict(engine.iter_adapter_tensors())
-    lora = LoraSettings(rank=8, alpha=16, target_modules=tuple(sorted({k.split(".lora_")[0].rsplit(".", 1)[-1]
+    lora = LoraSpec(rank=8, alpha=16, target_modules=tuple(sorted({k.split(".lora_")[0].rsplit(".", 1)[-1]
                                                                         for k in tensors})))
     service.stub.LoadWeights(load_requests("gdn", 1, tensors, ADAPTER, base_model_fingerprint(model_dir), lora),
                              timeout=120)
@@ -246,7 +246,7 @@ def test_vllm_cannot_load_in_proj_z_without_in_proj_qkv(service: RolloutHarness,
     """Why LoraConfig refuses in_proj_z alone: vLLM's packed in_proj_qkvz LoRA layer fails to split it."""
     engine = trained_engine(model_dir)
     tensors = {k: v for k, v in engine.iter_adapter_tensors() if ".in_proj_z." in k}
-    lora = LoraSettings(rank=8, alpha=16, target_modules=("in_proj_z",))
+    lora = LoraSpec(rank=8, alpha=16, target_modules=("in_proj_z",))
     with pytest.raises(grpc.RpcError) as info:
         service.stub.LoadWeights(load_requests("z", 1, tensors, ADAPTER, base_model_fingerprint(model_dir), lora),
                                  timeout=120)

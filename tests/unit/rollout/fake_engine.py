@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 import torch
 
+from services.contract.lora import LoraSpec
 from services.rollout.model_files import ModelFiles
 from services.rollout.schema import (
     AdapterHandle,
     EngineInfo,
     EngineStats,
     Finish,
-    LoraSettings,
     SegmentEvent,
     SegmentSpec,
 )
@@ -101,7 +101,7 @@ class FakeEngine:
         self.calls.append("resume")
         self.running.set()
 
-    async def add_adapter(self, handle: AdapterHandle, lora: LoraSettings, tensors: Mapping[str, torch.Tensor]
+    async def add_adapter(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]
                           ) -> None:
         if self.fail_add_adapter is not None:
             raise self.fail_add_adapter

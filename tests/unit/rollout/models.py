@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
+from services.contract.lora import LoraSpec
 from services.rollout.model_files import ModelFiles
-from services.rollout.schema import LoraSettings
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-LORA = LoraSettings(rank=8, alpha=16.0, target_modules=())
+LORA = LoraSpec(rank=8, alpha=16.0, target_modules=())
 #: "<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n" in the shipped tokenizer's ids.
 PROMPT = (257, 260, 10, *b"12+34=", 258, 10, 257, 261, 10)
 

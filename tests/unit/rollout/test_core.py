@@ -17,11 +17,12 @@ from services.common.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from services.contract.lora import LoraSpec
 from services.rollout.config import RolloutSettings
 from services.rollout.core import RolloutCore
 from services.rollout.model_files import ModelFiles
 from services.rollout.payloads import PolicyPayload
-from services.rollout.schema import CompletionChunk, Finish, GenerateInput, LoraSettings, Mode, PolicyRef, Sampling
+from services.rollout.schema import CompletionChunk, Finish, GenerateInput, Mode, PolicyRef, Sampling
 from tests.unit.rollout.fake_engine import FakeEngine, next_token
 from tests.unit.rollout.models import LORA, PROMPT, dense_model_dir, random_adapter
 
@@ -47,7 +48,7 @@ def make_core(files: ModelFiles, engine: FakeEngine | None = None, **settings: A
     return RolloutCore(engine, RolloutSettings(**settings), files, fingerprint="sha256:base")
 
 
-def adapter_payload(job: str, version: int, tensors: dict[str, torch.Tensor], lora: LoraSettings = LORA,
+def adapter_payload(job: str, version: int, tensors: dict[str, torch.Tensor], lora: LoraSpec = LORA,
                     fingerprint: str = "sha256:base") -> PolicyPayload:
     return PolicyPayload(job, version, Mode.ADAPTER, Mode.ADAPTER, fingerprint, tensors, lora)
 
@@ -227,7 +228,7 @@ def test_failed_loads_keep_the_previous_version_serving(files: ModelFiles, adapt
         lone_half = {n: t for n, t in adapter.items() if "lora_A" in n}
         cases = [
             (adapter_payload("a", 2, adapter, fingerprint="sha256:other"), FailedPreconditionError, "base model"),
-            (adapter_payload("a", 2, big_rank, LoraSettings(16, 32.0, ())), FailedPreconditionError, "max_lora_rank"),
+            (adapter_payload("a", 2, big_rank, LoraSpec(16, 32.0, ())), FailedPreconditionError, "max_lora_rank"),
             (adapter_payload("a", 2, wrong_shape), FailedPreconditionError, "do not fit"),
             (adapter_payload("a", 2, bad_name), InvalidArgumentError, "PEFT"),
             (adapter_payload("a", 2, lone_half), InvalidArgumentError, "missing"),

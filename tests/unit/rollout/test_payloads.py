@@ -21,7 +21,7 @@ def files() -> ModelFiles:
 
 
 def test_model_files_read_headers_and_fingerprint(files: ModelFiles) -> None:
-    from services.trainer.fingerprint import base_model_fingerprint
+    from services.contract.fingerprint import base_model_fingerprint
 
     assert files.architecture == "Qwen3ForCausalLM" and not files.is_moe and files.tie_word_embeddings
     assert files.shape("model.embed_tokens.weight") == (files.vocab_size, 128)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.contract.fingerprint import base_model_fingerprint
 from services.trainer import checkpoint as ckpt
 from services.trainer.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from services.trainer.engine_api import JobSpec
-from services.trainer.fingerprint import base_model_fingerprint
 from services.trainer.lora import LoraConfig
 from services.trainer.torch_engine import TorchEngine
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch

@@ -18,7 +18,7 @@ RECORDS = [
 ]
 SPEC = JobSpec(base_model_path="/models/qwen3", device="cuda", dtype="bfloat16",
                lora=LoraConfig(rank=8, alpha=16.0, dropout=0.05, target_modules=("q_proj", "v_proj"),
-                               expert_mode="shared", use_rslora=True, seed=4, extra={"k": "v"}),
+                               expert_mode="shared", use_rslora=True),
                loss=LossSettings(name="dapo", clip_eps_high=0.28, kl_coef=0.01, kl_estimator="k2"),
                optimizer=OptimizerSettings(learning_rate=3e-4, warmup_steps=5, micro_batch_tokens=64),
                seed=9, engine="megatron", limits=Limits(max_sequence_tokens=512, max_buffered_trajectories=7),

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from services.trainer.batching import pack
-from services.trainer.engine_api import EngineStateError, OptimizerSettings, TrajectoryRecord, create_engine
+from services.trainer.engine_api import EngineStateError, OptimizerSettings, TrajectoryRecord
+from services.trainer.engine_factory import create_engine
 from services.trainer.lora import LoraConfig, iter_merged_weights, lora_parameters
 from services.trainer.losses import LossSettings
 from services.trainer.torch_engine import TorchEngine, completion_logprobs, scheduled_lr

@@ -6,8 +6,9 @@ import torch
 from lorarl.v1 import common_pb2
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from services.contract.lora import LoraSpec
 from services.trainer.lora import LoraConfig, inject_lora, iter_merged_weights, lora_parameters, peft_state_dict
-from services.weightsync.merge import lora_scale, merged_from_adapter
+from services.weightsync.merge import merged_from_adapter
 
 
 def tiny(dtype: torch.dtype) -> Qwen3ForCausalLM:
@@ -27,7 +28,7 @@ def test_local_merge_is_bit_identical_to_the_trainers() -> None:
             for p in lora_parameters(model):
                 p.normal_(0, 0.5)
         spec = common_pb2.LoraSpec(rank=4, alpha=8.0, use_rslora=rslora)
-        assert lora_scale(spec) == lora.scale
+        assert LoraSpec.from_proto(spec).scale == lora.scale
         local = dict(merged_from_adapter(peft_state_dict(model), spec, base.__getitem__))
         trainer = dict(iter_merged_weights(model))
         assert len(local) == 7 * 2

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
 from services.trainer import checkpoint as ckpt
-from services.trainer.engine_api import JobSpec, MegatronSettings, TrajectoryRecord, create_engine
+from services.trainer.engine_api import JobSpec, MegatronSettings, TrajectoryRecord
+from services.trainer.engine_factory import create_engine
 from services.trainer.lora import LoraConfig, load_peft_state_dict
 from services.trainer.losses import LossSettings
 from services.trainer.megatron.engine import MegatronEngine

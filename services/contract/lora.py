@@ -1,0 +1,140 @@
+"""The LoRA spec: one type from the job file to vLLM, with its defaults, scale, targets, PEFT config and
+proto form in one place.
+
+The trainer trains by it, the weight-sync service keeps it beside a job's catalog and merges by it, the
+rollout serves by it, and the client writes it: each reads the same fields with the same meaning, and no
+other module converts between forms. A proto zero means "unset" here (rank 0 -> DEFAULT_RANK, alpha 0 ->
+2 x rank, no target modules -> "all-linear"), the rule `from_proto` applies once.
+
+    y = x W^T + scale * dropout(x) A^T B^T,   scale = alpha / r   (rsLoRA: alpha / sqrt(r))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lorarl.v1 import common_pb2
+
+ALL_LINEAR = "all-linear"
+DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Qwen3.5 / Qwen3.6 Gated DeltaNet (linear-attention) projections; vLLM serves LoRA on all five
+#: (packed as in_proj_qkvz = [in_proj_qkv, in_proj_z], in_proj_ba = [in_proj_b, in_proj_a], out_proj).
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+#: What "all-linear" adapts: every decoder linear of the supported families (absent names match nothing).
+LINEAR_TARGETS = DENSE_TARGETS + LINEAR_ATTENTION_TARGETS
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+ExpertMode = Literal["none", "per_expert", "shared"]
+
+#: The defaults of every entry point (job file, gRPC JobConfig, Python API): rank 16, alpha twice the rank.
+DEFAULT_RANK = 16
+ALPHA_PER_RANK = 2.0
+
+EXPERT_MODE_NAMES: dict[int, ExpertMode] = {
+    common_pb2.EXPERT_ADAPTER_MODE_UNSPECIFIED: "per_expert",
+    common_pb2.EXPERT_ADAPTER_MODE_NONE: "none",
+    common_pb2.EXPERT_ADAPTER_MODE_PER_EXPERT: "per_expert",
+    common_pb2.EXPERT_ADAPTER_MODE_SHARED: "shared",
+}
+EXPERT_MODE_ENUMS: dict[str, int] = {"none": common_pb2.EXPERT_ADAPTER_MODE_NONE,
+                                     "per_expert": common_pb2.EXPERT_ADAPTER_MODE_PER_EXPERT,
+                                     "shared": common_pb2.EXPERT_ADAPTER_MODE_SHARED}
+
+
+def default_alpha(rank: int) -> float:
+    return ALPHA_PER_RANK * rank
+
+
+def lora_scale(rank: int, alpha: float, use_rslora: bool = False) -> float:
+    """alpha / r, or alpha / sqrt(r) with rsLoRA: the factor on B @ A everywhere (train, merge, serve)."""
+    return alpha / (math.sqrt(rank) if use_rslora else rank)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What an adapter is: its rank, alpha and targets (a received adapter may name the modules its tensors
+    really adapt; ``()`` means every linear), plus how a trainer trains it (dropout, expert mode).
+
+    Field order keeps the first three positional (rank, alpha, target_modules), as adapters are described.
+    """
+
+    rank: int = DEFAULT_RANK
+    alpha: float = ALPHA_PER_RANK * DEFAULT_RANK
+    target_modules: tuple[str, ...] = (ALL_LINEAR,)
+    dropout: float = 0.0
+    expert_mode: ExpertMode = "per_expert"
+    use_rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.expert_mode not in ("none", "per_expert", "shared"):
+            raise ValueError(f"lora.expert_mode must be none, per_expert or shared, got {self.expert_mode!r}")
+
+    @property
+    def scale(self) -> float:
+        return lora_scale(self.rank, self.alpha, self.use_rslora)
+
+    def targets(self) -> frozenset[str]:
+        """The module names adapted: "all-linear" (or none named) resolves to every supported linear."""
+        if not self.target_modules or ALL_LINEAR in self.target_modules:
+            return frozenset(LINEAR_TARGETS)
+        return frozenset(self.target_modules)
+
+    def check_trainable(self) -> LoraSpec:
+        """The spec as a trainer must receive it: known target names, vLLM-servable combinations."""
+        unknown = set(self.target_modules) - {ALL_LINEAR, *LINEAR_TARGETS}
+        if unknown:
+            raise ValueError(f"lora.target_modules has unknown names {sorted(unknown)}; "
+                             f"use {ALL_LINEAR!r} or names from {list(LINEAR_TARGETS)}")
+        if "in_proj_z" in self.target_modules and "in_proj_qkv" not in self.target_modules:
+            # vLLM packs them as in_proj_qkvz and cannot load an adapter with in_proj_z alone.
+            raise ValueError("lora.target_modules: in_proj_z needs in_proj_qkv too (vLLM serves them packed)")
+        return self
+
+    def peft_config(self, base_model_path: str = "", target_modules: list[str] | None = None) -> dict[str, Any]:
+        """adapter_config.json as PEFT writes it (the fields PEFT and vLLM's PEFTHelper read), naming the
+        modules the tensors adapt (``target_modules``; default: this spec's own)."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model_path,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "use_rslora": self.use_rslora,
+            "target_modules": sorted(self.target_modules) if target_modules is None else target_modules,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+            "modules_to_save": None,
+            "init_lora_weights": True,
+        }
+
+    @classmethod
+    def from_peft_config(cls, config: dict[str, Any]) -> LoraSpec:
+        """The spec of a PEFT adapter_config.json (rank, alpha, targets, rsLoRA)."""
+        return cls(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                   target_modules=tuple(config.get("target_modules") or ()),
+                   use_rslora=bool(config.get("use_rslora", False)))
+
+    def to_proto(self) -> common_pb2.LoraSpec:
+        return common_pb2.LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                                   target_modules=list(self.target_modules),
+                                   expert_mode=EXPERT_MODE_ENUMS[self.expert_mode], use_rslora=self.use_rslora)
+
+    @classmethod
+    def from_proto(cls, spec: common_pb2.LoraSpec) -> LoraSpec:
+        """The spec a proto carries, zeros read as unset (see the module docstring); ValueError says what is
+        wrong (a subclass's own checks included: the trainer's LoraConfig checks its targets)."""
+        if spec.expert_mode not in EXPERT_MODE_NAMES:
+            raise ValueError(f"lora.expert_mode: unknown value {spec.expert_mode}")
+        rank = spec.rank or DEFAULT_RANK
+        return cls(rank=rank, alpha=spec.alpha or default_alpha(rank),
+                   target_modules=tuple(spec.target_modules) or (ALL_LINEAR,), dropout=spec.dropout,
+                   expert_mode=EXPERT_MODE_NAMES[spec.expert_mode], use_rslora=spec.use_rslora)

@@ -1,0 +1,165 @@
+"""The house's shape, held by reading its source: no import circles, no peer or upward imports, and one
+definition each of the LoRA scale, merge, PEFT config and defaults (services.contract).
+
+Imports are read statically (ast), function-level ones included: a lazy import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from lorarl.v1 import common_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("services", "clients", "assets")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the house's modules it imports (anywhere in its body)."""
+    known = modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(resolve(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    deps.add(full if full in known else resolve(base))
+        graph[name] = {d for d in deps if d and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: (importer prefix, imported prefix) pairs that must not occur: peers apart, shared layers below services.
+FORBIDDEN = [
+    ("services.rollout", "services.trainer"),
+    ("services.trainer", "services.rollout"),
+    ("services.weightsync", "services.trainer"),
+    ("services.weightsync", "services.rollout"),
+    ("services.common", "services.trainer"),
+    ("services.common", "services.rollout"),
+    ("services.common", "services.weightsync"),
+    ("services.contract", "services.trainer"),
+    ("services.contract", "services.rollout"),
+    ("services.contract", "services.weightsync"),
+    ("services", "clients"),
+]
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize(("importer", "imported"), FORBIDDEN)
+def test_no_peer_or_upward_imports(importer: str, imported: str) -> None:
+    edges = [f"{a} -> {b}" for a, deps in import_graph().items() if _under(a, importer)
+             for b in deps if _under(b, imported)]
+    assert edges == []
+
+
+def code_lines(path: Path) -> list[tuple[int, str]]:
+    """(number, text) of a file's lines of code: docstrings and comments left out."""
+    text = path.read_text()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docstrings.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return [(i, line.split("  #")[0]) for i, line in enumerate(text.splitlines(), 1)
+            if i not in docstrings and not line.lstrip().startswith("#")]
+
+
+def source_lines() -> list[tuple[str, int, str]]:
+    return [(name, i, line) for name, path in modules().items() for i, line in code_lines(path)]
+
+
+#: One definition each, everywhere but its home in services.contract.
+SINGLE_DEFINITIONS = {
+    "LoRA scale": (re.compile(r"alpha\s*/\s*\(?\s*(math\.)?sqrt|alpha\s*/\s*\w*\.?rank\b"), "services.contract.lora"),
+    "LoRA merge": (re.compile(r"\.float\(\)\s*@\s*.*\.float\(\)"), "services.contract.merge"),
+    "PEFT config": (re.compile(r"""["']lora_alpha["']\s*:"""), "services.contract.lora"),
+}
+
+
+@pytest.mark.parametrize("concept", list(SINGLE_DEFINITIONS))
+def test_one_definition_of_each_lora_concept(concept: str) -> None:
+    pattern, home = SINGLE_DEFINITIONS[concept]
+    places = [f"{name}:{i}: {line.strip()}" for name, i, line in source_lines() if pattern.search(line)]
+    assert places and all(p.startswith(f"{home}:") for p in places), places
+
+
+def test_the_lora_defaults_are_the_contracts_everywhere() -> None:
+    """The job file's section, an all-zero JobConfig.lora and the trainer's own spec mean the same LoRA."""
+    from clients.job_config import LoraSection
+    from services.contract.lora import LoraSpec
+    from services.trainer.lora import LoraConfig
+
+    assert LoraSection().spec() == LoraSpec()
+    assert LoraConfig.from_proto(common_pb2.LoraSpec()) == LoraConfig() == LoraConfig.from_proto(LoraSpec().to_proto())
+    assert LoraSection(rank=4).spec() == LoraSpec(rank=4, alpha=8.0)
+    assert LoraConfig.from_proto(common_pb2.LoraSpec(rank=4)) == LoraConfig(rank=4, alpha=8.0)
