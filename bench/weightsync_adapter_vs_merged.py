@@ -107,8 +107,8 @@ async def run_agent(target: str, replica_id: str) -> None:
     """A replica whose sink copies every tensor it is given (what loading into an engine costs at least)."""
     from lorarl.v1 import common_pb2, weightsync_pb2
 
-    from services.weightsync.agent import WeightSyncAgent
-    from services.weightsync.sinks import InMemorySink
+    from services.weightsync.client.agent import WeightSyncAgent
+    from services.weightsync.client.sinks import InMemorySink
 
     caps = weightsync_pb2.ReplicaCapabilities(supports_lora=True, max_lora_rank=256, max_loras=8, engine="bench",
                                               collective_backends=[common_pb2.COLLECTIVE_BACKEND_GLOO])
@@ -129,8 +129,8 @@ async def measure_sync(target: str, base: torch.nn.Module, args: argparse.Namesp
     from lorarl.v1 import common_pb2
 
     from services.trainer.lora import iter_merged_weights
-    from services.weightsync.catalog import catalog_from_tensors
-    from services.weightsync.publisher import WeightPublisher
+    from services.weightsync.client.publisher import WeightPublisher
+    from services.weightsync.wire.catalog import catalog_from_tensors
 
     catalog = catalog_from_tensors(iter_merged_weights(base, merge=False))  # the same for every rank
     modes = (("adapter", common_pb2.SYNC_MODE_ADAPTER), ("merged", common_pb2.SYNC_MODE_MERGED))
@@ -187,8 +187,8 @@ def transport_peer(port: int, manifest_path: str, reps: int) -> None:
     """Rank 1 of the transport comparison: receives with our path (verify) and raw, alternately."""
     from lorarl.v1 import common_pb2
 
-    from services.weightsync.agent import verified_tensors
-    from services.weightsync.collective import WeightTransferGroup
+    from services.weightsync.client.agent import verified_tensors
+    from services.weightsync.wire.collective import WeightTransferGroup
 
     manifest = common_pb2.WeightManifest.FromString(Path(manifest_path).read_bytes())
     sizes = [b.nbytes for b in manifest.buckets]
@@ -207,14 +207,14 @@ def transport_peer(port: int, manifest_path: str, reps: int) -> None:
 
 def measure_transport(model: torch.nn.Module, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     from services.trainer.lora import iter_merged_weights
-    from services.weightsync.collective import WeightTransferGroup
-    from services.weightsync.payload import build_manifest, pack
+    from services.weightsync.wire.collective import WeightTransferGroup
+    from services.weightsync.wire.payload import build_manifest, pack
 
     buckets = list(pack(iter_merged_weights(model), args.bucket_mib << 20))
     manifest = build_manifest(job_id="bench", version=1, mode=2, base_model_fingerprint="f", buckets=buckets)
     manifest_path = tmp / "transport-manifest.binpb"
     manifest_path.write_bytes(manifest.SerializeToString())
-    from services.weightsync.collective import rendezvous_store
+    from services.weightsync.wire.collective import rendezvous_store
 
     store = rendezvous_store("127.0.0.1", 600)
     peer = subprocess.Popen([sys.executable, __file__, "--transport-peer", str(store.port), str(manifest_path),

@@ -23,7 +23,7 @@ from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 from clients.datasets import Example, TrainStream
 from clients.job_config import JobFileConfig, serving_length
 from clients.rewards import RewardFn
-from services.weightsync.activation import await_outcome
+from services.weightsync.client.activation import await_outcome
 
 logger = logging.getLogger(__name__)
 

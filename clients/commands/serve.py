@@ -24,7 +24,7 @@ from services.common.log import configure_logging
 SERVICES = {
     "trainer": "services.trainer.server",
     "rollout": "services.rollout.server",
-    "weightsync": "services.weightsync.server",
+    "weightsync": "services.weightsync.service.server",
 }
 
 #: Flag destination -> dotted config key it overrides.

@@ -1,6 +1,6 @@
 """Client helpers for RolloutService: the LoadWeights stream built from (name, tensor) pairs.
 
-Packs tensors into buckets and chunks exactly as weight sync does (services.weightsync.payload and
+Packs tensors into buckets and chunks exactly as weight sync does (services.weightsync.wire.payload and
 .inline), so the replica verifies them the same way whichever path they took.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Iterator, Mapping
 import torch
 from lorarl.v1 import common_pb2, rollout_pb2
 
-from services.weightsync.inline import DEFAULT_CHUNK_BYTES, iter_chunks
-from services.weightsync.payload import build_manifest, pack
+from services.weightsync.wire.inline import DEFAULT_CHUNK_BYTES, iter_chunks
+from services.weightsync.wire.payload import build_manifest, pack
 
 BUCKET_BYTES = 256 << 20
 

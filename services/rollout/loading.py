@@ -8,8 +8,8 @@ import torch
 from lorarl.v1 import common_pb2, rollout_pb2
 
 from services.common.errors import InvalidArgumentError
-from services.weightsync.inline import BucketAssembler
-from services.weightsync.payload import PayloadError, unpack_bucket, validate_manifest
+from services.weightsync.wire.inline import BucketAssembler
+from services.weightsync.wire.payload import PayloadError, unpack_bucket, validate_manifest
 
 
 async def receive(stream: AsyncIterator[rollout_pb2.LoadWeightsRequest]

@@ -4,7 +4,7 @@ Everything here runs before the engine is touched, so a bad payload is refused w
 version keeps serving: adapter names, halves, ranks and shapes; merged tensor names and shapes.
 Merged payloads are completed from the pristine base (the engine always reloads a full, consistent
 set: vLLM reprocesses whole layers), and adapters sent to a replica that cannot run LoRA are merged
-here with the trainer's arithmetic (services.weightsync.merge).
+here with the trainer's arithmetic (services.weightsync.wire.merge).
 """
 
 from __future__ import annotations
@@ -109,6 +109,6 @@ def complete_weights(tensors: Mapping[str, torch.Tensor], files: ModelFiles) -> 
 def merge_adapter(tensors: Mapping[str, torch.Tensor], lora: LoraSpec, files: ModelFiles
                   ) -> dict[str, torch.Tensor]:
     """W + B @ A * scale for each adapted module, from the pristine base (same arithmetic as the trainer)."""
-    from services.weightsync.merge import merged_from_adapter
+    from services.weightsync.wire.merge import merged_from_adapter
 
     return dict(merged_from_adapter(tensors, lora, files.tensor))

@@ -1,4 +1,4 @@
-"""The rollout side of weight sync: a PolicySink (services/weightsync/sinks.py) over the rollout core.
+"""The rollout side of weight sync: a PolicySink (services/weightsync/client/sinks.py) over the rollout core.
 
 The weight-sync agent calls a sink from worker threads, one call at a time; the core lives on the
 service's event loop, so each call is run there and waited for. Wiring a replica to weight sync is
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from services.rollout.convert import policy_payload
 from services.rollout.core import RolloutCore
-from services.weightsync.sinks import PolicyUpdate
+from services.weightsync.client.sinks import PolicyUpdate
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from lorarl.v1 import common_pb2, weightsync_pb2
 
 from services.rollout.core import RolloutCore
 from services.rollout.sink import RolloutSink
-from services.weightsync.agent import AgentThread, WeightSyncAgent
+from services.weightsync.client.agent import AgentThread, WeightSyncAgent
 
 logger = logging.getLogger(__name__)
 

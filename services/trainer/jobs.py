@@ -246,8 +246,8 @@ class JobManager:
         """
         import grpc
 
-        from services.weightsync.catalog import catalog_from_tensors
-        from services.weightsync.publisher import PublishError
+        from services.weightsync.client.publisher import PublishError
+        from services.weightsync.wire.catalog import catalog_from_tensors
 
         job = self.get(job_id)
         engine = job.engine

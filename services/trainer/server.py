@@ -67,7 +67,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if self._publisher is None:
             if not self.settings.weightsync_address:
                 raise FailedPreconditionError("trainer.weightsync_address is not set; this trainer cannot publish")
-            from services.weightsync.publisher import WeightPublisher
+            from services.weightsync.client.publisher import WeightPublisher
 
             self._publisher = WeightPublisher(
                 self.settings.weightsync_address, token=self.token, host=self.settings.sender_host or None,

@@ -25,9 +25,9 @@ from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, trainer_pb2_grpc, we
 from services.common.channel import KEEPALIVE_ENV, aio_channel, channel_options, client_keepalive_s
 from services.common.server import server_options, start_server
 from services.common.server_config import CLIENT_KEEPALIVE_S, ServerConfig
-from services.weightsync.agent import WeightSyncAgent
-from services.weightsync.publisher import WeightPublisher
-from services.weightsync.sinks import InMemorySink, PolicyUpdate
+from services.weightsync.client.agent import WeightSyncAgent
+from services.weightsync.client.publisher import WeightPublisher
+from services.weightsync.client.sinks import InMemorySink, PolicyUpdate
 
 PING_S = 1.0  # what clients ask for; gRPC sends at most one ping a second anyway
 SERVER_MIN_PING_S = 0.5
@@ -237,8 +237,8 @@ def test_an_idle_subscribe_and_a_pending_await_activation_outlive_five_ping_inte
 @contextlib.asynccontextmanager
 async def _weightsync(overrides: list[str]) -> AsyncIterator[Any]:
     from services.common.config import load_config
-    from services.weightsync.config import WeightSyncServiceConfig
-    from services.weightsync.server import start_weightsync
+    from services.weightsync.service.config import WeightSyncServiceConfig
+    from services.weightsync.service.server import start_weightsync
 
     config = load_config(WeightSyncServiceConfig, overrides=overrides, env={})
     running, _ = await start_weightsync(config)

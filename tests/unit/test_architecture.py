@@ -109,6 +109,12 @@ FORBIDDEN = [
     ("services.contract", "services.rollout"),
     ("services.contract", "services.weightsync"),
     ("services", "clients"),
+    # weight sync: the libraries other processes embed never reach into the service
+    ("services.weightsync.client", "services.weightsync.service"),
+    ("services.weightsync.wire", "services.weightsync.service"),
+    ("services.weightsync.wire", "services.weightsync.client"),
+    ("services.trainer", "services.weightsync.service"),
+    ("services.rollout", "services.weightsync.service"),
 ]
 
 
@@ -163,3 +169,11 @@ def test_the_lora_defaults_are_the_contracts_everywhere() -> None:
     assert LoraConfig.from_proto(common_pb2.LoraSpec()) == LoraConfig() == LoraConfig.from_proto(LoraSpec().to_proto())
     assert LoraSection(rank=4).spec() == LoraSpec(rank=4, alpha=8.0)
     assert LoraConfig.from_proto(common_pb2.LoraSpec(rank=4)) == LoraConfig(rank=4, alpha=8.0)
+
+
+def test_weightsync_keeps_service_clients_and_wire_apart() -> None:
+    """Every weight-sync module lives in one of its three packages (so the import rules above bind)."""
+    names = [n for n in modules() if _under(n, "services.weightsync") and n != "services.weightsync"]
+    assert names and all(n.split(".")[2] in ("wire", "client", "service") for n in names), names
+    for client in ("publisher", "agent", "sinks", "activation"):
+        assert f"services.weightsync.client.{client}" in names

@@ -23,7 +23,7 @@ from services.common.config import (
 from services.common.server_config import ServerConfig
 from services.rollout.config import RolloutServiceConfig
 from services.trainer.config import TrainerServiceConfig
-from services.weightsync.config import WeightSyncServiceConfig
+from services.weightsync.service.config import WeightSyncServiceConfig
 
 
 class Color(enum.Enum):

@@ -465,8 +465,8 @@ def test_pause_resume_and_abort(service: RolloutHarness) -> None:
 def test_weight_sync_sink_with_a_local_merge(service: RolloutHarness, model_dir, adapter, reference,
                                              fingerprint) -> None:
     from services.rollout.sink import RolloutSink
-    from services.weightsync.payload import build_manifest, pack
-    from services.weightsync.sinks import PolicyUpdate
+    from services.weightsync.client.sinks import PolicyUpdate
+    from services.weightsync.wire.payload import build_manifest, pack
 
     sink = RolloutSink(service.core, service.loop)
     manifest = build_manifest(job_id="sync", version=1, mode=ADAPTER, base_model_fingerprint=fingerprint,

@@ -122,8 +122,8 @@ def test_switch_mid_generation_retags_tokens(service: RolloutHarness, model_dir,
 
 def test_adapter_merged_locally_when_weight_sync_says_so(service: RolloutHarness, model_dir, fingerprint) -> None:
     from services.rollout.sink import RolloutSink
-    from services.weightsync.payload import build_manifest, pack
-    from services.weightsync.sinks import PolicyUpdate
+    from services.weightsync.client.sinks import PolicyUpdate
+    from services.weightsync.wire.payload import build_manifest, pack
 
     adapter = random_adapter(model_dir, seed=9, targets=ATTENTION)
     manifest = build_manifest(job_id="local", version=1, mode=ADAPTER, base_model_fingerprint=fingerprint,

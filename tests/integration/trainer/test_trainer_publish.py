@@ -15,8 +15,8 @@ from services.common.server import start_server
 from services.common.server_config import ServerConfig
 from services.trainer.config import TrainerSettings
 from services.trainer.server import NAME, TrainerServicer, registration
-from services.weightsync.agent import WeightSyncAgent
-from services.weightsync.sinks import InMemorySink
+from services.weightsync.client.agent import WeightSyncAgent
+from services.weightsync.client.sinks import InMemorySink
 from tests.integration.trainer.test_trainer_service import BAD, GOOD, job_request, push, trajectory
 from tests.integration.weightsync.harness import TOKEN, eventually, running_service
 from tests.unit.trainer.tiny import dense_model

@@ -19,8 +19,8 @@ import torch
 import xxhash
 from lorarl.v1 import common_pb2, weightsync_pb2
 
-from services.weightsync.agent import WeightSyncAgent
-from services.weightsync.sinks import InMemorySink, PolicyUpdate
+from services.weightsync.client.agent import WeightSyncAgent
+from services.weightsync.client.sinks import InMemorySink, PolicyUpdate
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:

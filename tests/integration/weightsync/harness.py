@@ -17,9 +17,9 @@ from typing import Any
 
 from services.common.config import load_config
 from services.common.server import RunningServer
-from services.weightsync.config import WeightSyncServiceConfig
-from services.weightsync.core import WeightSyncCore
-from services.weightsync.server import start_weightsync
+from services.weightsync.service.config import WeightSyncServiceConfig
+from services.weightsync.service.core import WeightSyncCore
+from services.weightsync.service.server import start_weightsync
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "weightsync-test-token"

@@ -15,7 +15,7 @@ import yaml
 from lorarl.v1 import common_pb2
 
 from services.common.ready import wait_for_ready_file
-from services.weightsync.publisher import WeightPublisher
+from services.weightsync.client.publisher import WeightPublisher
 from tests.integration.test_service_processes import child_env, lorarl_command
 from tests.integration.weightsync.agent_main import tensors_digest
 from tests.integration.weightsync.harness import TOKEN, eventually, free_port, replica_processes, running_service

@@ -22,9 +22,9 @@ from services.trainer.lora import (
     lora_parameters,
     peft_state_dict,
 )
-from services.weightsync.catalog import catalog_from_tensors
-from services.weightsync.merge import merged_from_adapter
-from services.weightsync.sinks import ADAPTER, PolicyUpdate
+from services.weightsync.client.sinks import ADAPTER, PolicyUpdate
+from services.weightsync.wire.catalog import catalog_from_tensors
+from services.weightsync.wire.merge import merged_from_adapter
 
 CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True}

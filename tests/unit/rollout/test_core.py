@@ -321,8 +321,8 @@ def test_policy_sink_drives_the_core_from_a_worker_thread(files: ModelFiles, ada
     from lorarl.v1 import common_pb2
 
     from services.rollout.sink import RolloutSink
-    from services.weightsync.payload import build_manifest, pack
-    from services.weightsync.sinks import PolicySink, PolicyUpdate
+    from services.weightsync.client.sinks import PolicySink, PolicyUpdate
+    from services.weightsync.wire.payload import build_manifest, pack
 
     async def main() -> None:
         core = make_core(files)

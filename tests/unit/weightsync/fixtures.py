@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from lorarl.v1 import common_pb2, weightsync_pb2
 
-from services.weightsync.catalog import catalog_from_tensors
-from services.weightsync.payload import build_manifest, pack
+from services.weightsync.wire.catalog import catalog_from_tensors
+from services.weightsync.wire.payload import build_manifest, pack
 
 RANK = 4
 FINGERPRINT = "sha256:tiny"

@@ -6,9 +6,9 @@ import pytest
 import torch
 from lorarl.v1 import common_pb2
 
-from services.weightsync.agent import verified_tensors, verify_pieces
-from services.weightsync.inline import BucketAssembler, iter_chunks
-from services.weightsync.payload import PayloadError
+from services.weightsync.client.agent import verified_tensors, verify_pieces
+from services.weightsync.wire.inline import BucketAssembler, iter_chunks
+from services.weightsync.wire.payload import PayloadError
 from tests.unit.weightsync.fixtures import adapter, manifest_of
 
 

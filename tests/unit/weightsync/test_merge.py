@@ -8,7 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from services.contract.lora import LoraSpec
 from services.trainer.lora import LoraConfig, inject_lora, iter_merged_weights, lora_parameters, peft_state_dict
-from services.weightsync.merge import merged_from_adapter
+from services.weightsync.wire.merge import merged_from_adapter
 
 
 def tiny(dtype: torch.dtype) -> Qwen3ForCausalLM:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lorarl.v1 import common_pb2
 
-from services.weightsync.payload import (
+from services.weightsync.wire.payload import (
     PayloadError,
     build_manifest,
     manifest_digest,

@@ -14,10 +14,10 @@ from services.common.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from services.weightsync.modes import ModeChoice
-from services.weightsync.payload import unpack_bucket
-from services.weightsync.registry import VersionRegistry
-from services.weightsync.store import DurableStore
+from services.weightsync.service.modes import ModeChoice
+from services.weightsync.service.registry import VersionRegistry
+from services.weightsync.service.store import DurableStore
+from services.weightsync.wire.payload import unpack_bucket
 from tests.unit.weightsync.fixtures import adapter, base_weights, manifest_of, register_request
 
 ADAPTER, MERGED = common_pb2.SYNC_MODE_ADAPTER, common_pb2.SYNC_MODE_MERGED

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from lorarl.v1 import weightsync_pb2
 
-from services.weightsync.replicas import ReplicaDirectory
-from services.weightsync.rounds import ACTIVE, FAILED, PENDING, ActivationCoordinator, Member, Phase, Round
+from services.weightsync.service.replicas import ReplicaDirectory
+from services.weightsync.service.rounds import ACTIVE, FAILED, PENDING, ActivationCoordinator, Member, Phase, Round
 
 
 class Outbox(list):

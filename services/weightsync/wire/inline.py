@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from lorarl.v1 import common_pb2
 
-from services.weightsync.payload import PayloadError, tensor_bytes
+from services.weightsync.wire.payload import PayloadError, tensor_bytes
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # large gRPC messages stall on flow control; 1 MiB streams well
 

@@ -15,7 +15,7 @@ import torch
 from lorarl.v1 import common_pb2, weightsync_pb2
 
 from services.common.errors import InvalidArgumentError
-from services.weightsync.payload import DTYPE_TO_PROTO
+from services.weightsync.wire.payload import DTYPE_TO_PROTO
 
 PEFT_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"

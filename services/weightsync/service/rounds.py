@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from lorarl.v1 import weightsync_pb2
 
-from services.weightsync.replicas import ReplicaDirectory
+from services.weightsync.service.replicas import ReplicaDirectory
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from services.common.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from services.weightsync.catalog import JobSpec
-from services.weightsync.modes import ADAPTER, AUTO, MERGED, ModeChoice
-from services.weightsync.payload import PayloadError, manifest_digest, validate_manifest
-from services.weightsync.store import DurableStore
+from services.weightsync.service.modes import ADAPTER, AUTO, MERGED, ModeChoice
+from services.weightsync.service.store import DurableStore
+from services.weightsync.wire.catalog import JobSpec
+from services.weightsync.wire.payload import PayloadError, manifest_digest, validate_manifest
 
 logger = logging.getLogger(__name__)
 

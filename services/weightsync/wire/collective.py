@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from lorarl.v1 import common_pb2
 
-from services.weightsync.payload import PackedBucket
+from services.weightsync.wire.payload import PackedBucket
 
 BACKENDS = ("gloo", "nccl", "hccl")
 PIECE_BYTES = 64 << 20

@@ -30,7 +30,7 @@ from google.protobuf.message import Message
 from lorarl.v1 import common_pb2, weightsync_pb2
 from safetensors.torch import load_file
 
-from services.weightsync.payload import PROTO_TO_DTYPE, PayloadError, PayloadVerifier, checksum, tensor_bytes
+from services.weightsync.wire.payload import PROTO_TO_DTYPE, PayloadError, PayloadVerifier, checksum, tensor_bytes
 
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
 ADAPTER_FILE = "adapter.safetensors"

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from lorarl.v1 import common_pb2, weightsync_pb2
 
-from services.weightsync.collective import BACKEND_PROTO
-from services.weightsync.config import WeightSyncSettings
-from services.weightsync.modes import serve_mode
-from services.weightsync.registry import JobRecord, VersionRecord
-from services.weightsync.replicas import Replica
-from services.weightsync.rounds import Member, Round
+from services.weightsync.service.config import WeightSyncSettings
+from services.weightsync.service.modes import serve_mode
+from services.weightsync.service.registry import JobRecord, VersionRecord
+from services.weightsync.service.replicas import Replica
+from services.weightsync.service.rounds import Member, Round
+from services.weightsync.wire.collective import BACKEND_PROTO
 
 SENDER_RANK = 0
 

@@ -16,7 +16,7 @@ from lorarl.v1 import common_pb2
 
 from services.contract.lora import LoraSpec
 from services.contract.merge import merge_lora
-from services.weightsync.catalog import adapter_module
+from services.weightsync.wire.catalog import adapter_module
 
 
 def adapter_pairs(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

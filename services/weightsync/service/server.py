@@ -15,10 +15,10 @@ import grpc
 from lorarl.v1 import weightsync_pb2, weightsync_pb2_grpc
 
 from services.common.server import Register, RunningServer, serve, start_server
-from services.weightsync.config import WeightSyncServiceConfig, WeightSyncSettings
+from services.weightsync.service.config import WeightSyncServiceConfig, WeightSyncSettings
 
 if TYPE_CHECKING:
-    from services.weightsync.core import WeightSyncCore
+    from services.weightsync.service.core import WeightSyncCore
 
 NAME = "weightsync"
 SERVICE_NAME = weightsync_pb2.DESCRIPTOR.services_by_name["WeightSyncService"].full_name
@@ -31,7 +31,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
     """WeightSyncService RPCs, each delegating to one WeightSyncCore method."""
 
     def __init__(self, settings: WeightSyncSettings, core: WeightSyncCore | None = None) -> None:
-        from services.weightsync.core import WeightSyncCore
+        from services.weightsync.service.core import WeightSyncCore
 
         self.settings = settings
         self.core = core if core is not None else WeightSyncCore(settings)

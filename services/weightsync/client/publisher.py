@@ -31,11 +31,11 @@ import torch.distributed as dist
 from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 
 from services.common.channel import ClientTls, aio_channel
-from services.weightsync.activation import await_outcome
-from services.weightsync.collective import BACKEND_NAMES, WeightTransferGroup, rendezvous_store, wait_closed
-from services.weightsync.inline import DEFAULT_CHUNK_BYTES, iter_chunks
-from services.weightsync.net import local_address_towards
-from services.weightsync.payload import DEFAULT_BUCKET_BYTES, BucketInfo, PackedBucket, build_manifest, pack
+from services.weightsync.client.activation import await_outcome
+from services.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup, rendezvous_store, wait_closed
+from services.weightsync.wire.inline import DEFAULT_CHUNK_BYTES, iter_chunks
+from services.weightsync.wire.net import local_address_towards
+from services.weightsync.wire.payload import DEFAULT_BUCKET_BYTES, BucketInfo, PackedBucket, build_manifest, pack
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ class PolicyUpdate:
     serve_mode ADAPTER: load `tensors` as a LoRA adapter (PEFT names, spec in manifest.lora).
     serve_mode MERGED and manifest.mode MERGED: `tensors` are HF-named weights to overwrite.
     serve_mode MERGED and manifest.mode ADAPTER (`local_merge`): merge the adapter into the pristine
-    base weights (services.weightsync.merge.merged_from_adapter) and load those.
+    base weights (services.weightsync.wire.merge.merged_from_adapter) and load those.
     Tensors may be views into receive buffers: copy what must outlive the call.
     """
 

@@ -22,11 +22,11 @@ import torch
 from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 
 from services.common.channel import ClientTls, aio_channel
-from services.weightsync.collective import BACKEND_NAMES, WeightTransferGroup
-from services.weightsync.inline import BucketAssembler
-from services.weightsync.net import local_address_towards
-from services.weightsync.payload import PayloadVerifier, manifest_digest, validate_manifest
-from services.weightsync.sinks import PolicySink, PolicyUpdate
+from services.weightsync.client.sinks import PolicySink, PolicyUpdate
+from services.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup
+from services.weightsync.wire.inline import BucketAssembler
+from services.weightsync.wire.net import local_address_towards
+from services.weightsync.wire.payload import PayloadVerifier, manifest_digest, validate_manifest
 
 logger = logging.getLogger(__name__)
 

@@ -22,15 +22,15 @@ import torch
 from lorarl.v1 import common_pb2, weightsync_pb2
 
 from services.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, ServiceError
-from services.weightsync.config import WeightSyncSettings
-from services.weightsync.inline import BucketAssembler, iter_chunks
-from services.weightsync.modes import choose_mode
-from services.weightsync.payload import PayloadError, PayloadVerifier
-from services.weightsync.planning import fingerprint_blocker, inline_transport, plan_catch_up, plan_publish
-from services.weightsync.registry import JobRecord, VersionRecord, VersionRegistry
-from services.weightsync.replicas import Replica, ReplicaDirectory
-from services.weightsync.rounds import ACTIVE, FAILED, ActivationCoordinator, Round
-from services.weightsync.store import DurableStore
+from services.weightsync.service.config import WeightSyncSettings
+from services.weightsync.service.modes import choose_mode
+from services.weightsync.service.planning import fingerprint_blocker, inline_transport, plan_catch_up, plan_publish
+from services.weightsync.service.registry import JobRecord, VersionRecord, VersionRegistry
+from services.weightsync.service.replicas import Replica, ReplicaDirectory
+from services.weightsync.service.rounds import ACTIVE, FAILED, ActivationCoordinator, Round
+from services.weightsync.service.store import DurableStore
+from services.weightsync.wire.inline import BucketAssembler, iter_chunks
+from services.weightsync.wire.payload import PayloadError, PayloadVerifier
 
 logger = logging.getLogger(__name__)
 
