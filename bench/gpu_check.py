@@ -85,7 +85,7 @@ def rollout_rows(device: str, quick: bool, tmp: Path) -> list[str]:
 
     from assets.models import build_random_model
     from services.rollout.config import RolloutSettings
-    from services.rollout.vllm_engine import VllmEngine
+    from services.rollout.vllm.engine import VllmEngine
 
     model_dir = tmp / "rollout-model"
     build_random_model("qwen3-0.6b", model_dir, num_layers=4, dtype=torch.bfloat16)

@@ -188,7 +188,7 @@ async def measure(case: ModelCase, args: argparse.Namespace, address: str) -> No
     from services.rollout.config import RolloutSettings
     from services.rollout.model_files import ModelFiles
     from services.rollout.payloads import complete_weights, merge_adapter
-    from services.rollout.vllm_engine import VllmEngine
+    from services.rollout.vllm.engine import VllmEngine
 
     batch = prompts(case, args.groups)
     raw_engine = VllmEngine(RolloutSettings(**settings_for(case, args.groups * args.n)))

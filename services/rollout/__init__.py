@@ -7,8 +7,9 @@ core            engine-neutral replica: segments, per-token version tags, switch
 policies        which versions are loaded, which serves a request, when an old one may be unloaded
 gate            readers/writer gate between request submission and weight switches
 engine_api      the GenerationEngine contract every engine implements
-vllm_engine     GenerationEngine on vLLM AsyncLLM (continuous batching, run-time LoRA, in-place reloads)
-vllm_worker_ext the one module touching vLLM internals: in-memory adapters and weight staging in the worker
+vllm/           vLLM, by role: engine (GenerationEngine on AsyncLLM: continuous batching, run-time LoRA,
+                in-place reloads), plugin, worker_ext (the one module touching vLLM internals: in-memory
+                adapters and weight staging in the worker), cpu_lora_ops, cpu_fixes
 hf_engine       GenerationEngine on transformers (no vLLM needed; the reference in parity tests)
 sink            PolicySink for the weight-sync agent (stage / commit / abort / active_versions)
 sync            starts the weight-sync agent of a replica (subscribe, stage, commit, report)

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 def make_engine(settings: RolloutSettings) -> GenerationEngine:
     if settings.engine == "vllm":
-        from services.rollout.vllm_engine import VllmEngine
+        from services.rollout.vllm.engine import VllmEngine
 
         return VllmEngine(settings)
     from services.rollout.hf_engine import HfEngine

@@ -2,7 +2,7 @@
 
 vLLM rewinds a seeded request's generator offset when it discards the token sampled for a partial
 prefill, which CPU generators cannot do ("CPU Generator does not use offset") — without the
-workaround in services/rollout/vllm_worker_ext.py the first such step kills the engine. A small
+workaround in services/rollout/vllm/worker_ext.py the first such step kills the engine. A small
 ``max_num_batched_tokens`` makes every batch of these prompts chunk. The workaround restores those
 generators' state instead of rewinding an offset, so the tokens do not depend on the chunking, which
 depends on what else the engine runs.

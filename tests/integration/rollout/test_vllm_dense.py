@@ -148,7 +148,7 @@ def test_engine_core_runs_on_the_cpus_it_is_pinned_to(service: RolloutHarness) -
 
 def test_cpu_lora_speedups_match_vllms_own_ops(service: RolloutHarness, model_dir, fingerprint) -> None:
     """On CPU the worker swaps vLLM's LoRA application for grouped ops and a lean add_lora_linear
-    (services/rollout/vllm_worker_ext.py); switched off, the engine runs vLLM's own ops. Greedy tokens
+    (services/rollout/vllm/worker_ext.py); switched off, the engine runs vLLM's own ops. Greedy tokens
     and logprobs agree with the lean path alone and with both: a batch of prompts on one adapter, and
     two adapters plus base-model requests (index -1) in one batch, prefills and decodes."""
     load(service, "lean-a", 1, random_adapter(model_dir, seed=31), ADAPTER, fingerprint)
@@ -195,7 +195,7 @@ def test_base_requests_get_no_adapter_while_every_slot_holds_one(service: Rollou
     """A base-model request (adapter index -1) batched with adapter requests while all max_loras slots
     hold adapters gets the base model's tokens with our CPU LoRA paths (the service default). vLLM's
     own CPU ops read the last slot for index -1 rows, so there the base request gets that adapter's
-    tokens: the bug vllm_worker_ext deliberately does not reproduce. Runs after
+    tokens: the bug services/rollout/vllm/cpu_lora_ops.py deliberately does not reproduce. Runs after
     test_cpu_lora_speedups_match_vllms_own_ops, which needs the last slot never written; unloading
     leaves slot 3 with stale weights, which the fixed paths ignore."""
     jobs = [f"full-{i}" for i in range(4)]  # max_loras=4: loaded in order into the free slots 0..3

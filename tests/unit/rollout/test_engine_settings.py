@@ -10,7 +10,7 @@ from clients.commands.run import stack_sections
 from clients.job_config import load_job_config, serving_length
 from services.common.config import ConfigError, load_config
 from services.rollout.config import RolloutServiceConfig, RolloutSettings
-from services.rollout.vllm_engine import engine_memory_args
+from services.rollout.vllm.engine import engine_memory_args
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -3,7 +3,7 @@
 Every segment the core submits is one AsyncLLM request, so concurrent RPCs are batched by vLLM's
 scheduler, never serialised here. AsyncLLM runs its engine core in a child process; adapters and
 merged weights reach it as safetensors bytes through the worker extension in
-services/rollout/vllm_worker_ext.py (the only code that knows vLLM internals). With
+services/rollout/vllm/worker_ext.py (the only code that knows vLLM internals). With
 adapter_source 'shm' adapters go through PEFT directories on a tmpfs instead, which needs only
 vLLM's public `add_lora`.
 
@@ -35,7 +35,7 @@ from services.rollout.schema import (
     SegmentEvent,
     SegmentSpec,
 )
-from services.rollout.vllm_worker_ext import EXTENSION_QUALNAME, MEMORY_SCHEME
+from services.rollout.vllm.worker_ext import EXTENSION_QUALNAME, MEMORY_SCHEME
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class VllmEngine:
         return self._llm
 
     async def probe(self) -> dict[str, bool]:
-        """Which vLLM internals the worker extension relies on are present (see vllm_worker_ext)."""
+        """Which vLLM internals the worker extension relies on are present (see services/rollout/vllm/worker_ext.py)."""
         return (await self._llm.collective_rpc("lorarl_probe"))[0]
 
     # ---------------------------------------------------------------------------- requests
