@@ -116,8 +116,8 @@ def pinned_threads(pins: dict[str, str]) -> dict[str, dict[str, str]]:
 
     env = {}
     for process, key in (("trainer", "trainer"), ("rollout", "rollout_engine")):
-        threads = len(parse_cpu_list(pins[key])) if key in pins else 1
         if key in pins:
+            threads = len(parse_cpu_list(pins[key]))
             env[process] = {"OMP_NUM_THREADS": str(threads), **({"OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 else {})}
     return env
 

@@ -73,7 +73,7 @@ class LoraSpec:
             raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if self.expert_mode not in ("none", "per_expert", "shared"):
+        if self.expert_mode not in EXPERT_MODE_ENUMS:
             raise ValueError(f"lora.expert_mode must be none, per_expert or shared, got {self.expert_mode!r}")
 
     @property
