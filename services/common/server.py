@@ -272,11 +272,6 @@ async def serve(
     # What start-up built (imports, a started engine) stays for the process's life: no collection should
     # walk it. Before the server starts, so the ready file never announces a process still collecting.
     freeze_long_lived()
-    running = await start_server(name, config, register, on_shutdown=on_shutdown, metrics=metrics)
-    if on_started is not None:
-        result = on_started(running)
-        if inspect.isawaitable(result):
-            await result
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
 
@@ -287,10 +282,17 @@ async def serve(
         logger.info("received %s", signal.Signals(signum).name)
         stop_requested.set()
 
+    # Handlers go in before the ready file is written: a supervisor may SIGTERM as soon as it reads it,
+    # and the default action would kill the process mid-start instead of letting it stop cleanly.
     signals = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:
         loop.add_signal_handler(signum, request_stop, signum)
     try:
+        running = await start_server(name, config, register, on_shutdown=on_shutdown, metrics=metrics)
+        if on_started is not None:
+            result = on_started(running)
+            if inspect.isawaitable(result):
+                await result
         # Also return when something else stopped the server. (Never cancel grpc's own
         # server.wait_for_termination(): that cancels the future its shutdown resolves.)
         waiters = {

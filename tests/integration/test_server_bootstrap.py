@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -333,3 +335,28 @@ def test_mutual_tls_requires_a_trusted_client_certificate(pki) -> None:
             await running.stop()
 
     run(scenario)
+
+
+SIGNAL_AT_READY = """
+import asyncio, os, signal, sys
+from services.common.config import from_dict
+from services.common.server import serve
+from services.common.server_config import ServerConfig
+
+config = from_dict(ServerConfig, {"port": 0, "ready_file": sys.argv[1], "shutdown_grace_s": 1})
+# SIGTERM the moment the server is up and its ready file written, before serve() goes on.
+asyncio.run(serve("trainer", config, lambda server: [], on_started=lambda running: os.kill(os.getpid(), signal.SIGTERM)))
+print("returned")
+"""
+
+
+def test_sigterm_right_after_the_ready_file_stops_cleanly(tmp_path: Path) -> None:
+    """A supervisor may SIGTERM as soon as the ready file appears; the default action would kill the process."""
+    ready = tmp_path / "ready.json"
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT_READY, str(ready)], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "returned"
+    assert "received SIGTERM" in done.stderr
+    assert not ready.exists()
