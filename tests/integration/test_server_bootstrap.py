@@ -345,7 +345,8 @@ from services.common.server_config import ServerConfig
 
 config = from_dict(ServerConfig, {"port": 0, "ready_file": sys.argv[1], "shutdown_grace_s": 1})
 # SIGTERM the moment the server is up and its ready file written, before serve() goes on.
-asyncio.run(serve("trainer", config, lambda server: [], on_started=lambda running: os.kill(os.getpid(), signal.SIGTERM)))
+terminate_self = lambda running: os.kill(os.getpid(), signal.SIGTERM)
+asyncio.run(serve("trainer", config, lambda server: [], on_started=terminate_self))
 print("returned")
 """
 
