@@ -3,7 +3,7 @@ the Megatron engine, and the rollout engine with CUDA graphs where the device's 
 
 1. trainer: one forward_backward on random-init Qwen3-0.6B and 1.7B shapes (4 layers, full vocabulary,
    bf16, rank-32 LoRA) at 2048 and 8192 tokens, activation checkpointing off and on, each in a fresh
-   process: torch.cuda.max_memory_allocated against the plan (services.trainer.memory), and seconds;
+   process: torch.cuda.max_memory_allocated against the plan (services.trainer.engines.memory), and seconds;
 2. megatron: bench/megatron_gpu_check.py (parity with the torch engine, learning, export, step time);
 3. rollout: where vLLM imports with a GPU platform, one engine on the 0.6B shape, generation tokens/s
    with CUDA graphs (rollout.enforce_eager null) and eager, side by side.

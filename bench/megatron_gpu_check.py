@@ -37,7 +37,7 @@ IDS = [[257, 10, 55, 43, 52, 258, 10, 9], [257, 40, 41, 42, 43, 44, 45, 46]]
 
 
 def batch(seed: int, vocab: int, groups: int = 3, group_size: int = 3, prompt: int = 6, completion: int = 8) -> list:
-    from services.trainer.engine_api import TrajectoryRecord
+    from services.trainer.engines.api import TrajectoryRecord
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -51,8 +51,8 @@ def batch(seed: int, vocab: int, groups: int = 3, group_size: int = 3, prompt: i
 
 
 def spec(path: Path, engine: str, device: str, dtype: str = "float32", lr: float = 1e-2, **kw: object):
-    from services.trainer.engine_api import JobSpec, OptimizerSettings
-    from services.trainer.lora import LoraConfig
+    from services.trainer.engines.api import JobSpec, OptimizerSettings
+    from services.trainer.rl.lora import LoraConfig
 
     return JobSpec(base_model_path=str(path), engine=engine, device=device, dtype=dtype,
                    lora=LoraConfig(rank=8, alpha=16, **kw), optimizer=OptimizerSettings(learning_rate=lr))
@@ -70,9 +70,9 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def check_parity(models: dict[str, Path], device: str) -> dict[str, float]:
-    from services.trainer.lora import load_peft_state_dict
-    from services.trainer.megatron.engine import MegatronEngine
-    from services.trainer.torch_engine import TorchEngine
+    from services.trainer.engines.megatron.engine import MegatronEngine
+    from services.trainer.engines.torch_engine import TorchEngine
+    from services.trainer.rl.lora import load_peft_state_dict
 
     out = {}
     for which, path in models.items():
@@ -88,8 +88,8 @@ def check_parity(models: dict[str, Path], device: str) -> dict[str, float]:
 
 
 def check_learning(path: Path, device: str) -> tuple[float, float]:
-    from services.trainer.engine_api import TrajectoryRecord
-    from services.trainer.megatron.engine import MegatronEngine
+    from services.trainer.engines.api import TrajectoryRecord
+    from services.trainer.engines.megatron.engine import MegatronEngine
 
     engine = MegatronEngine(spec(path, "megatron", device, lr=2e-3))
     records = [TrajectoryRecord([1, 5, 9], [10, 11, 12, 13], [], [0] * 4, 1.0, "g"),
@@ -103,8 +103,8 @@ def check_export(models: dict[str, Path], device: str, tmp: Path) -> dict[str, f
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.megatron.engine import MegatronEngine
-    from services.trainer.megatron.model import compute_logits
+    from services.trainer.engines.megatron.engine import MegatronEngine
+    from services.trainer.engines.megatron.model import compute_logits
 
     out = {}
     ids = torch.tensor(IDS, device=device)
@@ -136,8 +136,8 @@ def best_step_time(make: Callable[[], object], records: list, steps: int, device
 
 
 def step_times(path: Path, device: str, dtype: str, steps: int, tokens: tuple[int, int]) -> dict[str, float]:
-    from services.trainer.megatron.engine import MegatronEngine
-    from services.trainer.torch_engine import TorchEngine
+    from services.trainer.engines.megatron.engine import MegatronEngine
+    from services.trainer.engines.torch_engine import TorchEngine
 
     vocab = 250
     records = batch(4, vocab, groups=2, group_size=4, prompt=tokens[0], completion=tokens[1])

@@ -8,14 +8,14 @@ token of the padded micro-batch), with activation checkpointing on or off. Measu
 
 - CPU: the process's peak resident set (VmHWM, reset once the engine is built) minus its resident set
   before the step: the step's own bytes; and the whole process's peak against the plan's total
-  (weights + adapters, gradients, Adam + step + services.trainer.memory.CPU_RUNTIME_BYTES). The measured
+  (weights + adapters, gradients, Adam + step + services.trainer.engines.memory.CPU_RUNTIME_BYTES). The measured
   process runs with glibc's mmap threshold fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_), so blocks it frees go
   back to the OS and its resident set follows the live tensors, as max_memory_allocated does on CUDA. With
   glibc's default (a threshold that rises to 32 MiB) a checkpointed step kept 0.03-0.33 GiB of freed heap
   resident at the 0.6B and 8B shapes (2026-12-01): the plan counts tensors, not the allocator's slack.
 - CUDA (``--device cuda``): torch.cuda.max_memory_allocated, reset after the engine is built.
 
-The plan's numbers come from services.trainer.memory, the formulas the engine's "auto" decides by;
+The plan's numbers come from services.trainer.engines.memory, the formulas the engine's "auto" decides by;
 every row prints plan / measured, and the run fails (exit 1) if any ratio leaves [0.8, 1.2].
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/memory_plan.py            # CPU rows, ~15 minutes
@@ -74,9 +74,9 @@ def measure(row: Row, model_dir: str, device: str) -> dict[str, float]:
     """One row in this process: the engine, one forward_backward, the peaks (bytes)."""
     import torch
 
-    from services.trainer.engine_api import JobSpec, MemorySettings, OptimizerSettings, TrajectoryRecord
-    from services.trainer.lora import LoraConfig
-    from services.trainer.torch_engine import TorchEngine
+    from services.trainer.engines.api import JobSpec, MemorySettings, OptimizerSettings, TrajectoryRecord
+    from services.trainer.engines.torch_engine import TorchEngine
+    from services.trainer.rl.lora import LoraConfig
 
     spec = JobSpec(base_model_path=model_dir, device=device, dtype=row.dtype,
                    lora=LoraConfig(rank=RANK, alpha=2 * RANK), optimizer=OptimizerSettings(learning_rate=1e-4),
@@ -110,7 +110,7 @@ def measure(row: Row, model_dir: str, device: str) -> dict[str, float]:
 
 def planned(row: Row, shape: dict, device: str) -> dict[str, float]:
     from clients.plan import ADAPTER_BYTES, count
-    from services.trainer.memory import CPU_RUNTIME_BYTES, dtype_bytes, step_memory
+    from services.trainer.engines.memory import CPU_RUNTIME_BYTES, dtype_bytes, step_memory
 
     step = step_memory(shape, RANK, row.dtype, row.batch * row.seq, row.checkpointing, 1024)
     n = count(shape, RANK)

@@ -3,7 +3,7 @@
 Two TorchEngines on the shipped tiny dense Qwen3, identical but for ``LoRALinear.merged_matmul``:
 "low rank" computes each adapted projection as x W^T + scale (x A^T) B^T (a shrink, an expand and an
 add over the whole output), "merged" as x (W + scale B A)^T with its own backward
-(services/trainer/lora.py: _MergedLoRAMatmul). They train on the demo-shaped batch of
+(services/trainer/rl/lora.py: _MergedLoRAMatmul). They train on the demo-shaped batch of
 bench/prefix_sharing.py (16 task prompts x 8 completions of 1-8 tokens, GRPO, rank-8 all-linear,
 lr 2e-3), steps alternating in one process so machine load hits both alike; after warm-up steps the
 best and median of the timed steps are reported with their ratio, and both engines' losses and
@@ -33,7 +33,7 @@ VARIANTS = ("low rank", "merged")
 
 def lora_engine(merged: bool):
     from bench.prefix_sharing import engine
-    from services.trainer.lora import LoRALinear
+    from services.trainer.rl.lora import LoRALinear
 
     e = engine("packed", 0)
     for module in e.model.modules():

@@ -3,7 +3,7 @@
 Builds a random-init model with Qwen3-0.6B's shapes (hidden 1024, intermediate 3072, 16 heads,
 8 KV heads, head_dim 128, vocab 151936, tied embeddings; bf16 like the released checkpoint; layers
 reduced by ``--layers``) in memory from a Qwen3Config, never downloading anything. For each LoRA
-rank it injects all-linear adapters (services/trainer/lora.py, B made non-zero) and registers two
+rank it injects all-linear adapters (services/trainer/rl/lora.py, B made non-zero) and registers two
 jobs on a real weight-sync service process (`lorarl serve weightsync`): one ADAPTER, one MERGED.
 Replicas are real agent processes whose sink materialises (copies) every received tensor.
 
@@ -69,7 +69,7 @@ def build_base(layers: int) -> torch.nn.Module:
 
 
 def lora_model(base: torch.nn.Module, rank: int) -> torch.nn.Module:
-    from services.trainer.lora import LoraConfig, inject_lora, lora_parameters
+    from services.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
 
     model = copy.deepcopy(base)
     inject_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank))
@@ -120,7 +120,7 @@ async def run_agent(target: str, replica_id: str) -> None:
 
 
 def adapter_payload(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    from services.trainer.lora import peft_state_dict
+    from services.trainer.rl.lora import peft_state_dict
 
     return {n: t.to(getattr(torch, args.adapter_dtype)) for n, t in peft_state_dict(model).items()}
 
@@ -128,7 +128,7 @@ def adapter_payload(model: torch.nn.Module, args: argparse.Namespace) -> dict[st
 async def measure_sync(target: str, base: torch.nn.Module, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     from lorarl.v1 import common_pb2
 
-    from services.trainer.lora import iter_merged_weights
+    from services.trainer.rl.lora import iter_merged_weights
     from services.weightsync.client.publisher import WeightPublisher
     from services.weightsync.wire.catalog import catalog_from_tensors
 
@@ -206,7 +206,7 @@ def transport_peer(port: int, manifest_path: str, reps: int) -> None:
 
 
 def measure_transport(model: torch.nn.Module, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    from services.trainer.lora import iter_merged_weights
+    from services.trainer.rl.lora import iter_merged_weights
     from services.weightsync.wire.collective import WeightTransferGroup
     from services.weightsync.wire.payload import build_manifest, pack
 
@@ -248,7 +248,7 @@ def measure_transport(model: torch.nn.Module, args: argparse.Namespace, tmp: Pat
 
 def split_bytes(base: torch.nn.Module, rank: int, element_size: int) -> tuple[int, int, int]:
     """(bytes outside the layers, merged bytes per layer, adapter bytes per layer) for the formula."""
-    from services.trainer.lora import iter_merged_weights
+    from services.trainer.rl.lora import iter_merged_weights
 
     fixed = per_layer = 0
     layers = base.config.num_hidden_layers

@@ -23,6 +23,7 @@ from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 from clients.datasets import Example, TrainStream
 from clients.job_config import JobFileConfig, serving_length
 from clients.rewards import RewardFn
+from services.contract import staleness
 from services.weightsync.client.activation import await_outcome
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ LOSS_TYPES = {"grpo": trainer_pb2.LOSS_TYPE_GRPO, "dr_grpo": trainer_pb2.LOSS_TY
 SYNC_MODES = {"adapter": common_pb2.SYNC_MODE_ADAPTER, "merged": common_pb2.SYNC_MODE_MERGED,
               "auto": common_pb2.SYNC_MODE_AUTO}
 EVAL_CHUNK = 64
-#: The trainer's own default limit on prompt + completion tokens (services.trainer.engine_api.Limits).
+#: The trainer's own default limit on prompt + completion tokens (services.trainer.engines.api.Limits).
 DEFAULT_MAX_SEQUENCE_TOKENS = 4096
 
 
@@ -46,7 +47,7 @@ def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConf
         max_response_tokens=cfg.rollout.max_tokens)
     if cfg.loop.mode == "async":
         loss.behavior_weight_cap = t.loss.behavior_weight_cap or 5.0
-        loss.max_staleness = cfg.loop.max_staleness + 1
+        loss.max_staleness = cfg.loop.max_staleness  # the trainer masks what admission let through
     megatron = None
     if t.engine == "megatron":
         megatron = trainer_pb2.MegatronConfig(tensor_parallel_size=t.parallel.tensor,
@@ -61,7 +62,7 @@ def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConf
         loss=loss,
         optimizer=trainer_pb2.OptimizerConfig(
             learning_rate=t.optimizer.learning_rate, weight_decay=t.optimizer.weight_decay,
-            warmup_steps=t.optimizer.warmup_steps, max_grad_norm=t.optimizer.max_grad_norm or 1e9,
+            warmup_steps=t.optimizer.warmup_steps, max_grad_norm=t.optimizer.max_grad_norm,
             micro_batch_tokens=t.optimizer.micro_batch_tokens),
         memory=trainer_pb2.MemoryConfig(
             activation_checkpointing=trainer_pb2.ActivationCheckpointing.Value(
@@ -299,7 +300,7 @@ class RLLoop:
             while index < self.cfg.loop.steps and not stop.is_set():
                 # Admission: batch `index` is trained at trainer version `index`; its tokens must come
                 # from a policy at most `bound` versions older.
-                while self.state.version < index - bound and not stop.is_set():
+                while not staleness.admits(self.state.version, index, bound) and not stop.is_set():
                     self._published.clear()
                     await self._published.wait()
                 if stop.is_set():

@@ -5,7 +5,7 @@ Sizes come from the model's config.json when the weights are present; otherwise 
 checked on a machine that has neither the weights nor the accelerators. The plan counts, per device,
 the trainer's weights, adapters and their gradients, Adam moments, the activations of its largest
 micro-batch (with or without activation checkpointing, as the engine will run it) and its logits
-chunk, from the formulas the engine itself decides by (services.trainer.memory); and the rollout's
+chunk, from the formulas the engine itself decides by (services.trainer.engines.memory); and the rollout's
 weights and KV cache, with how many whole sequences the cache holds. A plan that does not fit is an
 error naming the key to change.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.step_time import IMBALANCE, StepTime, estimate
-from services.trainer.memory import StepMemory, needs_checkpointing, step_memory
+from services.trainer.engines.memory import StepMemory, needs_checkpointing, step_memory
 
 GIB = 1 << 30
 ADAPTER_BYTES = 4  # adapters and their Adam moments stay fp32 whatever the base dtype
@@ -173,7 +173,7 @@ def place(cfg) -> list[Slot]:
 
 @dataclass(frozen=True)
 class TrainerMemory:
-    """One trainer device's peak bytes in a step, by part (services.trainer.memory's formulas)."""
+    """One trainer device's peak bytes in a step, by part (services.trainer.engines.memory's formulas)."""
 
     weights: float
     adapters: float  # fp32 adapters + their gradients

@@ -129,8 +129,8 @@ def export_checkpoint_command(args: argparse.Namespace) -> int:
     if args.job_id or args.path:
         print("lorarl export: JOB and --path go with --trainer, not --checkpoint", file=sys.stderr)
         return 2
-    from services.trainer.checkpoint import CheckpointError
-    from services.trainer.offline_export import export_checkpoint
+    from services.trainer.engines.checkpoint import CheckpointError
+    from services.trainer.engines.offline_export import export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.mode, args.base_model)

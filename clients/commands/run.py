@@ -21,6 +21,7 @@ from typing import Any
 
 from clients.job_config import serving_length
 from services.common.config import ConfigError, to_dict
+from services.contract import staleness
 
 
 def add_parsers(subparsers: Any) -> None:
@@ -58,7 +59,7 @@ def load(args: argparse.Namespace):
 
 def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     """Service config sections for a local stack serving this job."""
-    window = cfg.loop.max_staleness + 2
+    window = staleness.adapter_window(cfg.loop.max_staleness)
     # Weights move over the accelerator's own collective when there is one (untested here: CPU only).
     backend = {"cuda": "nccl", "npu": "hccl"}.get(cfg.trainer.device.split(":", 1)[0], "gloo")
     return {

@@ -22,7 +22,7 @@ from services.common.log import configure_logging
 
 #: Service -> module exposing CONFIG_TYPE (a config dataclass) and `async serve_forever(config)`.
 SERVICES = {
-    "trainer": "services.trainer.server",
+    "trainer": "services.trainer.service.server",
     "rollout": "services.rollout.server",
     "weightsync": "services.weightsync.service.server",
 }

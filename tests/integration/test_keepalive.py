@@ -137,8 +137,8 @@ def test_generate_waiting_on_a_paused_rollout_outlives_five_ping_intervals() -> 
 
 
 def test_a_train_step_of_several_ping_intervals_completes(tmp_path: Path) -> None:
-    from services.trainer.config import TrainerSettings
-    from services.trainer.server import NAME, TrainerServicer, registration
+    from services.trainer.service.config import TrainerSettings
+    from services.trainer.service.server import NAME, TrainerServicer, registration
     from tests.unit.trainer.tiny import dense_model
 
     model_dir = tmp_path / "model"

@@ -115,6 +115,16 @@ FORBIDDEN = [
     ("services.weightsync.wire", "services.weightsync.client"),
     ("services.trainer", "services.weightsync.service"),
     ("services.rollout", "services.weightsync.service"),
+    # the rollout's segment runner reads the policy table and never loads a version itself
+    ("services.rollout.segments", "services.rollout.policy_manager"),
+    ("services.rollout.segments", "services.rollout.core"),
+    # the trainer's layers, lowest first: rl < engines < ranks < service
+    ("services.trainer.rl", "services.trainer.engines"),
+    ("services.trainer.rl", "services.trainer.ranks"),
+    ("services.trainer.rl", "services.trainer.service"),
+    ("services.trainer.engines", "services.trainer.ranks"),
+    ("services.trainer.engines", "services.trainer.service"),
+    ("services.trainer.ranks", "services.trainer.service"),
 ]
 
 
@@ -163,7 +173,7 @@ def test_the_lora_defaults_are_the_contracts_everywhere() -> None:
     """The job file's section, an all-zero JobConfig.lora and the trainer's own spec mean the same LoRA."""
     from clients.job_config import LoraSection
     from services.contract.lora import LoraSpec
-    from services.trainer.lora import LoraConfig
+    from services.trainer.rl.lora import LoraConfig
 
     assert LoraSection().spec() == LoraSpec()
     assert LoraConfig.from_proto(common_pb2.LoraSpec()) == LoraConfig() == LoraConfig.from_proto(LoraSpec().to_proto())
@@ -177,3 +187,18 @@ def test_weightsync_keeps_service_clients_and_wire_apart() -> None:
     assert names and all(n.split(".")[2] in ("wire", "client", "service") for n in names), names
     for client in ("publisher", "agent", "sinks", "activation"):
         assert f"services.weightsync.client.{client}" in names
+
+
+def test_trainer_modules_all_sit_in_a_layer() -> None:
+    """Every trainer module lives in one of its four layers (so the layer rules above bind)."""
+    names = [n for n in modules() if _under(n, "services.trainer") and n != "services.trainer"]
+    assert names and all(n.split(".")[2] in ("rl", "engines", "ranks", "service") for n in names), names
+    for module in ("rl.lora", "rl.losses", "engines.api", "engines.torch_engine", "ranks.group", "service.server"):
+        assert f"services.trainer.{module}" in names
+
+
+def test_the_rollouts_client_helpers_import_no_rollout_internals() -> None:
+    """services.rollout.client is what other processes embed: it rests on the wire format only."""
+    deps = import_graph()["services.rollout.client"]
+    assert deps and all(_under(d, "services.weightsync.wire") or _under(d, "services.contract")
+                        or _under(d, "services.common") for d in deps), deps

@@ -22,7 +22,7 @@ from services.common.config import (
 )
 from services.common.server_config import ServerConfig
 from services.rollout.config import RolloutServiceConfig
-from services.trainer.config import TrainerServiceConfig
+from services.trainer.service.config import TrainerServiceConfig
 from services.weightsync.service.config import WeightSyncServiceConfig
 
 

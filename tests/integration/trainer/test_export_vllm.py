@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from assets import DENSE_MODEL_DIR
-from services.trainer.engine_api import JobSpec
-from services.trainer.lora import LoraConfig, lora_parameters
-from services.trainer.torch_engine import TorchEngine
+from services.trainer.engines.api import JobSpec
+from services.trainer.engines.torch_engine import TorchEngine
+from services.trainer.rl.lora import LoraConfig, lora_parameters
 from tests.integration.trainer.vllm_parity import assert_engine_logprobs, vllm_greedy_with_and_without
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

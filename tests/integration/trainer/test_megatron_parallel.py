@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.megatron import convert
-from services.trainer.megatron.model import build_gpt_model, compute_logits, load_hf_state
-from services.trainer.megatron.parallel import ParallelSettings, init_parallel, teardown
+from services.trainer.engines.megatron import convert
+from services.trainer.engines.megatron.model import build_gpt_model, compute_logits, load_hf_state
+from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 from tests.unit.trainer.megatron.spawn import GRAD_PARAM, backward_grad, logits_worker, run_workers
 
 ASSETS = Path(__file__).resolve().parents[3] / "assets" / "models"

@@ -28,9 +28,9 @@ from transformers import AutoModelForCausalLM
 from services.contract.fingerprint import base_model_fingerprint
 from services.contract.lora import LoraSpec
 from services.rollout.config import RolloutSettings
-from services.trainer.engine_api import TrajectoryRecord
-from services.trainer.lora import LINEAR_ATTENTION_TARGETS, LoraConfig, LoRALinear, lora_modules, lora_parameters
-from services.trainer.torch_engine import TorchEngine
+from services.trainer.engines.api import TrajectoryRecord
+from services.trainer.engines.torch_engine import TorchEngine
+from services.trainer.rl.lora import LINEAR_ATTENTION_TARGETS, LoraConfig, LoRALinear, lora_modules, lora_parameters
 from tests.integration.rollout.harness import RolloutHarness, generate, greedy, load_requests
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.qwen3_5_tiny import LAYER_TYPES, build_tiny_qwen3_5

@@ -13,8 +13,8 @@ from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb2
 from services.common.channel import aio_channel
 from services.common.server import start_server
 from services.common.server_config import ServerConfig
-from services.trainer.config import TrainerSettings
-from services.trainer.server import NAME, TrainerServicer, registration
+from services.trainer.service.config import TrainerSettings
+from services.trainer.service.server import NAME, TrainerServicer, registration
 from services.weightsync.client.agent import WeightSyncAgent
 from services.weightsync.client.sinks import InMemorySink
 from tests.integration.trainer.test_trainer_service import BAD, GOOD, job_request, push, trajectory

@@ -43,7 +43,7 @@ class Trainer:
     stub: trainer_pb2_grpc.TrainerServiceStub
 
     def follower_pids(self) -> list[int]:
-        return [c.pid for c in psutil.Process(self.process.pid).children() if "services.trainer.follower" in
+        return [c.pid for c in psutil.Process(self.process.pid).children() if "services.trainer.ranks.follower" in
                 " ".join(c.cmdline())]
 
     def health(self) -> int:

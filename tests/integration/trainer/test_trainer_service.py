@@ -12,8 +12,8 @@ from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import aio_channel
 from services.common.server import start_server
 from services.common.server_config import ServerConfig
-from services.trainer.config import TrainerSettings
-from services.trainer.server import NAME, TrainerServicer, registration
+from services.trainer.service.config import TrainerSettings
+from services.trainer.service.server import NAME, TrainerServicer, registration
 from tests.unit.trainer.tiny import dense_model
 
 TOKEN = "trainer-test-token"

@@ -14,7 +14,7 @@ import torch
 from lorarl.v1 import common_pb2
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from services.trainer.lora import (
+from services.trainer.rl.lora import (
     LoraConfig,
     inject_lora,
     iter_merged_weights,

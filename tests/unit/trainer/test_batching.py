@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.batching import compute_advantages, group_index, micro_batches, pack, shaped_rewards, split
-from services.trainer.engine_api import TrajectoryRecord
-from services.trainer.losses import LossSettings, group_advantages
+from services.trainer.engines.api import TrajectoryRecord
+from services.trainer.engines.batching import (
+    compute_advantages,
+    group_index,
+    micro_batches,
+    pack,
+    shaped_rewards,
+    split,
+)
+from services.trainer.rl.losses import LossSettings, group_advantages
 
 
 def rec(prompt: list[int], completion: list[int], reward: float = 0.0, group: str = "", version: int = 0

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from services.contract.fingerprint import base_model_fingerprint
-from services.trainer import checkpoint as ckpt
-from services.trainer.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from services.trainer.engine_api import JobSpec
-from services.trainer.lora import LoraConfig
-from services.trainer.torch_engine import TorchEngine
+from services.trainer.engines import checkpoint as ckpt
+from services.trainer.engines.api import JobSpec
+from services.trainer.engines.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from services.trainer.engines.torch_engine import TorchEngine
+from services.trainer.rl.lora import LoraConfig
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.tiny import dense_model
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer.engine_api import JobSpec, TrajectoryRecord
-from services.trainer.jobs import JobManager
+from services.trainer.engines.api import JobSpec, TrajectoryRecord
+from services.trainer.service.jobs import JobManager
 
 
 def priority() -> int:

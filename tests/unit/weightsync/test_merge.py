@@ -7,7 +7,7 @@ from lorarl.v1 import common_pb2
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from services.contract.lora import LoraSpec
-from services.trainer.lora import LoraConfig, inject_lora, iter_merged_weights, lora_parameters, peft_state_dict
+from services.trainer.rl.lora import LoraConfig, inject_lora, iter_merged_weights, lora_parameters, peft_state_dict
 from services.weightsync.wire.merge import merged_from_adapter
 
 

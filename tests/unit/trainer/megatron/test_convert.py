@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.megatron import convert
-from services.trainer.megatron.convert import RankCoords
-from services.trainer.megatron.model import load_hf_state
-from services.trainer.megatron.parallel import ParallelSettings
+from services.trainer.engines.megatron import convert
+from services.trainer.engines.megatron.convert import RankCoords
+from services.trainer.engines.megatron.model import load_hf_state
+from services.trainer.engines.megatron.parallel import ParallelSettings
 
 ASSETS = Path(__file__).resolve().parents[4] / "assets" / "models"
 MODELS = ("qwen3-tiny", "qwen3-moe-tiny")

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.trainer.megatron import cpu_compat
+from services.trainer.engines.megatron import cpu_compat
 
 
 @pytest.fixture

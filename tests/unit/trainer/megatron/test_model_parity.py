@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.megatron.model import build_gpt_model, compute_logits, set_training
-from services.trainer.megatron.parallel import ParallelSettings, init_parallel, teardown
+from services.trainer.engines.megatron.model import build_gpt_model, compute_logits, set_training
+from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 
 ASSETS = Path(__file__).resolve().parents[4] / "assets" / "models"
 TOLERANCE = 1e-4

@@ -1,0 +1,1 @@
+"""Trainer engines: the interface, the factory, the torch and Megatron engines and what they share."""

@@ -1,0 +1,1 @@
+"""The trainer service: gRPC servicer, job manager, trajectory validation, proto conversions, config."""
