@@ -53,6 +53,7 @@ class RolloutCore:
         self.settings = settings
         self.files = files
         self.fingerprint = fingerprint
+        self.renderer = renderer
         self.table = PolicyTable(window=settings.window, capacity=max(1, settings.max_loras))
         gate = SwitchGate()
         self.runner = SegmentRunner(engine, settings, self.table, gate, renderer,
