@@ -61,7 +61,7 @@ proto-baseline: setup
 	cd protos && ../$(BUF) build -o baseline/lorarl-v1.binpb
 
 assets: setup
-	$(PY) -m assets.build
+	$(PY) -m lorarl.assets.build
 
 lock: setup
 	(echo "# Full resolved CPU environment, used as pip constraints by make setup. Regenerate: make lock"; \

@@ -76,7 +76,7 @@ def run_once(pin: str, out: Path, first: int, last: int, steps: int) -> dict[str
     """One `lorarl run`; wall and CPU seconds per step between the end of step ``first`` and ``last``."""
     shutil.rmtree(out, ignore_errors=True)
     script = Path(sys.executable).with_name("lorarl")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "clients.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lorarl.client.cli"]
     process = subprocess.Popen(
         [*command, "run", "--fresh", "examples/demo.yaml", f"placement.pin_cpus={pin}", f"output.dir={out}",
          f"loop.steps={steps}", "loop.eval_every=0", "loop.checkpoint_every=0", "output.tensorboard=false"],
@@ -109,8 +109,8 @@ def main() -> int:
     if args.quick:
         args.pairs, args.from_step, args.to_step = 1, 2, 6
     sys.path.insert(0, str(ROOT))
-    from clients.commands.run import cpu_pins
-    from clients.job_config import load_job_config
+    from lorarl.client.commands.run import cpu_pins
+    from lorarl.client.job_config import load_job_config
 
     pins = cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), []))
     if not pins:

@@ -3,7 +3,7 @@ the Megatron engine, and the rollout engine with CUDA graphs where the device's 
 
 1. trainer: one forward_backward on random-init Qwen3-0.6B and 1.7B shapes (4 layers, full vocabulary,
    bf16, rank-32 LoRA) at 2048 and 8192 tokens, activation checkpointing off and on, each in a fresh
-   process: torch.cuda.max_memory_allocated against the plan (services.trainer.engines.memory), and seconds;
+   process: torch.cuda.max_memory_allocated against the plan (lorarl.trainer.engines.memory), and seconds;
 2. megatron: bench/megatron_gpu_check.py (parity with the torch engine, learning, export, step time);
 3. rollout: where vLLM imports with a GPU platform, one engine on the 0.6B shape, generation tokens/s
    with CUDA graphs (rollout.enforce_eager null) and eager, side by side.
@@ -39,8 +39,8 @@ def trainer_rows(device: str, quick: bool, tmp: Path) -> list[str]:
 
     import torch
 
-    from assets.models import build_random_model
     from bench.memory_plan import Row, planned, run_row
+    from lorarl.assets.models import build_random_model
 
     dtype = "float32" if device == "cpu" else "bfloat16"
     shapes = [("qwen3-0.6b", 1 if quick else 4)] + ([] if quick else [("qwen3-1.7b", 4)])
@@ -83,9 +83,9 @@ def rollout_rows(device: str, quick: bool, tmp: Path) -> list[str]:
         return ["skipped: this vLLM build is the CPU one"]
     import torch
 
-    from assets.models import build_random_model
-    from services.rollout.config import RolloutSettings
-    from services.rollout.vllm.engine import VllmEngine
+    from lorarl.assets.models import build_random_model
+    from lorarl.rollout.config import RolloutSettings
+    from lorarl.rollout.vllm.engine import VllmEngine
 
     model_dir = tmp / "rollout-model"
     build_random_model("qwen3-0.6b", model_dir, num_layers=4, dtype=torch.bfloat16)
@@ -101,7 +101,7 @@ def rollout_rows(device: str, quick: bool, tmp: Path) -> list[str]:
 
 async def _generate(engine, sequences: int, tokens: int) -> tuple[float, int]:
     """Seconds and tokens of one batch of greedy, EOS-ignoring segments (after a warm-up segment)."""
-    from services.rollout.schema import Sampling, SegmentSpec
+    from lorarl.rollout.schema import Sampling, SegmentSpec
 
     sampling = Sampling(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 

@@ -4,8 +4,8 @@ At Qwen3's vocabulary the LM head is most of a LoRA step's compute on small and 
 Routes, each a forward and backward of the same [tokens, hidden] input through Qwen3-0.6B's frozen
 head (random init, fp32 or bf16):
 - "whole": autograd through the whole micro-batch's log-softmax (keeps [tokens, V] fp32 for backward);
-- "chunked": autograd over checkpointed chunks (services.trainer.engines.recompute; backward recomputes the logits);
-- "closed form": services.trainer.engines.head_logprobs (the gradient basis taken in forward; the engine's route).
+- "chunked": autograd over checkpointed chunks (lorarl.trainer.engines.recompute; backward recomputes the logits);
+- "closed form": lorarl.trainer.engines.head_logprobs (the gradient basis taken in forward; the engine's route).
 Each is timed best of ``--repeats`` in one process, alternating, and the closed form's input gradient is
 compared with the whole route's.
 
@@ -34,9 +34,9 @@ HIDDEN, VOCAB = 1024, 151936  # Qwen3-0.6B
 
 
 def routes(chunk: int) -> dict[str, Callable]:
-    from services.trainer.engines.head_logprobs import head_token_logprobs
-    from services.trainer.engines.policy_engine import token_logprobs
-    from services.trainer.engines.recompute import chunked_token_logprobs
+    from lorarl.trainer.engines.head_logprobs import head_token_logprobs
+    from lorarl.trainer.engines.policy_engine import token_logprobs
+    from lorarl.trainer.engines.recompute import chunked_token_logprobs
 
     return {
         "whole": lambda h, head, t: token_logprobs(head(h), t)[0],

@@ -37,7 +37,7 @@ IDS = [[257, 10, 55, 43, 52, 258, 10, 9], [257, 40, 41, 42, 43, 44, 45, 46]]
 
 
 def batch(seed: int, vocab: int, groups: int = 3, group_size: int = 3, prompt: int = 6, completion: int = 8) -> list:
-    from services.trainer.engines.api import TrajectoryRecord
+    from lorarl.trainer.engines.api import TrajectoryRecord
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -51,8 +51,8 @@ def batch(seed: int, vocab: int, groups: int = 3, group_size: int = 3, prompt: i
 
 
 def spec(path: Path, engine: str, device: str, dtype: str = "float32", lr: float = 1e-2, **kw: object):
-    from services.trainer.engines.api import JobSpec, OptimizerSettings
-    from services.trainer.rl.lora import LoraConfig
+    from lorarl.trainer.engines.api import JobSpec, OptimizerSettings
+    from lorarl.trainer.rl.lora import LoraConfig
 
     return JobSpec(base_model_path=str(path), engine=engine, device=device, dtype=dtype,
                    lora=LoraConfig(rank=8, alpha=16, **kw), optimizer=OptimizerSettings(learning_rate=lr))
@@ -70,9 +70,9 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def check_parity(models: dict[str, Path], device: str) -> dict[str, float]:
-    from services.trainer.engines.megatron.engine import MegatronEngine
-    from services.trainer.engines.torch_engine import TorchEngine
-    from services.trainer.rl.lora import load_peft_state_dict
+    from lorarl.trainer.engines.megatron.engine import MegatronEngine
+    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.rl.lora import load_peft_state_dict
 
     out = {}
     for which, path in models.items():
@@ -88,8 +88,8 @@ def check_parity(models: dict[str, Path], device: str) -> dict[str, float]:
 
 
 def check_learning(path: Path, device: str) -> tuple[float, float]:
-    from services.trainer.engines.api import TrajectoryRecord
-    from services.trainer.engines.megatron.engine import MegatronEngine
+    from lorarl.trainer.engines.api import TrajectoryRecord
+    from lorarl.trainer.engines.megatron.engine import MegatronEngine
 
     engine = MegatronEngine(spec(path, "megatron", device, lr=2e-3))
     records = [TrajectoryRecord([1, 5, 9], [10, 11, 12, 13], [], [0] * 4, 1.0, "g"),
@@ -103,8 +103,8 @@ def check_export(models: dict[str, Path], device: str, tmp: Path) -> dict[str, f
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.engines.megatron.engine import MegatronEngine
-    from services.trainer.engines.megatron.model import compute_logits
+    from lorarl.trainer.engines.megatron.engine import MegatronEngine
+    from lorarl.trainer.engines.megatron.model import compute_logits
 
     out = {}
     ids = torch.tensor(IDS, device=device)
@@ -136,8 +136,8 @@ def best_step_time(make: Callable[[], object], records: list, steps: int, device
 
 
 def step_times(path: Path, device: str, dtype: str, steps: int, tokens: tuple[int, int]) -> dict[str, float]:
-    from services.trainer.engines.megatron.engine import MegatronEngine
-    from services.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.engines.megatron.engine import MegatronEngine
+    from lorarl.trainer.engines.torch_engine import TorchEngine
 
     vocab = 250
     records = batch(4, vocab, groups=2, group_size=4, prompt=tokens[0], completion=tokens[1])
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-0.6B-shaped timing model")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per engine (after one warmup)")
     args = parser.parse_args(argv)
-    from assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
+    from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     if args.device.startswith("cuda"):
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             timing_model, dtype, tokens = DENSE_MODEL_DIR, "float32", (8, 8)
         else:
-            from assets.models import build_random_model
+            from lorarl.assets.models import build_random_model
 
             timing_model = Path(tmp) / "qwen3-0.6b"
             build_random_model("qwen3-0.6b", timing_model, num_layers=args.layers, seed=0, dtype=torch.bfloat16)

@@ -1,21 +1,21 @@
 """Trainer memory: what the `--dry-run` plan predicts against the peak a real train step reaches.
 
 Random-init models with real Qwen3 layer shapes (a few layers, the full 151,936-token vocabulary) are
-built locally (assets.models.build_random_model). Each row runs in a fresh process: a TorchEngine
+built locally (lorarl.assets.models.build_random_model). Each row runs in a fresh process: a TorchEngine
 (rank-32 all-linear LoRA) is created, then one forward_backward on a micro-batch of ``batch`` x
 ``seq`` tokens (distinct prompts of 64 tokens, so the plain forward runs: the plan's formula is per
 token of the padded micro-batch), with activation checkpointing on or off. Measured:
 
 - CPU: the process's peak resident set (VmHWM, reset once the engine is built) minus its resident set
   before the step: the step's own bytes; and the whole process's peak against the plan's total
-  (weights + adapters, gradients, Adam + step + services.trainer.engines.memory.CPU_RUNTIME_BYTES). The measured
+  (weights + adapters, gradients, Adam + step + lorarl.trainer.engines.memory.CPU_RUNTIME_BYTES). The measured
   process runs with glibc's mmap threshold fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_), so blocks it frees go
   back to the OS and its resident set follows the live tensors, as max_memory_allocated does on CUDA. With
   glibc's default (a threshold that rises to 32 MiB) a checkpointed step kept 0.03-0.33 GiB of freed heap
   resident at the 0.6B and 8B shapes (2026-12-01): the plan counts tensors, not the allocator's slack.
 - CUDA (``--device cuda``): torch.cuda.max_memory_allocated, reset after the engine is built.
 
-The plan's numbers come from services.trainer.engines.memory, the formulas the engine's "auto" decides by;
+The plan's numbers come from lorarl.trainer.engines.memory, the formulas the engine's "auto" decides by;
 every row prints plan / measured, and the run fails (exit 1) if any ratio leaves [0.8, 1.2].
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/memory_plan.py            # CPU rows, ~15 minutes
@@ -74,9 +74,9 @@ def measure(row: Row, model_dir: str, device: str) -> dict[str, float]:
     """One row in this process: the engine, one forward_backward, the peaks (bytes)."""
     import torch
 
-    from services.trainer.engines.api import JobSpec, MemorySettings, OptimizerSettings, TrajectoryRecord
-    from services.trainer.engines.torch_engine import TorchEngine
-    from services.trainer.rl.lora import LoraConfig
+    from lorarl.trainer.engines.api import JobSpec, MemorySettings, OptimizerSettings, TrajectoryRecord
+    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.rl.lora import LoraConfig
 
     spec = JobSpec(base_model_path=model_dir, device=device, dtype=row.dtype,
                    lora=LoraConfig(rank=RANK, alpha=2 * RANK), optimizer=OptimizerSettings(learning_rate=1e-4),
@@ -109,8 +109,8 @@ def measure(row: Row, model_dir: str, device: str) -> dict[str, float]:
 
 
 def planned(row: Row, shape: dict, device: str) -> dict[str, float]:
-    from clients.plan import ADAPTER_BYTES, count
-    from services.trainer.engines.memory import CPU_RUNTIME_BYTES, dtype_bytes, step_memory
+    from lorarl.client.plan import ADAPTER_BYTES, count
+    from lorarl.trainer.engines.memory import CPU_RUNTIME_BYTES, dtype_bytes, step_memory
 
     step = step_memory(shape, RANK, row.dtype, row.batch * row.seq, row.checkpointing, 1024)
     n = count(shape, RANK)
@@ -147,7 +147,7 @@ def main() -> int:
         print(json.dumps(measure(Row(**json.loads(args.measure)), args.model_dir, args.device)))
         return 0
 
-    from assets.models import build_random_model
+    from lorarl.assets.models import build_random_model
 
     rows = QUICK_ROWS if args.quick else FULL_ROWS
     lines = ["| shape (layers) | dtype | ckpt | batch x seq | plan step GiB | measured step GiB | step plan/meas. | "

@@ -1,9 +1,9 @@
 """Trainer benchmark: a GRPO train step with each group's prompt computed once vs once per completion.
 
-Three TorchEngines on the shipped tiny dense Qwen3 (``assets/models/qwen3-tiny``), identical but for
+Three TorchEngines on the shipped tiny dense Qwen3 (``lorarl/assets/models/qwen3-tiny``), identical but for
 ``share_prompts`` / ``pack_completions``: plain (every row's prompt+completion), shared prompts with
 the completions in padded rows, and shared prompts with the completions packed into lines
-(services.trainer.engines.prefix_sharing picks packing by its cost estimate; the table says which layout
+(lorarl.trainer.engines.prefix_sharing picks packing by its cost estimate; the table says which layout
 ran). They train on the same demo-shaped batch: the first ``--groups`` prompts of the shipped train
 split, chat-rendered as the demo sends them (14-18 tokens; ``--prompt-tokens N`` uses random prompts
 of N tokens instead), ``--group-size`` completions of ``--completion-tokens`` random tokens each, or
@@ -45,8 +45,8 @@ def demo_prompts(groups: int, prompt_tokens: int, rng: random.Random) -> list[li
     ``prompt_tokens`` > 0, random prompts of that length."""
     if prompt_tokens > 0:
         return [[rng.randrange(32, 127) for _ in range(prompt_tokens)] for _ in range(groups)]
-    from assets.tasks import load_split
-    from assets.tokenizer import default_tokenizer, prompt_token_ids
+    from lorarl.assets.tasks import load_split
+    from lorarl.assets.tokenizer import default_tokenizer, prompt_token_ids
 
     tokenizer = default_tokenizer()
     return [prompt_token_ids(tokenizer, problem.prompt) for problem in load_split("train")[:groups]]
@@ -56,7 +56,7 @@ def demo_batch(groups: int, group_size: int, prompt_tokens: int, completion_toke
                min_completion_tokens: int = 0) -> list:
     """Demo-shaped GRPO batch: ``groups`` prompts, random completions (``completion_tokens`` long, or of a
     uniformly drawn length from ``min_completion_tokens`` when > 0) and 0/1 rewards."""
-    from services.trainer.engines.api import TrajectoryRecord
+    from lorarl.trainer.engines.api import TrajectoryRecord
 
     rng = random.Random(seed)
     low = min_completion_tokens if min_completion_tokens > 0 else completion_tokens
@@ -76,10 +76,10 @@ TITLES = {"plain": "plain (prompt per completion)", "padded": "shared prompt, pa
 
 
 def engine(variant: str, micro_batch_tokens: int):
-    from assets.paths import DENSE_MODEL_DIR
-    from services.trainer.engines.api import JobSpec, OptimizerSettings
-    from services.trainer.engines.torch_engine import TorchEngine
-    from services.trainer.rl.lora import LoraConfig
+    from lorarl.assets.paths import DENSE_MODEL_DIR
+    from lorarl.trainer.engines.api import JobSpec, OptimizerSettings
+    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.rl.lora import LoraConfig
 
     spec = JobSpec(base_model_path=str(DENSE_MODEL_DIR), lora=LoraConfig(rank=8, alpha=16),
                    optimizer=OptimizerSettings(learning_rate=2e-3, micro_batch_tokens=micro_batch_tokens))
@@ -103,8 +103,8 @@ def packed_micro_batches(batch: list, micro_batch_tokens: int, model: torch.nn.M
                          ) -> tuple[int, int, float]:
     """(micro-batches the packed engine packs, micro-batches, seconds to plan them and build their
     packed inputs and masks, best of ``repeats``): the layout's own overhead, measured apart from the step."""
-    from services.trainer.engines.batching import micro_batches, pack
-    from services.trainer.engines.prefix_sharing import attention_cost, packed_completion_inputs, plan_prefix_sharing
+    from lorarl.trainer.engines.batching import micro_batches, pack
+    from lorarl.trainer.engines.prefix_sharing import attention_cost, packed_completion_inputs, plan_prefix_sharing
 
     weight = attention_cost(model)
     micros = [pack([batch[i] for i in idx]) for idx in micro_batches([r.num_tokens for r in batch],
@@ -189,8 +189,8 @@ def main() -> int:
     completions = (f"{args.completion_tokens} tokens" if args.min_completion_tokens <= 0 else
                    f"{args.min_completion_tokens}-{args.completion_tokens} tokens (mean "
                    f"{statistics.mean(lengths):.1f})")
-    setup = (f"Tiny dense Qwen3 (assets/models/qwen3-tiny), float32 on cpu ({platform.machine()}, {os.cpu_count()} "
-             f"CPUs, torch {torch.__version__}, {args.threads} intra-op thread(s), load average "
+    setup = (f"Tiny dense Qwen3 (lorarl/assets/models/qwen3-tiny), float32 on cpu ({platform.machine()}, "
+             f"{os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} intra-op thread(s), load average "
              f"{os.getloadavg()[0]:.1f} at the end of the run); {args.groups} groups x {args.group_size} completions "
              f"of {completions}, prompts {span} tokens ("
              f"{source}), GRPO, LoRA r=8 all-linear, "

@@ -1,7 +1,7 @@
 """Rollout throughput: the gRPC service vs the raw vLLM engine, and base vs adapter vs merged policies.
 
 For each model (the shipped tiny dense policy, and a random-init model with Qwen3-0.6B's shapes
-built locally by assets.models with ``--layers`` layers; float32, nothing downloaded):
+built locally by lorarl.assets.models with ``--layers`` layers; float32, nothing downloaded):
 
 - a rollout service process (`lorarl serve rollout`, vLLM engine) and, in this process, a raw
   vLLM AsyncLLM started with the same engine arguments are both up; the same batch (``--groups``
@@ -66,7 +66,7 @@ class ModelCase:
 
 
 def tiny_model() -> Path:
-    from assets.paths import DENSE_MODEL_DIR
+    from lorarl.assets.paths import DENSE_MODEL_DIR
 
     if (DENSE_MODEL_DIR / "config.json").is_file():
         return DENSE_MODEL_DIR
@@ -74,8 +74,8 @@ def tiny_model() -> Path:
 
 
 def build(shape: str, layers: int | None) -> Path:
-    """A random-init model of a named shape (assets.models), cached under the temp dir."""
-    from assets.models import build_random_model
+    """A random-init model of a named shape (lorarl.assets.models), cached under the temp dir."""
+    from lorarl.assets.models import build_random_model
 
     out = Path(tempfile.gettempdir()) / "lorarl-bench" / f"{shape}-L{layers or 'all'}-fp32"
     if not (out / "config.json").is_file():
@@ -85,7 +85,7 @@ def build(shape: str, layers: int | None) -> Path:
 
 
 def random_adapter(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    from services.rollout.model_files import ModelFiles
+    from lorarl.rollout.model_files import ModelFiles
 
     files = ModelFiles(path)
     g = torch.Generator().manual_seed(seed)
@@ -109,7 +109,7 @@ def settings_for(case: ModelCase, max_num_seqs: int) -> dict[str, Any]:
 
 
 def start_service(case: ModelCase, workdir: Path, max_num_seqs: int) -> tuple[subprocess.Popen[bytes], str]:
-    from services.common.ready import wait_for_ready_file
+    from lorarl.common.ready import wait_for_ready_file
 
     config = {"server": {"port": 0, "metrics_port": -1, "log_level": "warning"},
               "rollout": settings_for(case, max_num_seqs)}
@@ -118,8 +118,9 @@ def start_service(case: ModelCase, workdir: Path, max_num_seqs: int) -> tuple[su
     ready = workdir / f"{case.name}.ready.json"
     log = (workdir / f"{case.name}.log").open("wb")
     env = {**os.environ, "LORARL_AUTH_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "clients.cli", "serve", "rollout", "--config", str(config_path),
-                                "--ready-file", str(ready)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen([sys.executable, "-m", "lorarl.client.cli", "serve", "rollout",
+                                "--config", str(config_path), "--ready-file", str(ready)],
+                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     info = wait_for_ready_file(ready, timeout=600, process=process)
     return process, info["address"]
 
@@ -170,9 +171,8 @@ async def service_round(stub: Any, batch: list[list[int]], n: int, max_tokens: i
 
 
 async def load(stub: Any, job: str, tensors: dict[str, torch.Tensor], mode: int, fingerprint: str) -> float:
+    from lorarl.rollout.client import load_weights_stream
     from lorarl.v1 import common_pb2
-
-    from services.rollout.client import load_weights_stream
 
     lora = common_pb2.LoraSpec(rank=RANK, alpha=2.0 * RANK) if mode == common_pb2.SYNC_MODE_ADAPTER else None
     start = time.perf_counter()
@@ -181,14 +181,13 @@ async def load(stub: Any, job: str, tensors: dict[str, torch.Tensor], mode: int,
 
 
 async def measure(case: ModelCase, args: argparse.Namespace, address: str) -> None:
+    from lorarl.common.channel import aio_channel
+    from lorarl.contract.lora import LoraSpec
+    from lorarl.rollout.config import RolloutSettings
+    from lorarl.rollout.model_files import ModelFiles
+    from lorarl.rollout.payloads import complete_weights, merge_adapter
+    from lorarl.rollout.vllm.engine import VllmEngine
     from lorarl.v1 import common_pb2, rollout_pb2_grpc
-
-    from services.common.channel import aio_channel
-    from services.contract.lora import LoraSpec
-    from services.rollout.config import RolloutSettings
-    from services.rollout.model_files import ModelFiles
-    from services.rollout.payloads import complete_weights, merge_adapter
-    from services.rollout.vllm.engine import VllmEngine
 
     batch = prompts(case, args.groups)
     raw_engine = VllmEngine(RolloutSettings(**settings_for(case, args.groups * args.n)))
@@ -226,7 +225,7 @@ async def measure(case: ModelCase, args: argparse.Namespace, address: str) -> No
 
 
 def run_case(case: ModelCase, args: argparse.Namespace) -> None:
-    from services.rollout.model_files import ModelFiles
+    from lorarl.rollout.model_files import ModelFiles
 
     files = ModelFiles(case.path)
     case.parameters = sum(_numel(files.shape(n)) for n in files.weight_names())

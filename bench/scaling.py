@@ -1,7 +1,7 @@
 """The whole loop at real shapes and lengths: how step time and trainer memory grow with completions.
 
 A random-init model with Qwen3-0.6B's layer shapes (2 layers, the full 151,936-token vocabulary;
-assets.models.build_random_model) runs the demo job through `lorarl run`'s own stack (three services
+lorarl.assets.models.build_random_model) runs the demo job through `lorarl run`'s own stack (three services
 on loopback, vLLM on CPU, sync loop, rank-32 LoRA, one prompt a step) with completions of 256, 1024
 and 4096 tokens and groups of 4 and 16. A random policy rarely samples EOS, so completions run to
 max_tokens (the table prints the real token counts). Per setting: the last step's time (generation,
@@ -70,7 +70,7 @@ def peak_rss_gib(pid: int) -> float:
 
 def run_setting(model_dir: Path, out: Path, completion: int, group: int, steps: int) -> Point:
     from bench.lorarl_job import run_job
-    from clients.job_config import load_job_config
+    from lorarl.client.job_config import load_job_config
 
     cfg = load_job_config(str(ROOT / "examples/demo.yaml"), [
         f"model.path={model_dir}", "loop.mode=sync", f"loop.steps={steps}", "loop.prompts_per_step=1",
@@ -100,7 +100,7 @@ def main() -> int:
 
     import torch
 
-    from assets.models import build_random_model
+    from lorarl.assets.models import build_random_model
 
     settings = QUICK if args.quick else FULL
     if args.settings:

@@ -3,7 +3,7 @@
 Two TorchEngines on the shipped tiny dense Qwen3, identical but for ``LoRALinear.merged_matmul``:
 "low rank" computes each adapted projection as x W^T + scale (x A^T) B^T (a shrink, an expand and an
 add over the whole output), "merged" as x (W + scale B A)^T with its own backward
-(services/trainer/rl/lora.py: _MergedLoRAMatmul). They train on the demo-shaped batch of
+(lorarl/trainer/rl/lora.py: _MergedLoRAMatmul). They train on the demo-shaped batch of
 bench/prefix_sharing.py (16 task prompts x 8 completions of 1-8 tokens, GRPO, rank-8 all-linear,
 lr 2e-3), steps alternating in one process so machine load hits both alike; after warm-up steps the
 best and median of the timed steps are reported with their ratio, and both engines' losses and
@@ -33,7 +33,7 @@ VARIANTS = ("low rank", "merged")
 
 def lora_engine(merged: bool):
     from bench.prefix_sharing import engine
-    from services.trainer.rl.lora import LoRALinear
+    from lorarl.trainer.rl.lora import LoRALinear
 
     e = engine("packed", 0)
     for module in e.model.modules():
@@ -70,8 +70,8 @@ def main() -> int:
         rows.append(f"| step {i + 1} loss / grad_norm | {first['low rank'][i]['loss']:.7f} / "
                     f"{first['low rank'][i]['grad_norm']:.7f} | {first['merged'][i]['loss']:.7f} / "
                     f"{first['merged'][i]['grad_norm']:.7f} | |")
-    setup = (f"Tiny dense Qwen3 (assets/models/qwen3-tiny), float32 on cpu ({platform.machine()}, {os.cpu_count()} "
-             f"CPUs, torch {torch.__version__}, {args.threads} intra-op thread(s), load average "
+    setup = (f"Tiny dense Qwen3 (lorarl/assets/models/qwen3-tiny), float32 on cpu ({platform.machine()}, "
+             f"{os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} intra-op thread(s), load average "
              f"{os.getloadavg()[0]:.1f} at the end of the run); 16 task prompts x 8 completions of 1-8 tokens, "
              f"shared prompts with packed completions, GRPO, LoRA r=8 all-linear, one micro-batch; both engines "
              f"in one process, steps alternating, {args.warmup} warm-up step(s) each.")

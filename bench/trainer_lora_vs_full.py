@@ -54,7 +54,7 @@ def lora_share_at(layers: int, rank: int) -> tuple[int, int]:
     """(LoRA params, all params) of the all-linear adapter for a model with ``layers`` layers (no weights built)."""
     from transformers import Qwen3ForCausalLM
 
-    from services.trainer.rl.lora import DENSE_TARGETS
+    from lorarl.trainer.rl.lora import DENSE_TARGETS
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM(qwen3_06b_config(layers))
@@ -65,7 +65,7 @@ def lora_share_at(layers: int, rank: int) -> tuple[int, int]:
 
 
 def make_batch(sequences: int, prompt_tokens: int, completion_tokens: int):
-    from services.trainer.engines.api import TrajectoryRecord
+    from lorarl.trainer.engines.api import TrajectoryRecord
 
     g = torch.Generator().manual_seed(1)
     out = []
@@ -111,9 +111,9 @@ def current_bytes(device: str) -> int:
 
 
 def run_variant(args: argparse.Namespace) -> dict:
-    from services.trainer.engines.api import JobSpec, OptimizerSettings
-    from services.trainer.engines.torch_engine import TorchEngine
-    from services.trainer.rl.lora import LoraConfig
+    from lorarl.trainer.engines.api import JobSpec, OptimizerSettings
+    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.rl.lora import LoraConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

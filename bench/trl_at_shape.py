@@ -2,7 +2,7 @@
 
 The toy comparison (bench/trl_vs_lorarl.py) times a 1M-parameter model that decodes 8 tokens; this one
 times a random-init model with Qwen3-0.6B's layer shapes (2 layers, the full 151,936-token vocabulary;
-assets.models.build_random_model) and 256-token completions, where generation and the vocabulary-wide
+lorarl.assets.models.build_random_model) and 256-token completions, where generation and the vocabulary-wide
 log-softmax dominate as they do in real jobs. Same job on both sides (examples/demo.yaml with the
 overrides below: sync loop for lorarl, the same prompts in the same order, group size, learning rate,
 rank-32 all-linear LoRA, GRPO loss), TRL with PEFT and HF generate in its own process on all cores
@@ -34,7 +34,7 @@ GOAL = 0.5
 
 
 def job(model_dir: Path, out: Path, steps: int, tokens: int, group: int, prompts: int):
-    from clients.job_config import load_job_config
+    from lorarl.client.job_config import load_job_config
 
     return load_job_config(str(ROOT / "examples/demo.yaml"), [
         f"model.path={model_dir}", "loop.mode=sync", f"loop.steps={steps}", f"loop.prompts_per_step={prompts}",
@@ -64,9 +64,9 @@ def main() -> int:
 
     import torch
 
-    from assets.models import build_random_model
     from bench.lorarl_job import run_job
     from bench.trl_vs_lorarl import run_trl, trl_spec
+    from lorarl.assets.models import build_random_model
 
     with tempfile.TemporaryDirectory(prefix="lorarl-trl-shape-") as tmp:
         model_dir = Path(tmp) / "model"

@@ -60,7 +60,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from clients.rewards import load_reward
+    from lorarl.client.rewards import load_reward
 
     reward_fn = load_reward(spec["reward"])
 

@@ -1,6 +1,6 @@
 """lorarl vs TRL's GRPOTrainer (PEFT LoRA, HF generate, CPU) on the same job, side by side in one run.
 
-Both train the shipped tiny dense Qwen3 (assets/models/qwen3-tiny, its byte-level tokenizer and ChatML
+Both train the shipped tiny dense Qwen3 (lorarl/assets/models/qwen3-tiny, its byte-level tokenizer and ChatML
 template) on the shipped tasks with the `exact` reward, with the job's group size, prompts per step,
 learning rate, LoRA rank/alpha/targets, completion length, temperature, step count and GRPO loss
 (examples/demo.yaml by default), on the same prompts in the same order:
@@ -134,7 +134,7 @@ def table(ours: Curve, peer: Curve, base: float, target: float, tolerance: float
 
 def trl_spec(cfg: Any, threads: int, export_every: int) -> dict[str, Any]:
     """The lorarl job's settings and its exact prompt stream, for bench/trl_grpo.py."""
-    from clients.datasets import TrainStream, load_examples
+    from lorarl.client.datasets import TrainStream, load_examples
 
     train = load_examples(cfg.data.source, "train", cfg.data.train_path)
     examples = TrainStream(train, cfg.data.seed).take(cfg.loop.steps * cfg.loop.prompts_per_step)
@@ -236,7 +236,7 @@ def main() -> int:
         return 2
 
     from bench.lorarl_job import evaluate_adapters, run_job
-    from clients.job_config import load_job_config
+    from lorarl.client.job_config import load_job_config
 
     out = ROOT / args.out
     overrides = ["output.tensorboard=false", "loop.eval_every=0", "job_id=bench-lorarl"]

@@ -61,8 +61,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    from assets.paths import DENSE_MODEL_DIR
-    from services.rollout.vllm.worker_ext import EXTENSION_QUALNAME
+    from lorarl.assets.paths import DENSE_MODEL_DIR
+    from lorarl.rollout.vllm.worker_ext import EXTENSION_QUALNAME
 
     llm = LLM(model=str(DENSE_MODEL_DIR), dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
               max_num_seqs=args.prompts * args.n, enable_lora=True, max_lora_rank=8, max_loras=2,

@@ -3,7 +3,7 @@
 Builds a random-init model with Qwen3-0.6B's shapes (hidden 1024, intermediate 3072, 16 heads,
 8 KV heads, head_dim 128, vocab 151936, tied embeddings; bf16 like the released checkpoint; layers
 reduced by ``--layers``) in memory from a Qwen3Config, never downloading anything. For each LoRA
-rank it injects all-linear adapters (services/trainer/rl/lora.py, B made non-zero) and registers two
+rank it injects all-linear adapters (lorarl/trainer/rl/lora.py, B made non-zero) and registers two
 jobs on a real weight-sync service process (`lorarl serve weightsync`): one ADAPTER, one MERGED.
 Replicas are real agent processes whose sink materialises (copies) every received tensor.
 
@@ -69,7 +69,7 @@ def build_base(layers: int) -> torch.nn.Module:
 
 
 def lora_model(base: torch.nn.Module, rank: int) -> torch.nn.Module:
-    from services.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
+    from lorarl.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
 
     model = copy.deepcopy(base)
     inject_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank))
@@ -84,16 +84,16 @@ def lora_model(base: torch.nn.Module, rank: int) -> torch.nn.Module:
 
 
 def start_service(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from services.common.ready import wait_for_ready_file
+    from lorarl.common.ready import wait_for_ready_file
 
     config = tmp / "weightsync.yaml"
     config.write_text(json.dumps({"server": {"port": 0, "metrics_port": -1, "shutdown_grace_s": 0.5},
                                   "weightsync": {"storage_dir": str(tmp / "ws")}}))
     ready = tmp / "ready.json"
     env = {**os.environ, "LORARL_AUTH_TOKEN": TOKEN}
-    process = subprocess.Popen([sys.executable, "-m", "clients.cli", "serve", "weightsync", "--config", str(config),
-                                "--ready-file", str(ready), "--log-level", "warning"], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "lorarl.client.cli", "serve", "weightsync",
+                                "--config", str(config), "--ready-file", str(ready), "--log-level", "warning"],
+                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     return process, wait_for_ready_file(ready, timeout=60, process=process)["address"]
 
 
@@ -106,9 +106,8 @@ def start_agent(target: str, replica_id: str) -> subprocess.Popen[bytes]:
 async def run_agent(target: str, replica_id: str) -> None:
     """A replica whose sink copies every tensor it is given (what loading into an engine costs at least)."""
     from lorarl.v1 import common_pb2, weightsync_pb2
-
-    from services.weightsync.client.agent import WeightSyncAgent
-    from services.weightsync.client.sinks import InMemorySink
+    from lorarl.weightsync.client.agent import WeightSyncAgent
+    from lorarl.weightsync.client.sinks import InMemorySink
 
     caps = weightsync_pb2.ReplicaCapabilities(supports_lora=True, max_lora_rank=256, max_loras=8, engine="bench",
                                               collective_backends=[common_pb2.COLLECTIVE_BACKEND_GLOO])
@@ -120,17 +119,16 @@ async def run_agent(target: str, replica_id: str) -> None:
 
 
 def adapter_payload(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    from services.trainer.rl.lora import peft_state_dict
+    from lorarl.trainer.rl.lora import peft_state_dict
 
     return {n: t.to(getattr(torch, args.adapter_dtype)) for n, t in peft_state_dict(model).items()}
 
 
 async def measure_sync(target: str, base: torch.nn.Module, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    from lorarl.trainer.rl.lora import iter_merged_weights
     from lorarl.v1 import common_pb2
-
-    from services.trainer.rl.lora import iter_merged_weights
-    from services.weightsync.client.publisher import WeightPublisher
-    from services.weightsync.wire.catalog import catalog_from_tensors
+    from lorarl.weightsync.client.publisher import WeightPublisher
+    from lorarl.weightsync.wire.catalog import catalog_from_tensors
 
     catalog = catalog_from_tensors(iter_merged_weights(base, merge=False))  # the same for every rank
     modes = (("adapter", common_pb2.SYNC_MODE_ADAPTER), ("merged", common_pb2.SYNC_MODE_MERGED))
@@ -186,9 +184,8 @@ async def measure_sync(target: str, base: torch.nn.Module, args: argparse.Namesp
 def transport_peer(port: int, manifest_path: str, reps: int) -> None:
     """Rank 1 of the transport comparison: receives with our path (verify) and raw, alternately."""
     from lorarl.v1 import common_pb2
-
-    from services.weightsync.client.agent import verified_tensors
-    from services.weightsync.wire.collective import WeightTransferGroup
+    from lorarl.weightsync.client.agent import verified_tensors
+    from lorarl.weightsync.wire.collective import WeightTransferGroup
 
     manifest = common_pb2.WeightManifest.FromString(Path(manifest_path).read_bytes())
     sizes = [b.nbytes for b in manifest.buckets]
@@ -206,15 +203,15 @@ def transport_peer(port: int, manifest_path: str, reps: int) -> None:
 
 
 def measure_transport(model: torch.nn.Module, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    from services.trainer.rl.lora import iter_merged_weights
-    from services.weightsync.wire.collective import WeightTransferGroup
-    from services.weightsync.wire.payload import build_manifest, pack
+    from lorarl.trainer.rl.lora import iter_merged_weights
+    from lorarl.weightsync.wire.collective import WeightTransferGroup
+    from lorarl.weightsync.wire.payload import build_manifest, pack
 
     buckets = list(pack(iter_merged_weights(model), args.bucket_mib << 20))
     manifest = build_manifest(job_id="bench", version=1, mode=2, base_model_fingerprint="f", buckets=buckets)
     manifest_path = tmp / "transport-manifest.binpb"
     manifest_path.write_bytes(manifest.SerializeToString())
-    from services.weightsync.wire.collective import rendezvous_store
+    from lorarl.weightsync.wire.collective import rendezvous_store
 
     store = rendezvous_store("127.0.0.1", 600)
     peer = subprocess.Popen([sys.executable, __file__, "--transport-peer", str(store.port), str(manifest_path),
@@ -248,7 +245,7 @@ def measure_transport(model: torch.nn.Module, args: argparse.Namespace, tmp: Pat
 
 def split_bytes(base: torch.nn.Module, rank: int, element_size: int) -> tuple[int, int, int]:
     """(bytes outside the layers, merged bytes per layer, adapter bytes per layer) for the formula."""
-    from services.trainer.rl.lora import iter_merged_weights
+    from lorarl.trainer.rl.lora import iter_merged_weights
 
     fixed = per_layer = 0
     layers = base.config.num_hidden_layers

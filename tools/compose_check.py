@@ -27,7 +27,7 @@ from typing import Any
 
 import jsonschema
 
-from services.common.config import (
+from lorarl.common.config import (
     ENV_PREFIX,
     ENV_SEPARATOR,
     ConfigError,
@@ -77,7 +77,7 @@ def _to_repo(value: Any) -> Any:
 
 def parse_command(command: Sequence[str]) -> argparse.Namespace:
     """`lorarl <command>` parsed by the real CLI parser; ValueError with argparse's message if it fails."""
-    from clients.cli import build_parser
+    from lorarl.client.cli import build_parser
 
     errors = io.StringIO()
     try:
@@ -98,7 +98,7 @@ def environment(service: Mapping[str, Any]) -> dict[str, str]:
 
 def service_config(service: Mapping[str, Any], args: argparse.Namespace) -> Any:
     """The config `lorarl serve` builds from this service's config file, environment and flags."""
-    from clients.commands.serve import SERVICES, flag_overrides
+    from lorarl.client.commands.serve import SERVICES, flag_overrides
 
     config_type = importlib.import_module(SERVICES[args.service]).CONFIG_TYPE
     working_dir = service.get("working_dir", IMAGE_ROOT)
@@ -213,7 +213,7 @@ def _advertised_hosts(config: Any) -> dict[str, str]:
 
 
 def _client_problems(where: str, service: Mapping[str, Any], args: argparse.Namespace) -> list[str]:
-    from clients.job_config import load_job_config
+    from lorarl.client.job_config import load_job_config
 
     working_dir = service.get("working_dir", IMAGE_ROOT)
     job_file = repo_path(args.config, working_dir)

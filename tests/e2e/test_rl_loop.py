@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clients.commands.run import cpu_pins
-from clients.job_config import load_job_config
-from services.common.cpu_affinity import available_cpus
+from lorarl.client.commands.run import cpu_pins
+from lorarl.client.job_config import load_job_config
+from lorarl.common.cpu_affinity import available_cpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def lorarl(*args: str, timeout: float = 800) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).with_name("lorarl")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "clients.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lorarl.client.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -1,6 +1,6 @@
 """Calls that carry no data for minutes survive clients' keepalive pings, on every service.
 
-Clients ping a quiet connection (services.common.channel); a server that does not accept pings that
+Clients ping a quiet connection (lorarl.common.channel); a server that does not accept pings that
 often answers the third early one with GOAWAY ``too_many_pings`` and every call on the connection
 fails UNAVAILABLE. With lorarl's 30 s pings that killed a quiet call after ~2 minutes. Here the same
 failure is replayed in seconds: clients ping every second (gRPC's floor, via $LORARL_GRPC_KEEPALIVE_S),
@@ -20,14 +20,14 @@ from typing import Any
 
 import grpc
 import pytest
-from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
 
-from services.common.channel import KEEPALIVE_ENV, aio_channel, channel_options, client_keepalive_s
-from services.common.server import server_options, start_server
-from services.common.server_config import CLIENT_KEEPALIVE_S, ServerConfig
-from services.weightsync.client.agent import WeightSyncAgent
-from services.weightsync.client.publisher import WeightPublisher
-from services.weightsync.client.sinks import InMemorySink, PolicyUpdate
+from lorarl.common.channel import KEEPALIVE_ENV, aio_channel, channel_options, client_keepalive_s
+from lorarl.common.server import server_options, start_server
+from lorarl.common.server_config import CLIENT_KEEPALIVE_S, ServerConfig
+from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
+from lorarl.weightsync.client.agent import WeightSyncAgent
+from lorarl.weightsync.client.publisher import WeightPublisher
+from lorarl.weightsync.client.sinks import InMemorySink, PolicyUpdate
 
 PING_S = 1.0  # what clients ask for; gRPC sends at most one ping a second anyway
 SERVER_MIN_PING_S = 0.5
@@ -114,7 +114,7 @@ def test_a_quiet_call_outlives_five_ping_intervals() -> None:
 
 
 def test_generate_waiting_on_a_paused_rollout_outlives_five_ping_intervals() -> None:
-    from services.rollout.config import RolloutSettings
+    from lorarl.rollout.config import RolloutSettings
     from tests.integration.rollout.harness import RolloutHarness, greedy
     from tests.unit.rollout.models import PROMPT, dense_model_dir
 
@@ -137,8 +137,8 @@ def test_generate_waiting_on_a_paused_rollout_outlives_five_ping_intervals() -> 
 
 
 def test_a_train_step_of_several_ping_intervals_completes(tmp_path: Path) -> None:
-    from services.trainer.service.config import TrainerSettings
-    from services.trainer.service.server import NAME, TrainerServicer, registration
+    from lorarl.trainer.service.config import TrainerSettings
+    from lorarl.trainer.service.server import NAME, TrainerServicer, registration
     from tests.unit.trainer.tiny import dense_model
 
     model_dir = tmp_path / "model"
@@ -236,9 +236,9 @@ def test_an_idle_subscribe_and_a_pending_await_activation_outlive_five_ping_inte
 
 @contextlib.asynccontextmanager
 async def _weightsync(overrides: list[str]) -> AsyncIterator[Any]:
-    from services.common.config import load_config
-    from services.weightsync.service.config import WeightSyncServiceConfig
-    from services.weightsync.service.server import start_weightsync
+    from lorarl.common.config import load_config
+    from lorarl.weightsync.service.config import WeightSyncServiceConfig
+    from lorarl.weightsync.service.server import start_weightsync
 
     config = load_config(WeightSyncServiceConfig, overrides=overrides, env={})
     running, _ = await start_weightsync(config)

@@ -1,7 +1,7 @@
 """The shared server bootstrap, in-process over loopback: draining, deadlines, errors, TLS.
 
 Each test runs its own event loop (asyncio.run) with a test servicer whose handlers sleep,
-fail or stream, so the behaviour of services.common.server is observable from a real client.
+fail or stream, so the behaviour of lorarl.common.server is observable from a real client.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-from services.common.channel import ClientTls, aio_channel
-from services.common.config import from_dict
-from services.common.errors import FIELD_METADATA_KEY, InvalidArgumentError, NotFoundError
-from services.common.ready import read_ready_file
-from services.common.server import RunningServer, StartupError, start_server
-from services.common.server_config import ServerConfig
+from lorarl.common.channel import ClientTls, aio_channel
+from lorarl.common.config import from_dict
+from lorarl.common.errors import FIELD_METADATA_KEY, InvalidArgumentError, NotFoundError
+from lorarl.common.ready import read_ready_file
+from lorarl.common.server import RunningServer, StartupError, start_server
+from lorarl.common.server_config import ServerConfig
+from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 TOKEN = "bootstrap-test-token"
 SERVICE = "lorarl.v1.TrainerService"
@@ -339,9 +339,9 @@ def test_mutual_tls_requires_a_trusted_client_certificate(pki) -> None:
 
 SIGNAL_AT_READY = """
 import asyncio, os, signal, sys
-from services.common.config import from_dict
-from services.common.server import serve
-from services.common.server_config import ServerConfig
+from lorarl.common.config import from_dict
+from lorarl.common.server import serve
+from lorarl.common.server_config import ServerConfig
 
 config = from_dict(ServerConfig, {"port": 0, "ready_file": sys.argv[1], "shutdown_grace_s": 1})
 # SIGTERM the moment the server is up and its ready file written, before serve() goes on.

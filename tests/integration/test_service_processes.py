@@ -21,12 +21,12 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from lorarl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.channel import ClientTls, sync_channel
-from services.common.cpu_affinity import available_cpus
-from services.common.ready import wait_for_ready_file
+from lorarl.common.channel import ClientTls, sync_channel
+from lorarl.common.cpu_affinity import available_cpus
+from lorarl.common.ready import wait_for_ready_file
+from lorarl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
 
 TOKEN = "process-test-token"
 GRACE_S = 1.0
@@ -80,7 +80,7 @@ SERVICES = [
 
 def lorarl_command() -> list[str]:
     script = Path(sys.executable).with_name("lorarl")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "clients.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lorarl.client.cli"]
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from assets import ASSETS_DIR, DENSE_MODEL_DIR, MOE_MODEL_DIR, load_split
-from assets.evaluate import MAX_NEW_TOKENS, evaluate_greedy, generate_token_ids, pass_at_k
-from assets.tasks import extract_answer
-from assets.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, load_tokenizer, prompt_token_ids
+from lorarl.assets import ASSETS_DIR, DENSE_MODEL_DIR, MOE_MODEL_DIR, load_split
+from lorarl.assets.evaluate import MAX_NEW_TOKENS, evaluate_greedy, generate_token_ids, pass_at_k
+from lorarl.assets.tasks import extract_answer
+from lorarl.assets.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, load_tokenizer, prompt_token_ids
 
 MODEL_DIRS = {"dense": DENSE_MODEL_DIR, "moe": MOE_MODEL_DIR}
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -77,7 +77,7 @@ def test_dense_and_moe_architectures(dense, moe):
 
 def test_shipped_assets_fit_the_size_budget():
     total = sum(f.stat().st_size for f in ASSETS_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
-    assert total <= 30 * 1024 * 1024, f"assets/ holds {total / 2**20:.1f} MiB"
+    assert total <= 30 * 1024 * 1024, f"lorarl/assets/ holds {total / 2**20:.1f} MiB"
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])

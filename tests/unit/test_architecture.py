@@ -1,5 +1,5 @@
 """The house's shape, held by reading its source: no import circles, no peer or upward imports, and one
-definition each of the LoRA scale, merge, PEFT config and defaults (services.contract).
+definition each of the LoRA scale, merge, PEFT config and defaults (lorarl.contract).
 
 Imports are read statically (ast), function-level ones included: a lazy import is still a dependency."""
 
@@ -10,16 +10,21 @@ import re
 from pathlib import Path
 
 import pytest
+
 from lorarl.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("services", "clients", "assets")
+PACKAGES = ("lorarl",)
+#: Generated from protos/: not part of the import rules.
+GENERATED = "lorarl/v1"
 
 
 def modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
+            if path.is_relative_to(ROOT / GENERATED):
+                continue
             parts = path.relative_to(ROOT).with_suffix("").parts
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
@@ -98,33 +103,34 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 #: (importer prefix, imported prefix) pairs that must not occur: peers apart, shared layers below services.
 FORBIDDEN = [
-    ("services.rollout", "services.trainer"),
-    ("services.trainer", "services.rollout"),
-    ("services.weightsync", "services.trainer"),
-    ("services.weightsync", "services.rollout"),
-    ("services.common", "services.trainer"),
-    ("services.common", "services.rollout"),
-    ("services.common", "services.weightsync"),
-    ("services.contract", "services.trainer"),
-    ("services.contract", "services.rollout"),
-    ("services.contract", "services.weightsync"),
-    ("services", "clients"),
+    ("lorarl.rollout", "lorarl.trainer"),
+    ("lorarl.trainer", "lorarl.rollout"),
+    ("lorarl.weightsync", "lorarl.trainer"),
+    ("lorarl.weightsync", "lorarl.rollout"),
+    ("lorarl.common", "lorarl.trainer"),
+    ("lorarl.common", "lorarl.rollout"),
+    ("lorarl.common", "lorarl.weightsync"),
+    ("lorarl.contract", "lorarl.trainer"),
+    ("lorarl.contract", "lorarl.rollout"),
+    ("lorarl.contract", "lorarl.weightsync"),
+    *((service, "lorarl.client") for service in
+      ("lorarl.common", "lorarl.contract", "lorarl.trainer", "lorarl.rollout", "lorarl.weightsync")),
     # weight sync: the libraries other processes embed never reach into the service
-    ("services.weightsync.client", "services.weightsync.service"),
-    ("services.weightsync.wire", "services.weightsync.service"),
-    ("services.weightsync.wire", "services.weightsync.client"),
-    ("services.trainer", "services.weightsync.service"),
-    ("services.rollout", "services.weightsync.service"),
+    ("lorarl.weightsync.client", "lorarl.weightsync.service"),
+    ("lorarl.weightsync.wire", "lorarl.weightsync.service"),
+    ("lorarl.weightsync.wire", "lorarl.weightsync.client"),
+    ("lorarl.trainer", "lorarl.weightsync.service"),
+    ("lorarl.rollout", "lorarl.weightsync.service"),
     # the rollout's segment runner reads the policy table and never loads a version itself
-    ("services.rollout.segments", "services.rollout.policy_manager"),
-    ("services.rollout.segments", "services.rollout.core"),
+    ("lorarl.rollout.segments", "lorarl.rollout.policy_manager"),
+    ("lorarl.rollout.segments", "lorarl.rollout.core"),
     # the trainer's layers, lowest first: rl < engines < ranks < service
-    ("services.trainer.rl", "services.trainer.engines"),
-    ("services.trainer.rl", "services.trainer.ranks"),
-    ("services.trainer.rl", "services.trainer.service"),
-    ("services.trainer.engines", "services.trainer.ranks"),
-    ("services.trainer.engines", "services.trainer.service"),
-    ("services.trainer.ranks", "services.trainer.service"),
+    ("lorarl.trainer.rl", "lorarl.trainer.engines"),
+    ("lorarl.trainer.rl", "lorarl.trainer.ranks"),
+    ("lorarl.trainer.rl", "lorarl.trainer.service"),
+    ("lorarl.trainer.engines", "lorarl.trainer.ranks"),
+    ("lorarl.trainer.engines", "lorarl.trainer.service"),
+    ("lorarl.trainer.ranks", "lorarl.trainer.service"),
 ]
 
 
@@ -154,11 +160,11 @@ def source_lines() -> list[tuple[str, int, str]]:
     return [(name, i, line) for name, path in modules().items() for i, line in code_lines(path)]
 
 
-#: One definition each, everywhere but its home in services.contract.
+#: One definition each, everywhere but its home in lorarl.contract.
 SINGLE_DEFINITIONS = {
-    "LoRA scale": (re.compile(r"alpha\s*/\s*\(?\s*(math\.)?sqrt|alpha\s*/\s*\w*\.?rank\b"), "services.contract.lora"),
-    "LoRA merge": (re.compile(r"\.float\(\)\s*@\s*.*\.float\(\)"), "services.contract.merge"),
-    "PEFT config": (re.compile(r"""["']lora_alpha["']\s*:"""), "services.contract.lora"),
+    "LoRA scale": (re.compile(r"alpha\s*/\s*\(?\s*(math\.)?sqrt|alpha\s*/\s*\w*\.?rank\b"), "lorarl.contract.lora"),
+    "LoRA merge": (re.compile(r"\.float\(\)\s*@\s*.*\.float\(\)"), "lorarl.contract.merge"),
+    "PEFT config": (re.compile(r"""["']lora_alpha["']\s*:"""), "lorarl.contract.lora"),
 }
 
 
@@ -171,9 +177,9 @@ def test_one_definition_of_each_lora_concept(concept: str) -> None:
 
 def test_the_lora_defaults_are_the_contracts_everywhere() -> None:
     """The job file's section, an all-zero JobConfig.lora and the trainer's own spec mean the same LoRA."""
-    from clients.job_config import LoraSection
-    from services.contract.lora import LoraSpec
-    from services.trainer.rl.lora import LoraConfig
+    from lorarl.client.job_config import LoraSection
+    from lorarl.contract.lora import LoraSpec
+    from lorarl.trainer.rl.lora import LoraConfig
 
     assert LoraSection().spec() == LoraSpec()
     assert LoraConfig.from_proto(common_pb2.LoraSpec()) == LoraConfig() == LoraConfig.from_proto(LoraSpec().to_proto())
@@ -183,22 +189,22 @@ def test_the_lora_defaults_are_the_contracts_everywhere() -> None:
 
 def test_weightsync_keeps_service_clients_and_wire_apart() -> None:
     """Every weight-sync module lives in one of its three packages (so the import rules above bind)."""
-    names = [n for n in modules() if _under(n, "services.weightsync") and n != "services.weightsync"]
+    names = [n for n in modules() if _under(n, "lorarl.weightsync") and n != "lorarl.weightsync"]
     assert names and all(n.split(".")[2] in ("wire", "client", "service") for n in names), names
     for client in ("publisher", "agent", "sinks", "activation"):
-        assert f"services.weightsync.client.{client}" in names
+        assert f"lorarl.weightsync.client.{client}" in names
 
 
 def test_trainer_modules_all_sit_in_a_layer() -> None:
     """Every trainer module lives in one of its four layers (so the layer rules above bind)."""
-    names = [n for n in modules() if _under(n, "services.trainer") and n != "services.trainer"]
+    names = [n for n in modules() if _under(n, "lorarl.trainer") and n != "lorarl.trainer"]
     assert names and all(n.split(".")[2] in ("rl", "engines", "ranks", "service") for n in names), names
     for module in ("rl.lora", "rl.losses", "engines.api", "engines.torch_engine", "ranks.group", "service.server"):
-        assert f"services.trainer.{module}" in names
+        assert f"lorarl.trainer.{module}" in names
 
 
 def test_the_rollouts_client_helpers_import_no_rollout_internals() -> None:
-    """services.rollout.client is what other processes embed: it rests on the wire format only."""
-    deps = import_graph()["services.rollout.client"]
-    assert deps and all(_under(d, "services.weightsync.wire") or _under(d, "services.contract")
-                        or _under(d, "services.common") for d in deps), deps
+    """lorarl.rollout.client is what other processes embed: it rests on the wire format only."""
+    deps = import_graph()["lorarl.rollout.client"]
+    assert deps and all(_under(d, "lorarl.weightsync.wire") or _under(d, "lorarl.contract")
+                        or _under(d, "lorarl.common") for d in deps), deps

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from assets.build import main as build_main
-from assets.build import parse_args
-from assets.models import (
+from lorarl.assets.build import main as build_main
+from lorarl.assets.build import parse_args
+from lorarl.assets.models import (
     QWEN3_VOCAB_SIZE,
     count_parameters,
     init_model,
@@ -20,7 +20,7 @@ from assets.models import (
     tiny_dense_config,
     tiny_moe_config,
 )
-from assets.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from lorarl.assets.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 CPU_ATTENTION_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from assets import TASKS_DIR, TOKENIZER_DIR, load_split, reward_fn
-from assets.tasks import (
+from lorarl.assets import TASKS_DIR, TOKENIZER_DIR, load_split, reward_fn
+from lorarl.assets.tasks import (
     REWARD_FNS,
     TEST_PER_TASK,
     Problem,
@@ -19,7 +19,7 @@ from assets.tasks import (
     task_kind,
     write_splits,
 )
-from assets.tokenizer import (
+from lorarl.assets.tokenizer import (
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
     VOCAB_SIZE,
@@ -240,13 +240,13 @@ def test_importing_assets_stays_cheap():
 
 
 def test_render_prompt_is_exported_lazily(tokenizer):
-    import assets
+    import lorarl.assets
 
-    assert assets.render_prompt(tokenizer, "1+1=").endswith("<|im_start|>assistant\n")
+    assert lorarl.assets.render_prompt(tokenizer, "1+1=").endswith("<|im_start|>assistant\n")
 
 
 def test_evaluate_greedy_scores_a_generate_callable(test):
-    from assets.evaluate import evaluate_greedy
+    from lorarl.assets.evaluate import evaluate_greedy
 
     gold = {p.prompt: p.answer for p in test}
     oracle = evaluate_greedy(lambda prompts: [gold[p] + "<|im_end|>" for p in prompts], test)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common import auth
-from services.common.auth import BearerTokenCheck, resolve_token, server_token, tokens_match
-from services.common.config import ConfigError
-from services.common.server_config import AuthConfig
+from lorarl.common import auth
+from lorarl.common.auth import BearerTokenCheck, resolve_token, server_token, tokens_match
+from lorarl.common.config import ConfigError
+from lorarl.common.server_config import AuthConfig
 
 TOKEN = "correct-horse-battery-staple"
 

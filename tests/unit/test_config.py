@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 import yaml
 
-from services.common.config import (
+from lorarl.common.config import (
     ConfigError,
     dump_yaml,
     from_dict,
@@ -20,10 +20,10 @@ from services.common.config import (
     setting,
     to_dict,
 )
-from services.common.server_config import ServerConfig
-from services.rollout.config import RolloutServiceConfig
-from services.trainer.service.config import TrainerServiceConfig
-from services.weightsync.service.config import WeightSyncServiceConfig
+from lorarl.common.server_config import ServerConfig
+from lorarl.rollout.config import RolloutServiceConfig
+from lorarl.trainer.service.config import TrainerServiceConfig
+from lorarl.weightsync.service.config import WeightSyncServiceConfig
 
 
 class Color(enum.Enum):

@@ -1,4 +1,4 @@
-"""CPU lists and process pinning (services/common/cpu_affinity.py)."""
+"""CPU lists and process pinning (lorarl/common/cpu_affinity.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import ConfigError, from_dict
-from services.common.cpu_affinity import (
+from lorarl.common.config import ConfigError, from_dict
+from lorarl.common.cpu_affinity import (
     available_cpus,
     check_cpus,
     cpu_list,
@@ -20,8 +20,8 @@ from services.common.cpu_affinity import (
     machine_cpus,
     parse_cpu_list,
 )
-from services.common.server_config import ServerConfig
-from services.rollout.config import RolloutSettings
+from lorarl.common.server_config import ServerConfig
+from lorarl.rollout.config import RolloutSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ def test_pin_process_pins_threads_already_running_and_threads_started_later() ->
     target, all_cpus = available_cpus()[-1], available_cpus()
     script = textwrap.dedent(f"""
         import json, os, threading
-        from services.common.cpu_affinity import pin_process
+        from lorarl.common.cpu_affinity import pin_process
         stop = threading.Event()
         before = threading.Thread(target=stop.wait); before.start()
         assert len(os.sched_getaffinity(before.native_id)) > 1

@@ -8,8 +8,8 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common import errors
-from services.common.errors import (
+from lorarl.common import errors
+from lorarl.common.errors import (
     FIELD_METADATA_KEY,
     FailedPreconditionError,
     InvalidArgumentError,

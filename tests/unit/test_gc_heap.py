@@ -1,11 +1,11 @@
-"""services.common.gc_heap: start-up objects leave the collector's generations; later cycles still go."""
+"""lorarl.common.gc_heap: start-up objects leave the collector's generations; later cycles still go."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from services.common.gc_heap import freeze_long_lived
+from lorarl.common.gc_heap import freeze_long_lived
 
 
 class Node:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.health_probe import main, probe
+from lorarl.common.health_probe import main, probe
 
 SERVICE = "lorarl.v1.TrainerService"
 

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from services.common.log import configure_logging
+from lorarl.common.log import configure_logging
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def restore_root_logging():
 def test_json_lines(restore_root_logging: None) -> None:
     stream = io.StringIO()
     configure_logging("trainer", level="info", fmt="json", stream=stream)
-    logger = logging.getLogger("services.trainer.test")
+    logger = logging.getLogger("lorarl.trainer.test")
     logger.debug("hidden")
     logger.info("step %d done", 7, extra={"job_id": "j1", "loss": 0.25})
     try:
@@ -38,7 +38,7 @@ def test_json_lines(restore_root_logging: None) -> None:
     assert first["level"] == "info"
     assert first["service"] == "trainer"
     assert first["msg"] == "step 7 done"
-    assert first["logger"] == "services.trainer.test"
+    assert first["logger"] == "lorarl.trainer.test"
     assert first["job_id"] == "j1" and first["loss"] == 0.25
     assert first["ts"].endswith("Z")
     assert lines[1]["level"] == "error" and "RuntimeError: boom" in lines[1]["exc"]

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,13 +1,13 @@
-"""The staleness rule (services.contract.staleness) and the parts that keep to it agree."""
+"""The staleness rule (lorarl.contract.staleness) and the parts that keep to it agree."""
 
 from __future__ import annotations
 
 import torch
 
-from clients.commands.run import stack_sections
-from clients.job_config import load_job_config
-from clients.loop import job_config_proto
-from services.contract import staleness
+from lorarl.client.commands.run import stack_sections
+from lorarl.client.job_config import load_job_config
+from lorarl.client.loop import job_config_proto
+from lorarl.contract import staleness
 
 
 def test_a_token_is_fresh_up_to_the_bound_and_stale_beyond_it() -> None:

@@ -47,7 +47,7 @@ def test_config_files_change_only_host_ports_and_paths(loopback: Loopback) -> No
     words = loopback.command("rollout")
     local = yaml.safe_load(Path(words[words.index("--config") + 1]).read_text())
     original = yaml.safe_load((ROOT / "deploy" / "config" / "rollout.yaml").read_text())
-    assert local["rollout"] == {**original["rollout"], "model_path": str(ROOT / "assets/models/qwen3-tiny")}
+    assert local["rollout"] == {**original["rollout"], "model_path": str(ROOT / "lorarl/assets/models/qwen3-tiny")}
     assert local["server"] == {**original["server"], "host": LOOPBACK, "port": loopback.ports[50052],
                                "metrics_port": loopback.ports[9452]}
     assert len(set(loopback.ports.values())) == 6  # three gRPC and three metrics ports, all distinct

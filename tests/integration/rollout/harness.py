@@ -16,18 +16,18 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-from services.common.channel import sync_channel
-from services.common.server_config import AuthConfig, ServerConfig
-from services.contract.lora import LoraSpec
-from services.rollout.client import load_weights_stream
-from services.rollout.config import RolloutServiceConfig, RolloutSettings
-from services.rollout.core import RolloutCore
-from services.rollout.factory import start_core
-from services.rollout.model_files import ModelFiles
-from services.rollout.payloads import complete_weights, merge_adapter
-from services.rollout.server import start_rollout
+from lorarl.common.channel import sync_channel
+from lorarl.common.server_config import AuthConfig, ServerConfig
+from lorarl.contract.lora import LoraSpec
+from lorarl.rollout.client import load_weights_stream
+from lorarl.rollout.config import RolloutServiceConfig, RolloutSettings
+from lorarl.rollout.core import RolloutCore
+from lorarl.rollout.factory import start_core
+from lorarl.rollout.model_files import ModelFiles
+from lorarl.rollout.payloads import complete_weights, merge_adapter
+from lorarl.rollout.server import start_rollout
+from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 T = TypeVar("T")
 TOKEN = "rollout-test-token"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from lorarl.v1 import common_pb2, rollout_pb2
 
-from services.contract.fingerprint import base_model_fingerprint
-from services.rollout.config import RolloutSettings
+from lorarl.contract.fingerprint import base_model_fingerprint
+from lorarl.rollout.config import RolloutSettings
+from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import RolloutHarness, generate, greedy, load_requests, reference_greedy
 from tests.unit.rollout.models import LORA, PROMPT, dense_model_dir, random_adapter
 

@@ -2,7 +2,7 @@
 
 vLLM rewinds a seeded request's generator offset when it discards the token sampled for a partial
 prefill, which CPU generators cannot do ("CPU Generator does not use offset") — without the
-workaround in services/rollout/vllm/worker_ext.py the first such step kills the engine. A small
+workaround in lorarl/rollout/vllm/worker_ext.py the first such step kills the engine. A small
 ``max_num_batched_tokens`` makes every batch of these prompts chunk. The workaround restores those
 generators' state instead of rewinding an offset, so the tokens do not depend on the chunking, which
 depends on what else the engine runs.
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from lorarl.v1 import common_pb2, rollout_pb2
 
-from services.rollout.config import RolloutSettings
+from lorarl.rollout.config import RolloutSettings
+from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import RolloutHarness
 from tests.unit.rollout.models import dense_model_dir
 

@@ -16,15 +16,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from lorarl.v1 import common_pb2, rollout_pb2
 
-from services.common.cpu_affinity import available_cpus
-from services.contract.fingerprint import base_model_fingerprint
-from services.contract.lora import LoraSpec
-from services.rollout.config import RolloutSettings
-from services.rollout.factory import start_core
-from services.rollout.payloads import PolicyPayload
-from services.rollout.schema import GenerateInput, Mode, PolicyRef, Sampling
+from lorarl.common.cpu_affinity import available_cpus
+from lorarl.contract.fingerprint import base_model_fingerprint
+from lorarl.contract.lora import LoraSpec
+from lorarl.rollout.config import RolloutSettings
+from lorarl.rollout.factory import start_core
+from lorarl.rollout.payloads import PolicyPayload
+from lorarl.rollout.schema import GenerateInput, Mode, PolicyRef, Sampling
+from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import (
     RolloutHarness,
     field_of,
@@ -148,7 +148,7 @@ def test_engine_core_runs_on_the_cpus_it_is_pinned_to(service: RolloutHarness) -
 
 def test_cpu_lora_speedups_match_vllms_own_ops(service: RolloutHarness, model_dir, fingerprint) -> None:
     """On CPU the worker swaps vLLM's LoRA application for grouped ops and a lean add_lora_linear
-    (services/rollout/vllm/worker_ext.py); switched off, the engine runs vLLM's own ops. Greedy tokens
+    (lorarl/rollout/vllm/worker_ext.py); switched off, the engine runs vLLM's own ops. Greedy tokens
     and logprobs agree with the lean path alone and with both: a batch of prompts on one adapter, and
     two adapters plus base-model requests (index -1) in one batch, prefills and decodes."""
     load(service, "lean-a", 1, random_adapter(model_dir, seed=31), ADAPTER, fingerprint)
@@ -195,7 +195,7 @@ def test_base_requests_get_no_adapter_while_every_slot_holds_one(service: Rollou
     """A base-model request (adapter index -1) batched with adapter requests while all max_loras slots
     hold adapters gets the base model's tokens with our CPU LoRA paths (the service default). vLLM's
     own CPU ops read the last slot for index -1 rows, so there the base request gets that adapter's
-    tokens: the bug services/rollout/vllm/cpu_lora_ops.py deliberately does not reproduce. Runs after
+    tokens: the bug lorarl/rollout/vllm/cpu_lora_ops.py deliberately does not reproduce. Runs after
     test_cpu_lora_speedups_match_vllms_own_ops, which needs the last slot never written; unloading
     leaves slot 3 with stale weights, which the fixed paths ignore."""
     jobs = [f"full-{i}" for i in range(4)]  # max_loras=4: loaded in order into the free slots 0..3
@@ -464,9 +464,9 @@ def test_pause_resume_and_abort(service: RolloutHarness) -> None:
 
 def test_weight_sync_sink_with_a_local_merge(service: RolloutHarness, model_dir, adapter, reference,
                                              fingerprint) -> None:
-    from services.rollout.sink import RolloutSink
-    from services.weightsync.client.sinks import PolicyUpdate
-    from services.weightsync.wire.payload import build_manifest, pack
+    from lorarl.rollout.sink import RolloutSink
+    from lorarl.weightsync.client.sinks import PolicyUpdate
+    from lorarl.weightsync.wire.payload import build_manifest, pack
 
     sink = RolloutSink(service.core, service.loop)
     manifest = build_manifest(job_id="sync", version=1, mode=ADAPTER, base_model_fingerprint=fingerprint,

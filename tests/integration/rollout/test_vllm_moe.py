@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from lorarl.v1 import common_pb2, rollout_pb2
 
-from services.contract.fingerprint import base_model_fingerprint
-from services.rollout.config import RolloutSettings
-from services.rollout.model_files import ModelFiles
+from lorarl.contract.fingerprint import base_model_fingerprint
+from lorarl.rollout.config import RolloutSettings
+from lorarl.rollout.model_files import ModelFiles
+from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import (
     RolloutHarness,
     generate,
@@ -121,9 +121,9 @@ def test_switch_mid_generation_retags_tokens(service: RolloutHarness, model_dir,
 
 
 def test_adapter_merged_locally_when_weight_sync_says_so(service: RolloutHarness, model_dir, fingerprint) -> None:
-    from services.rollout.sink import RolloutSink
-    from services.weightsync.client.sinks import PolicyUpdate
-    from services.weightsync.wire.payload import build_manifest, pack
+    from lorarl.rollout.sink import RolloutSink
+    from lorarl.weightsync.client.sinks import PolicyUpdate
+    from lorarl.weightsync.wire.payload import build_manifest, pack
 
     adapter = random_adapter(model_dir, seed=9, targets=ATTENTION)
     manifest = build_manifest(job_id="local", version=1, mode=ADAPTER, base_model_fingerprint=fingerprint,

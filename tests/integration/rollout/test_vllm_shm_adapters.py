@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from services.rollout.config import RolloutSettings
-from services.rollout.factory import start_core
-from services.rollout.payloads import PolicyPayload
-from services.rollout.schema import GenerateInput, Mode, PolicyRef, Sampling
+from lorarl.rollout.config import RolloutSettings
+from lorarl.rollout.factory import start_core
+from lorarl.rollout.payloads import PolicyPayload
+from lorarl.rollout.schema import GenerateInput, Mode, PolicyRef, Sampling
 from tests.integration.rollout.harness import reference_greedy
 from tests.unit.rollout.models import LORA, PROMPT, dense_model_dir, random_adapter
 

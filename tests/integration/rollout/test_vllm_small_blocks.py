@@ -1,4 +1,4 @@
-"""16-token KV blocks on CPU (rollout.block_size=16, allowed by services/rollout/vllm/plugin.py).
+"""16-token KV blocks on CPU (rollout.block_size=16, allowed by lorarl/rollout/vllm/plugin.py).
 
 vLLM's CPU attention backend declares 32-token multiples; the plugin, loaded by vLLM in its engine
 process, lets the demo use 16 so a GRPO group's samples share their short prompt's first block. Each
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorarl.v1 import common_pb2, rollout_pb2
 
-from services.rollout.config import RolloutSettings
+from lorarl.rollout.config import RolloutSettings
+from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import RolloutHarness, greedy, load_requests, reference_greedy
 from tests.unit.rollout.models import LORA, PROMPT, dense_model_dir, random_adapter
 
@@ -41,7 +41,7 @@ def service(model_dir: Path) -> Iterator[RolloutHarness]:
 
 
 def test_the_plugin_is_what_vllm_loads_and_the_engine_runs_16_token_blocks(service: RolloutHarness) -> None:
-    assert "services.rollout.vllm.plugin:register" in {e.value for e in entry_points(group="vllm.general_plugins")}
+    assert "lorarl.rollout.vllm.plugin:register" in {e.value for e in entry_points(group="vllm.general_plugins")}
     assert service.core.engine.llm.vllm_config.cache_config.block_size == 16
 
 

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from services.trainer.engines.distributed import DataParallelEngine, init_distributed, shard_by_group
-from services.trainer.engines.torch_engine import TorchEngine
-from services.trainer.rl.losses import LossSettings
+from lorarl.trainer.engines.distributed import DataParallelEngine, init_distributed, shard_by_group
+from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.losses import LossSettings
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.tiny import dense_model
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from assets import DENSE_MODEL_DIR
-from services.trainer.engines.api import JobSpec
-from services.trainer.engines.torch_engine import TorchEngine
-from services.trainer.rl.lora import LoraConfig, lora_parameters
+from lorarl.assets import DENSE_MODEL_DIR
+from lorarl.trainer.engines.api import JobSpec
+from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.lora import LoraConfig, lora_parameters
 from tests.integration.trainer.vllm_parity import assert_engine_logprobs, vllm_greedy_with_and_without
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

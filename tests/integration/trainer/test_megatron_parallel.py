@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.engines.megatron import convert
-from services.trainer.engines.megatron.model import build_gpt_model, compute_logits, load_hf_state
-from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
+from lorarl.trainer.engines.megatron import convert
+from lorarl.trainer.engines.megatron.model import build_gpt_model, compute_logits, load_hf_state
+from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 from tests.unit.trainer.megatron.spawn import GRAD_PARAM, backward_grad, logits_worker, run_workers
 
-ASSETS = Path(__file__).resolve().parents[3] / "assets" / "models"
+ASSETS = Path(__file__).resolve().parents[3] / "lorarl" / "assets" / "models"
 TOLERANCE = 1e-4  # fp32 reduction order differs across shards (observed up to 1.1e-5 on logits ~7)
 
 

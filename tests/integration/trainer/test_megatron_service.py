@@ -6,10 +6,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from lorarl.v1 import common_pb2, trainer_pb2
 from safetensors.torch import load_file
 
-from assets import MOE_MODEL_DIR
+from lorarl.assets import MOE_MODEL_DIR
+from lorarl.v1 import common_pb2, trainer_pb2
 from tests.integration.trainer.test_trainer_service import BAD, GOOD, job_request, push, trajectory, with_stub
 
 

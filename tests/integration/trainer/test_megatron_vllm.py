@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from assets import DENSE_MODEL_DIR
-from services.trainer.engines.api import JobSpec
-from services.trainer.engines.megatron.engine import MegatronEngine
-from services.trainer.rl.lora import LoraConfig
+from lorarl.assets import DENSE_MODEL_DIR
+from lorarl.trainer.engines.api import JobSpec
+from lorarl.trainer.engines.megatron.engine import MegatronEngine
+from lorarl.trainer.rl.lora import LoraConfig
 from tests.integration.trainer.vllm_parity import assert_engine_logprobs, vllm_greedy_with_and_without
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -27,7 +27,7 @@ PROMPTS = [[257, 10, 55, 43, 52, 258, 10, 257, 9], [257, 40, 41, 42, 43, 44], [2
 
 def test_vllm_serves_the_megatron_adapter_with_the_engines_logprobs(tmp_path: Path) -> None:
 
-    from services.trainer.engines.megatron.parallel import teardown
+    from lorarl.trainer.engines.megatron.parallel import teardown
 
     spec = JobSpec(base_model_path=str(DENSE_MODEL_DIR), engine="megatron", lora=LoraConfig(rank=8, alpha=16))
     engine = MegatronEngine(spec)

@@ -21,16 +21,16 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from lorarl.v1 import common_pb2, rollout_pb2
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from services.contract.fingerprint import base_model_fingerprint
-from services.contract.lora import LoraSpec
-from services.rollout.config import RolloutSettings
-from services.trainer.engines.api import TrajectoryRecord
-from services.trainer.engines.torch_engine import TorchEngine
-from services.trainer.rl.lora import LINEAR_ATTENTION_TARGETS, LoraConfig, LoRALinear, lora_modules, lora_parameters
+from lorarl.contract.fingerprint import base_model_fingerprint
+from lorarl.contract.lora import LoraSpec
+from lorarl.rollout.config import RolloutSettings
+from lorarl.trainer.engines.api import TrajectoryRecord
+from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.lora import LINEAR_ATTENTION_TARGETS, LoraConfig, LoRALinear, lora_modules, lora_parameters
+from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import RolloutHarness, generate, greedy, load_requests
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.qwen3_5_tiny import LAYER_TYPES, build_tiny_qwen3_5

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb2
 
-from services.common.channel import aio_channel
-from services.common.server import start_server
-from services.common.server_config import ServerConfig
-from services.trainer.service.config import TrainerSettings
-from services.trainer.service.server import NAME, TrainerServicer, registration
-from services.weightsync.client.agent import WeightSyncAgent
-from services.weightsync.client.sinks import InMemorySink
+from lorarl.common.channel import aio_channel
+from lorarl.common.server import start_server
+from lorarl.common.server_config import ServerConfig
+from lorarl.trainer.service.config import TrainerSettings
+from lorarl.trainer.service.server import NAME, TrainerServicer, registration
+from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb2
+from lorarl.weightsync.client.agent import WeightSyncAgent
+from lorarl.weightsync.client.sinks import InMemorySink
 from tests.integration.trainer.test_trainer_service import BAD, GOOD, job_request, push, trajectory
 from tests.integration.weightsync.harness import TOKEN, eventually, running_service
 from tests.unit.trainer.tiny import dense_model

@@ -19,12 +19,12 @@ import psutil
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from safetensors.torch import load_file
 
-from assets import DENSE_MODEL_DIR
-from services.common.channel import sync_channel
-from services.common.ready import wait_for_ready_file
+from lorarl.assets import DENSE_MODEL_DIR
+from lorarl.common.channel import sync_channel
+from lorarl.common.ready import wait_for_ready_file
+from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 TOKEN = "ranks-test-token"
 PROMPT = [3, 7, 11, 13]
@@ -43,7 +43,7 @@ class Trainer:
     stub: trainer_pb2_grpc.TrainerServiceStub
 
     def follower_pids(self) -> list[int]:
-        return [c.pid for c in psutil.Process(self.process.pid).children() if "services.trainer.ranks.follower" in
+        return [c.pid for c in psutil.Process(self.process.pid).children() if "lorarl.trainer.ranks.follower" in
                 " ".join(c.cmdline())]
 
     def health(self) -> int:
@@ -52,7 +52,7 @@ class Trainer:
 
 def lorarl_command() -> list[str]:
     script = Path(sys.executable).with_name("lorarl")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "clients.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lorarl.client.cli"]
 
 
 def start_trainer(workdir: Path, ranks: int, *sets: str) -> Trainer:
@@ -245,7 +245,7 @@ def test_idle_followers_stay_in_touch_and_a_killed_one_fails_the_next_call_clear
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_publish_from_two_ranks_reaches_a_vllm_rollout_with_the_trainers_logprobs(tmp_path: Path) -> None:
-    from clients.stack import LocalStack
+    from lorarl.client.stack import LocalStack
 
     sections = {
         "weightsync": {"storage_dir": str(tmp_path / "ws"), "collective_backend": "gloo"},

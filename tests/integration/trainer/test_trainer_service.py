@@ -7,13 +7,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-from services.common.channel import aio_channel
-from services.common.server import start_server
-from services.common.server_config import ServerConfig
-from services.trainer.service.config import TrainerSettings
-from services.trainer.service.server import NAME, TrainerServicer, registration
+from lorarl.common.channel import aio_channel
+from lorarl.common.server import start_server
+from lorarl.common.server_config import ServerConfig
+from lorarl.trainer.service.config import TrainerSettings
+from lorarl.trainer.service.server import NAME, TrainerServicer, registration
+from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.unit.trainer.tiny import dense_model
 
 TOKEN = "trainer-test-token"

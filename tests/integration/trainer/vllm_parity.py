@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.trainer.engines.api import TrainEngine, TrajectoryRecord
+from lorarl.trainer.engines.api import TrainEngine, TrajectoryRecord
 
 
 def assert_engine_logprobs(engine: TrainEngine, prompts: Sequence[list[int]], outputs: Sequence[Any],

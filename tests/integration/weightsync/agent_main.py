@@ -17,10 +17,10 @@ import threading
 
 import torch
 import xxhash
-from lorarl.v1 import common_pb2, weightsync_pb2
 
-from services.weightsync.client.agent import WeightSyncAgent
-from services.weightsync.client.sinks import InMemorySink, PolicyUpdate
+from lorarl.v1 import common_pb2, weightsync_pb2
+from lorarl.weightsync.client.agent import WeightSyncAgent
+from lorarl.weightsync.client.sinks import InMemorySink, PolicyUpdate
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:

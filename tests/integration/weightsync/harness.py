@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.common.config import load_config
-from services.common.server import RunningServer
-from services.weightsync.service.config import WeightSyncServiceConfig
-from services.weightsync.service.core import WeightSyncCore
-from services.weightsync.service.server import start_weightsync
+from lorarl.common.config import load_config
+from lorarl.common.server import RunningServer
+from lorarl.weightsync.service.config import WeightSyncServiceConfig
+from lorarl.weightsync.service.core import WeightSyncCore
+from lorarl.weightsync.service.server import start_weightsync
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "weightsync-test-token"

@@ -7,10 +7,10 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from lorarl.v1 import common_pb2
 
-from services.weightsync.wire.collective import WeightTransferGroup
-from services.weightsync.wire.payload import build_manifest, pack, unpack_bucket
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.wire.collective import WeightTransferGroup
+from lorarl.weightsync.wire.payload import build_manifest, pack, unpack_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_broadcast_buckets_to_two_receivers() -> None:
 
 
 def piecewise_receiver(rank: int, port: int, manifest_bytes: bytes, queue: mp.Queue) -> None:
-    from services.weightsync.client.agent import verify_pieces
+    from lorarl.weightsync.client.agent import verify_pieces
 
     manifest = common_pb2.WeightManifest.FromString(manifest_bytes)
     group = WeightTransferGroup("gloo", "127.0.0.1", port, rank, 3, "p", timeout_s=60, local_address="127.0.0.1",
@@ -73,7 +73,7 @@ def piecewise_receiver(rank: int, port: int, manifest_bytes: bytes, queue: mp.Qu
 
 def test_buckets_travel_in_pieces_verified_as_they_land() -> None:
     """Buckets of ~16 kB in 1000-byte pieces, on a store the sender made first (port 0), pinned to loopback."""
-    from services.weightsync.wire.collective import rendezvous_store
+    from lorarl.weightsync.wire.collective import rendezvous_store
 
     buckets = list(pack(tensors(), bucket_bytes=16_000))
     manifest = build_manifest(job_id="j", version=1, mode=common_pb2.SYNC_MODE_ADAPTER,
@@ -101,7 +101,7 @@ def two_rank_groups(name: str) -> dict[int, WeightTransferGroup]:
     """Ranks 0 and 1 of a gloo group on loopback, built side by side in two threads of this process."""
     import threading
 
-    from services.weightsync.wire.collective import rendezvous_store
+    from lorarl.weightsync.wire.collective import rendezvous_store
 
     store = rendezvous_store("127.0.0.1", 30)
     groups: dict[int, WeightTransferGroup] = {}
@@ -122,7 +122,7 @@ def test_close_without_waiting_shuts_the_group_down_in_the_background(monkeypatc
     """close(wait=False) returns while gloo's shutdown (~20 ms) is still running, and the shutdown does run."""
     import threading
 
-    from services.weightsync.wire import collective
+    from lorarl.weightsync.wire import collective
 
     release, closed = threading.Event(), []
     original = collective._shutdown
@@ -155,7 +155,7 @@ def test_wait_closed_returns_only_once_background_closed_groups_are_destroyed(mo
     import time
     import weakref
 
-    from services.weightsync.wire import collective
+    from lorarl.weightsync.wire import collective
 
     original = collective._shutdown
 
@@ -179,7 +179,7 @@ def test_closers_that_ended_are_not_kept() -> None:
     dropped as new ones start, so the set does not grow with the run."""
     import threading
 
-    from services.weightsync.wire import collective
+    from lorarl.weightsync.wire import collective
 
     class Group:  # a stand-in process group: close() only calls its shutdown()
         def __init__(self) -> None:

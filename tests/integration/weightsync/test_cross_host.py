@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.ready import wait_for_ready_file
+from lorarl.common.ready import wait_for_ready_file
 from tests.integration.test_service_processes import child_env, lorarl_command
 from tests.integration.weightsync.agent_main import tensors_digest
 from tests.integration.weightsync.harness import ROOT, TOKEN, ReplicaProcess

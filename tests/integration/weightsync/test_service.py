@@ -11,13 +11,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from lorarl.v1 import common_pb2, weightsync_pb2
 
-from services.common.errors import FIELD_METADATA_KEY
-from services.weightsync.client.agent import WeightSyncAgent
-from services.weightsync.client.publisher import PublishError, WeightPublisher
-from services.weightsync.client.sinks import MERGED, InMemorySink
-from services.weightsync.wire.payload import build_manifest, pack
+from lorarl.common.errors import FIELD_METADATA_KEY
+from lorarl.v1 import common_pb2, weightsync_pb2
+from lorarl.weightsync.client.agent import WeightSyncAgent
+from lorarl.weightsync.client.publisher import PublishError, WeightPublisher
+from lorarl.weightsync.client.sinks import MERGED, InMemorySink
+from lorarl.weightsync.wire.payload import build_manifest, pack
 from tests.integration.weightsync.harness import TOKEN, eventually, running_service
 from tests.integration.weightsync.tiny import FINGERPRINT, TinyTrainer, lora_spec
 

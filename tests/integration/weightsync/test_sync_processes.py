@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from lorarl.v1 import common_pb2
 
-from services.common.ready import wait_for_ready_file
-from services.weightsync.client.publisher import WeightPublisher
+from lorarl.common.ready import wait_for_ready_file
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.client.publisher import WeightPublisher
 from tests.integration.test_service_processes import child_env, lorarl_command
 from tests.integration.weightsync.agent_main import tensors_digest
 from tests.integration.weightsync.harness import TOKEN, eventually, free_port, replica_processes, running_service

@@ -11,10 +11,9 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from lorarl.v1 import common_pb2
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from services.trainer.rl.lora import (
+from lorarl.trainer.rl.lora import (
     LoraConfig,
     inject_lora,
     iter_merged_weights,
@@ -22,9 +21,10 @@ from services.trainer.rl.lora import (
     lora_parameters,
     peft_state_dict,
 )
-from services.weightsync.client.sinks import ADAPTER, PolicyUpdate
-from services.weightsync.wire.catalog import catalog_from_tensors
-from services.weightsync.wire.merge import merged_from_adapter
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.client.sinks import ADAPTER, PolicyUpdate
+from lorarl.weightsync.wire.catalog import catalog_from_tensors
+from lorarl.weightsync.wire.merge import merged_from_adapter
 
 CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True}

@@ -13,8 +13,7 @@ import os
 import time
 
 from lorarl.v1 import common_pb2
-
-from services.weightsync.client.publisher import WeightPublisher
+from lorarl.weightsync.client.publisher import WeightPublisher
 from tests.integration.weightsync.tiny import FINGERPRINT, TinyTrainer, lora_spec
 
 MODES = {"adapter": common_pb2.SYNC_MODE_ADAPTER, "merged": common_pb2.SYNC_MODE_MERGED}

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from clients.cli import main
-from clients.commands.run import stack_sections, visible_devices
-from clients.job_config import load_job_config
-from clients.plan import KNOWN_SHAPES, count, human_bytes, human_count, place
-from services.common.config import ConfigError
+from lorarl.client.cli import main
+from lorarl.client.commands.run import stack_sections, visible_devices
+from lorarl.client.job_config import load_job_config
+from lorarl.client.plan import KNOWN_SHAPES, count, human_bytes, human_count, place
+from lorarl.common.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 JOB_FILES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples/models").glob("*.yaml"))
@@ -131,8 +131,8 @@ def test_a_cpu_trainer_yields_the_cpu_to_generation() -> None:
 
 
 def test_block_size_reaches_the_rollout_and_must_be_a_multiple_of_16() -> None:
-    from services.common.config import from_dict
-    from services.rollout.config import RolloutSettings
+    from lorarl.common.config import from_dict
+    from lorarl.rollout.config import RolloutSettings
 
     demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
     assert demo.rollout.block_size == 16 and stack_sections(demo, Path("/tmp/x"))["rollout"]["block_size"] == 16
@@ -149,14 +149,14 @@ def test_lorarl_run_pins_a_cpu_jobs_engine_core_and_trainer_to_halves_of_the_cpu
     trainer on the rest; in a sync loop (they take turns) both on all of them; one OpenMP thread per
     pinned CPU; written into the configs and environments the local stack starts them with; nothing
     pinned when off, for an accelerator trainer, several replicas, or a single CPU."""
-    from clients.commands.run import cpu_pins, local_stack
-    from services.common.cpu_affinity import format_cpu_list
+    from lorarl.client.commands.run import cpu_pins, local_stack
+    from lorarl.common.cpu_affinity import format_cpu_list
 
     demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
     sync = load_job_config(str(ROOT / "examples/demo.yaml"), ["loop.mode=sync"])
     for cpus, engine, trainer, threads in (([0, 1], "0", "1", ("1", "1")), ([0, 1, 2, 3, 4], "0-1", "2-4", ("2", "3")),
                                            ([2, 5, 6, 7], "2,5", "6-7", ("2", "2"))):
-        monkeypatch.setattr("services.common.cpu_affinity.available_cpus", lambda cpus=cpus: cpus)
+        monkeypatch.setattr("lorarl.common.cpu_affinity.available_cpus", lambda cpus=cpus: cpus)
         assert cpu_pins(demo) == {"rollout_engine": engine, "trainer": trainer}
         stack = local_stack(demo, Path("/tmp/x"))
         assert stack.sections["rollout"]["engine_cpus"] == engine
@@ -174,7 +174,7 @@ def test_lorarl_run_pins_a_cpu_jobs_engine_core_and_trainer_to_halves_of_the_cpu
     assert cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), ["placement.pin_cpus=off"])) == {}
     assert cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), ["rollout.replicas=2"])) == {}
     assert cpu_pins(load_job_config(str(ROOT / "examples/models/qwen3-8b.yaml"), [])) == {}
-    monkeypatch.setattr("services.common.cpu_affinity.available_cpus", lambda: [3])
+    monkeypatch.setattr("lorarl.common.cpu_affinity.available_cpus", lambda: [3])
     assert cpu_pins(demo) == {}
     stack = local_stack(demo, Path("/tmp/x"))
     assert "engine_cpus" not in stack.sections["rollout"] and stack.server_sections == {} and stack.process_env == {}
@@ -185,7 +185,7 @@ def test_the_plan_counts_activations_as_the_engine_will_run_them(capsys) -> None
     code, out = dry_run(capsys, path)
     assert code == 0 and "checkpointing on (auto)" in out and "micro-batch of 32,768 tokens" in out
     cfg = load_job_config(str(path), [])
-    from clients.plan import model_shape, trainer_memory
+    from lorarl.client.plan import model_shape, trainer_memory
 
     shape = model_shape(cfg)
     memory = trainer_memory(cfg, shape, count(shape, 32), free_bytes=72 * 2**30)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from lorarl.v1 import rollout_pb2
 
-from clients.rollout_pool import RolloutPool, split_evenly
+from lorarl.client.rollout_pool import RolloutPool, split_evenly
+from lorarl.v1 import rollout_pb2
 
 
 class Replica:

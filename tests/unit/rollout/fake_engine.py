@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 import torch
 
-from services.contract.lora import LoraSpec
-from services.rollout.model_files import ModelFiles
-from services.rollout.schema import (
+from lorarl.contract.lora import LoraSpec
+from lorarl.rollout.model_files import ModelFiles
+from lorarl.rollout.schema import (
     AdapterHandle,
     EngineInfo,
     EngineStats,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from services.contract.lora import LoraSpec
-from services.rollout.model_files import ModelFiles
+from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
+from lorarl.contract.lora import LoraSpec
+from lorarl.rollout.model_files import ModelFiles
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -26,7 +26,7 @@ def _model_dir(shipped: Path, shape: str) -> Path:
     """The shipped model, or a random-init one of the same shape (built once per machine, fp32)."""
     if _shipped(shipped):
         return shipped
-    from assets.models import build_random_model
+    from lorarl.assets.models import build_random_model
 
     out = Path(tempfile.gettempdir()) / "lorarl-rollout-tests" / shape
     if not _shipped(out):

@@ -10,19 +10,19 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from services.common.errors import (
+from lorarl.common.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
 )
-from services.contract.lora import LoraSpec
-from services.rollout.config import RolloutSettings
-from services.rollout.core import RolloutCore
-from services.rollout.model_files import ModelFiles
-from services.rollout.payloads import PolicyPayload
-from services.rollout.schema import CompletionChunk, Finish, GenerateInput, Mode, PolicyRef, Sampling
+from lorarl.contract.lora import LoraSpec
+from lorarl.rollout.config import RolloutSettings
+from lorarl.rollout.core import RolloutCore
+from lorarl.rollout.model_files import ModelFiles
+from lorarl.rollout.payloads import PolicyPayload
+from lorarl.rollout.schema import CompletionChunk, Finish, GenerateInput, Mode, PolicyRef, Sampling
 from tests.unit.rollout.fake_engine import FakeEngine, next_token
 from tests.unit.rollout.models import LORA, PROMPT, dense_model_dir, random_adapter
 
@@ -318,11 +318,10 @@ def test_stream_chunks_end_with_one_finish_per_completion(files: ModelFiles) -> 
 
 
 def test_policy_sink_drives_the_core_from_a_worker_thread(files: ModelFiles, adapter: dict) -> None:
+    from lorarl.rollout.sink import RolloutSink
     from lorarl.v1 import common_pb2
-
-    from services.rollout.sink import RolloutSink
-    from services.weightsync.client.sinks import PolicySink, PolicyUpdate
-    from services.weightsync.wire.payload import build_manifest, pack
+    from lorarl.weightsync.client.sinks import PolicySink, PolicyUpdate
+    from lorarl.weightsync.wire.payload import build_manifest, pack
 
     async def main() -> None:
         core = make_core(files)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from clients.commands.run import stack_sections
-from clients.job_config import load_job_config, serving_length
-from services.common.config import ConfigError, load_config
-from services.rollout.config import RolloutServiceConfig, RolloutSettings
-from services.rollout.vllm.engine import engine_memory_args
+from lorarl.client.commands.run import stack_sections
+from lorarl.client.job_config import load_job_config, serving_length
+from lorarl.common.config import ConfigError, load_config
+from lorarl.rollout.config import RolloutServiceConfig, RolloutSettings
+from lorarl.rollout.vllm.engine import engine_memory_args
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -51,7 +51,7 @@ def test_lorarl_run_sizes_the_context_from_prompt_and_completion(tmp_path: Path)
 
 
 def test_the_trainer_accepts_every_sequence_the_rollout_can_return(tmp_path: Path) -> None:
-    from clients.loop import job_config_proto
+    from lorarl.client.loop import job_config_proto
 
     model = tmp_path / "model"
     model.mkdir()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.rollout.gate import SwitchGate
+from lorarl.rollout.gate import SwitchGate
 
 
 def test_switch_waits_for_submitters_and_blocks_newcomers() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.config import ConfigError, from_dict
-from services.common.errors import FailedPreconditionError
-from services.rollout.config import RolloutSettings
-from services.rollout.hf_engine import choose_token
-from services.rollout.model_files import ModelFiles
-from services.rollout.payloads import check_adapter, check_merged, complete_weights
-from services.rollout.schema import Sampling
+from lorarl.common.config import ConfigError, from_dict
+from lorarl.common.errors import FailedPreconditionError
+from lorarl.rollout.config import RolloutSettings
+from lorarl.rollout.hf_engine import choose_token
+from lorarl.rollout.model_files import ModelFiles
+from lorarl.rollout.payloads import check_adapter, check_merged, complete_weights
+from lorarl.rollout.schema import Sampling
 from tests.unit.rollout.models import LORA, dense_model_dir, random_adapter
 
 
@@ -21,7 +21,7 @@ def files() -> ModelFiles:
 
 
 def test_model_files_read_headers_and_fingerprint(files: ModelFiles) -> None:
-    from services.contract.fingerprint import base_model_fingerprint
+    from lorarl.contract.fingerprint import base_model_fingerprint
 
     assert files.architecture == "Qwen3ForCausalLM" and not files.is_moe and files.tie_word_embeddings
     assert files.shape("model.embed_tokens.weight") == (files.vocab_size, 128)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
-from services.rollout.policies import LoadedVersion, PolicyTable, State
-from services.rollout.schema import AdapterHandle, Mode, PolicyRef
+from lorarl.common.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from lorarl.rollout.policies import LoadedVersion, PolicyTable, State
+from lorarl.rollout.schema import AdapterHandle, Mode, PolicyRef
 
 
 def add_adapter(table: PolicyTable, job: str, version: int, commit: bool = True) -> LoadedVersion:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from lorarl.v1 import common_pb2, rollout_pb2
 
-from services.common.errors import InvalidArgumentError
-from services.rollout.prompts import PromptRenderer
-from services.rollout.validation import Limits, generate_input, stream_input
+from lorarl.common.errors import InvalidArgumentError
+from lorarl.rollout.prompts import PromptRenderer
+from lorarl.rollout.validation import Limits, generate_input, stream_input
+from lorarl.v1 import common_pb2, rollout_pb2
 from tests.unit.rollout.models import PROMPT, dense_model_dir
 
 LIMITS = Limits(vocab_size=264, max_model_len=64, max_n=8, max_logprobs=5, default_max_tokens=32)

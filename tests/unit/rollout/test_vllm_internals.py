@@ -1,4 +1,4 @@
-"""Canary for the vLLM internals services/rollout/vllm/worker_ext.py relies on.
+"""Canary for the vLLM internals lorarl/rollout/vllm/worker_ext.py relies on.
 
 Fails loudly, naming the symbol, when a vLLM upgrade moves or changes them; the integration tests
 then check behaviour on a live engine (probe, adapter parity, MoE reload parity). Two checks guard
@@ -92,7 +92,7 @@ def test_cpu_generator_rewind_bug_worked_around_is_still_there() -> None:
 def _no_adapter_rows_untouched(theirs: Any, before: Any, no_adapter: Any, untouched: Any = None) -> Any:
     """The reference for our CPU LoRA paths: vLLM's result on rows with an adapter, and ``untouched``
     (default: the input as it was) on rows without one (index -1), the "-1 means no adapter"
-    semantics we deliberately keep where vLLM CPU reads the last slot (services/rollout/
+    semantics we deliberately keep where vLLM CPU reads the last slot (lorarl/rollout/
     vllm/cpu_lora_ops.py). Rows are independent, so masking vLLM's result is an exact reference."""
     import torch
 
@@ -108,7 +108,7 @@ def test_grouped_cpu_lora_ops_equal_vllms(indices: list[int]) -> None:
     nothing or writes zeros), where vLLM's ops would read the last slot, which is non-zero here."""
     import torch
 
-    from services.rollout.vllm.cpu_lora_ops import _bgmv_expand, _bgmv_expand_slice, _bgmv_shrink
+    from lorarl.rollout.vllm.cpu_lora_ops import _bgmv_expand, _bgmv_expand_slice, _bgmv_shrink
 
     ops = _vllm_cpu_lora_ops()
     g = torch.Generator().manual_seed(0)
@@ -145,7 +145,7 @@ def test_vllm_cpu_applies_the_last_slot_to_rows_without_adapter() -> None:
     """Canary for the vLLM CPU bug our LoRA ops deliberately do not reproduce: its torch ops index
     ``stacked[-1]`` for a token with adapter index -1 (a base-model request), i.e. the last slot,
     and PunicaWrapperCPU only skips them when no token of a prefill has an adapter. When this fails,
-    vLLM fixed it: drop the divergence notes in services/rollout/vllm/cpu_lora_ops.py and compare
+    vLLM fixed it: drop the divergence notes in lorarl/rollout/vllm/cpu_lora_ops.py and compare
     against vLLM's ops unmasked again."""
     import torch
     from vllm.lora.punica_wrapper import punica_cpu
@@ -237,7 +237,7 @@ def _grouped_ops() -> Iterator[None]:
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from services.rollout.vllm import cpu_lora_ops as ext
+    from lorarl.rollout.vllm import cpu_lora_ops as ext
 
     ours = {"bgmv_shrink": ext._bgmv_shrink, "bgmv_expand": ext._bgmv_expand,
             "bgmv_expand_slice": ext._bgmv_expand_slice}
@@ -268,7 +268,7 @@ def _wrappers(lora_ids: list[int], slot_ids: list[int | None], is_prefill: bool,
     from vllm.lora.layers import LoRAMapping
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    from services.rollout.vllm.cpu_lora_ops import _set_lean_lora
+    from lorarl.rollout.vllm.cpu_lora_ops import _set_lean_lora
 
     wrapper = PunicaWrapperCPU(64, 16, "cpu")
     if lean:
@@ -388,7 +388,7 @@ def test_lean_lora_switches_off_and_grouped_ops_restore() -> None:
     from vllm.lora.punica_wrapper import punica_cpu
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    from services.rollout.vllm import cpu_lora_ops as ext
+    from lorarl.rollout.vllm import cpu_lora_ops as ext
 
     wrapper = PunicaWrapperCPU(64, 16, "cpu")
     ext._set_lean_lora(wrapper, True)
@@ -410,13 +410,13 @@ def test_lean_lora_switches_off_and_grouped_ops_restore() -> None:
 
 
 def test_cpu_attention_runs_16_token_blocks_and_the_plugin_lets_them_be_asked_for() -> None:
-    """services/rollout/vllm/plugin.py widens what vLLM's CPU attention backend declares (multiples of
+    """lorarl/rollout/vllm/plugin.py widens what vLLM's CPU attention backend declares (multiples of
     32) to the C++ kernels' own alignment (16: the vec16 ISA); 8 stays refused by the kernel itself."""
     import torch
     from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends import cpu_attn
 
-    from services.rollout.vllm.plugin import CPU_KERNEL_BLOCK_ALIGNMENT, register
+    from lorarl.rollout.vllm.plugin import CPU_KERNEL_BLOCK_ALIGNMENT, register
 
     assert cpu_attn._get_attn_isa(torch.float32, CPU_KERNEL_BLOCK_ALIGNMENT, 32) == "vec16"
     assert cpu_attn._get_attn_isa(torch.float32, 32, 32) == "vec"

@@ -6,9 +6,9 @@ import os
 import random
 from pathlib import Path
 
-from services.trainer.engines.api import JobSpec, OptimizerSettings, TrajectoryRecord
-from services.trainer.rl.lora import LoraConfig
-from services.trainer.rl.losses import LossSettings
+from lorarl.trainer.engines.api import JobSpec, OptimizerSettings, TrajectoryRecord
+from lorarl.trainer.rl.lora import LoraConfig
+from lorarl.trainer.rl.losses import LossSettings
 
 #: Engine tests run on CPU; set LORARL_TEST_DEVICE=cuda to run the same tests on a GPU.
 DEVICE = os.environ.get("LORARL_TEST_DEVICE", "cpu")

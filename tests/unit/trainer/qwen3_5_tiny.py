@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from assets import tokenizer as tok
-from assets.models import save_model
+from lorarl.assets import tokenizer as tok
+from lorarl.assets.models import save_model
 
 LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 LINEAR_ATTENTION_PROJS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")

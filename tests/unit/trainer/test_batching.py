@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.engines.api import TrajectoryRecord
-from services.trainer.engines.batching import (
+from lorarl.trainer.engines.api import TrajectoryRecord
+from lorarl.trainer.engines.batching import (
     compute_advantages,
     group_index,
     micro_batches,
@@ -14,7 +14,7 @@ from services.trainer.engines.batching import (
     shaped_rewards,
     split,
 )
-from services.trainer.rl.losses import LossSettings, group_advantages
+from lorarl.trainer.rl.losses import LossSettings, group_advantages
 
 
 def rec(prompt: list[int], completion: list[int], reward: float = 0.0, group: str = "", version: int = 0

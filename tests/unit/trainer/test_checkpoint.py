@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contract.fingerprint import base_model_fingerprint
-from services.trainer.engines import checkpoint as ckpt
-from services.trainer.engines.api import JobSpec
-from services.trainer.engines.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from services.trainer.engines.torch_engine import TorchEngine
-from services.trainer.rl.lora import LoraConfig
+from lorarl.contract.fingerprint import base_model_fingerprint
+from lorarl.trainer.engines import checkpoint as ckpt
+from lorarl.trainer.engines.api import JobSpec
+from lorarl.trainer.engines.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.lora import LoraConfig
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.tiny import dense_model
 

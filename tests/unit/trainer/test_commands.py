@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer.engines.api import JobSpec, Limits, MegatronSettings, OptimizerSettings, TrajectoryRecord
-from services.trainer.ranks.commands import CALLS, ITERATORS, Command, CommandError, decode, encode
-from services.trainer.rl.lora import LoraConfig
-from services.trainer.rl.losses import LossSettings
+from lorarl.trainer.engines.api import JobSpec, Limits, MegatronSettings, OptimizerSettings, TrajectoryRecord
+from lorarl.trainer.ranks.commands import CALLS, ITERATORS, Command, CommandError, decode, encode
+from lorarl.trainer.rl.lora import LoraConfig
+from lorarl.trainer.rl.losses import LossSettings
 
 RECORDS = [
     TrajectoryRecord([1, 2, 3], [4, 5], [-0.1234567890123, -2.5e-9], [0, 1], 0.75, "g0", "length", "id-1"),

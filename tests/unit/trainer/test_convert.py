@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from lorarl.v1 import trainer_pb2
 
-from services.common.errors import InvalidArgumentError
-from services.trainer.service.convert import job_config, job_spec, loss_settings, optimizer_settings
+from lorarl.common.errors import InvalidArgumentError
+from lorarl.trainer.service.convert import job_config, job_spec, loss_settings, optimizer_settings
+from lorarl.v1 import trainer_pb2
 
 
 def test_max_grad_norm_unset_is_the_default_and_zero_turns_clipping_off() -> None:

@@ -1,4 +1,4 @@
-"""The frozen-head closed form (services.trainer.engines.head_logprobs) computes what autograd computes through
+"""The frozen-head closed form (lorarl.trainer.engines.head_logprobs) computes what autograd computes through
 the plain log-softmax — the same logprobs, entropies and input gradients, to rounding —
 while keeping no [tokens, vocab] tensor for backward, and steps aside for heads that train."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.engines.head_logprobs import FrozenHeadLogprobs, head_token_logprobs, is_frozen_linear_head
-from services.trainer.engines.policy_engine import token_logprobs
-from services.trainer.rl.lora import LoRALinear
+from lorarl.trainer.engines.head_logprobs import FrozenHeadLogprobs, head_token_logprobs, is_frozen_linear_head
+from lorarl.trainer.engines.policy_engine import token_logprobs
+from lorarl.trainer.rl.lora import LoRALinear
 
 VOCAB, HIDDEN = 300, 24
 

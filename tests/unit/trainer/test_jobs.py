@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer.engines.api import JobSpec, TrajectoryRecord
-from services.trainer.service.jobs import JobManager
+from lorarl.trainer.engines.api import JobSpec, TrajectoryRecord
+from lorarl.trainer.service.jobs import JobManager
 
 
 def priority() -> int:

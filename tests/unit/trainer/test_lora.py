@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.trainer.engines.export import save_merged_model, save_peft_adapter
-from services.trainer.rl.lora import (
+from lorarl.trainer.engines.export import save_merged_model, save_peft_adapter
+from lorarl.trainer.rl.lora import (
     LoraConfig,
     LoRAExperts,
     LoRALinear,

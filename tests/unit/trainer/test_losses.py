@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.rl.losses import (
+from lorarl.trainer.rl.losses import (
     LossInputs,
     LossSettings,
     aggregate,

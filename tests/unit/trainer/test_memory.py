@@ -1,4 +1,4 @@
-"""The activation formulas of services.trainer.engines.memory against what autograd really saves: a transformers
+"""The activation formulas of lorarl.trainer.engines.memory against what autograd really saves: a transformers
 Qwen3 / Qwen3-MoE layer with lorarl's LoRA, counted with saved-tensor hooks, in bf16 and fp32."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-from assets.models import init_model
-from services.trainer.engines.memory import layer_activation_bytes, logits_bytes, needs_checkpointing, step_memory
-from services.trainer.engines.recompute import disable_activation_checkpointing
-from services.trainer.rl.lora import LoraConfig, inject_lora
+from lorarl.assets.models import init_model
+from lorarl.trainer.engines.memory import layer_activation_bytes, logits_bytes, needs_checkpointing, step_memory
+from lorarl.trainer.engines.recompute import disable_activation_checkpointing
+from lorarl.trainer.rl.lora import LoraConfig, inject_lora
 from tests.unit.trainer.test_recompute import saved_bytes_per_token
 
 DENSE = dict(vocab_size=256, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.engines.api import OptimizerSettings
-from services.trainer.engines.torch_engine import TorchEngine
-from services.trainer.rl.lora import LoraConfig
-from services.trainer.rl.losses import LossSettings
+from lorarl.trainer.engines.api import OptimizerSettings
+from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.lora import LoraConfig
+from lorarl.trainer.rl.losses import LossSettings
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 
 DECOUPLED = LossSettings(behavior_weight_cap=5.0, max_staleness=3)

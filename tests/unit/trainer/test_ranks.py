@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from assets import DENSE_MODEL_DIR
-from services.common.errors import FailedPreconditionError, InternalError
-from services.trainer.engines.api import CheckpointInfo, JobSpec
-from services.trainer.engines.torch_engine import TorchEngine
+from lorarl.assets import DENSE_MODEL_DIR
+from lorarl.common.errors import FailedPreconditionError, InternalError
+from lorarl.trainer.engines.api import CheckpointInfo, JobSpec
+from lorarl.trainer.engines.torch_engine import TorchEngine
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.megatron.spawn import run_workers
 
@@ -45,11 +45,11 @@ def factory(spec: JobSpec) -> TorchEngine:
 def worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from services.trainer.ranks.control import ControlChannel
-    from services.trainer.ranks.follower import follow
-    from services.trainer.ranks.group import RankGroup
-    from services.trainer.ranks.launch import RankWorld, join_groups
-    from services.trainer.ranks.rank_engines import RankEngines
+    from lorarl.trainer.ranks.control import ControlChannel
+    from lorarl.trainer.ranks.follower import follow
+    from lorarl.trainer.ranks.group import RankGroup
+    from lorarl.trainer.ranks.launch import RankWorld, join_groups
+    from lorarl.trainer.ranks.rank_engines import RankEngines
 
     torch.set_num_threads(1)
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)

@@ -1,4 +1,4 @@
-"""Activation checkpointing and chunked log-probabilities (services.trainer.engines.recompute) compute what the
+"""Activation checkpointing and chunked log-probabilities (lorarl.trainer.engines.recompute) compute what the
 plain path computes — logprobs, entropies and LoRA gradients, on the plain and the shared-prompt
 forward, dense and MoE, with and without LoRA dropout — while keeping far fewer bytes for backward."""
 
@@ -10,19 +10,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from assets.models import init_model, shape_config
-from assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from services.trainer.engines.api import MemorySettings, TrajectoryRecord
-from services.trainer.engines.batching import pack
-from services.trainer.engines.policy_engine import token_logprobs
-from services.trainer.engines.recompute import (
+from lorarl.assets.models import init_model, shape_config
+from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
+from lorarl.trainer.engines.api import MemorySettings, TrajectoryRecord
+from lorarl.trainer.engines.batching import pack
+from lorarl.trainer.engines.policy_engine import token_logprobs
+from lorarl.trainer.engines.recompute import (
     activation_checkpointing_enabled,
     chunked_token_logprobs,
     disable_activation_checkpointing,
     enable_activation_checkpointing,
 )
-from services.trainer.engines.torch_engine import TorchEngine, completion_logprobs
-from services.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
+from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs
+from lorarl.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.test_prefix_sharing import groups
 from tests.unit.trainer.tiny import randomize_adapters
@@ -102,7 +102,7 @@ def test_chunked_logprobs_equal_the_whole_micro_batch(entropy_grad: bool, chunk:
 
 
 def test_chunked_logprobs_through_the_engine_path_equal_the_plain_one() -> None:
-    """The frozen head's closed form in chunks (services.trainer.engines.head_logprobs) against autograd through the
+    """The frozen head's closed form in chunks (lorarl.trainer.engines.head_logprobs) against autograd through the
     whole micro-batch's log-softmax (the route a head that trains takes)."""
     model = lora_model(DENSE_MODEL_DIR)
     records = groups(11, n_groups=3, size=4)
@@ -176,7 +176,7 @@ def test_engine_memory_settings_switch_checkpointing_and_train_alike(tmp_path: P
 
 
 def test_auto_checkpoints_a_micro_batch_that_would_crowd_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.trainer.engines.policy_engine as policy_engine
+    import lorarl.trainer.engines.policy_engine as policy_engine
 
     engine = TorchEngine(make_spec(DENSE_MODEL_DIR))
     monkeypatch.setattr(policy_engine, "free_device_bytes", lambda device: 1 << 20)  # 1 MiB free

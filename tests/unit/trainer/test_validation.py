@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from services.trainer.engines.api import JobSpec, Limits, OptimizerSettings, TrajectoryRecord
-from services.trainer.rl.lora import LoraConfig
-from services.trainer.service.validation import (
+from lorarl.trainer.engines.api import JobSpec, Limits, OptimizerSettings, TrajectoryRecord
+from lorarl.trainer.rl.lora import LoraConfig
+from lorarl.trainer.service.validation import (
     LOGPROB_TOLERANCE,
     BufferFullError,
     InvalidTrajectory,

@@ -22,7 +22,7 @@ def moe_model(seed: int = 0) -> Qwen3MoeForCausalLM:
 
 
 def randomize_adapters(model: torch.nn.Module, seed: int = 1, std: float = 0.05) -> None:
-    from services.trainer.rl.lora import lora_parameters
+    from lorarl.trainer.rl.lora import lora_parameters
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

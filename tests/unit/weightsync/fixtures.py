@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from lorarl.v1 import common_pb2, weightsync_pb2
 
-from services.weightsync.wire.catalog import catalog_from_tensors
-from services.weightsync.wire.payload import build_manifest, pack
+from lorarl.v1 import common_pb2, weightsync_pb2
+from lorarl.weightsync.wire.catalog import catalog_from_tensors
+from lorarl.weightsync.wire.payload import build_manifest, pack
 
 RANK = 4
 FINGERPRINT = "sha256:tiny"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorarl.v1 import common_pb2
 
-from services.common.errors import InvalidArgumentError
-from services.weightsync.wire.catalog import JobSpec, adapter_module
+from lorarl.common.errors import InvalidArgumentError
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.wire.catalog import JobSpec, adapter_module
 from tests.unit.weightsync.fixtures import FINGERPRINT, adapter, base_weights, catalog, lora_spec, manifest_of
 
 MERGED = common_pb2.SYNC_MODE_MERGED

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorarl.v1 import common_pb2
 
-from services.weightsync.client.agent import verified_tensors, verify_pieces
-from services.weightsync.wire.inline import BucketAssembler, iter_chunks
-from services.weightsync.wire.payload import PayloadError
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.client.agent import verified_tensors, verify_pieces
+from lorarl.weightsync.wire.inline import BucketAssembler, iter_chunks
+from lorarl.weightsync.wire.payload import PayloadError
 from tests.unit.weightsync.fixtures import adapter, manifest_of
 
 

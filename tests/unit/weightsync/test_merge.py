@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from lorarl.v1 import common_pb2
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from services.contract.lora import LoraSpec
-from services.trainer.rl.lora import LoraConfig, inject_lora, iter_merged_weights, lora_parameters, peft_state_dict
-from services.weightsync.wire.merge import merged_from_adapter
+from lorarl.contract.lora import LoraSpec
+from lorarl.trainer.rl.lora import LoraConfig, inject_lora, iter_merged_weights, lora_parameters, peft_state_dict
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.wire.merge import merged_from_adapter
 
 
 def tiny(dtype: torch.dtype) -> Qwen3ForCausalLM:

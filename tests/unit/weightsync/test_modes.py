@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from lorarl.v1 import common_pb2
-
-from services.weightsync.service.modes import ADAPTER, AUTO, MERGED, choose_mode, serve_mode
+from lorarl.weightsync.service.modes import ADAPTER, AUTO, MERGED, choose_mode, serve_mode
 from tests.unit.weightsync.fixtures import caps, lora_spec
 
 

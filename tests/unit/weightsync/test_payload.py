@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorarl.v1 import common_pb2
 
-from services.weightsync.wire.payload import (
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.wire.payload import (
     PayloadError,
     build_manifest,
     manifest_digest,

@@ -6,18 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorarl.v1 import common_pb2, weightsync_pb2
 
-from services.common.errors import (
+from lorarl.common.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
 )
-from services.weightsync.service.modes import ModeChoice
-from services.weightsync.service.registry import VersionRegistry
-from services.weightsync.service.store import DurableStore
-from services.weightsync.wire.payload import unpack_bucket
+from lorarl.v1 import common_pb2, weightsync_pb2
+from lorarl.weightsync.service.modes import ModeChoice
+from lorarl.weightsync.service.registry import VersionRegistry
+from lorarl.weightsync.service.store import DurableStore
+from lorarl.weightsync.wire.payload import unpack_bucket
 from tests.unit.weightsync.fixtures import adapter, base_weights, manifest_of, register_request
 
 ADAPTER, MERGED = common_pb2.SYNC_MODE_ADAPTER, common_pb2.SYNC_MODE_MERGED

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from lorarl.v1 import weightsync_pb2
-
-from services.weightsync.service.replicas import ReplicaDirectory
-from services.weightsync.service.rounds import ACTIVE, FAILED, PENDING, ActivationCoordinator, Member, Phase, Round
+from lorarl.weightsync.service.replicas import ReplicaDirectory
+from lorarl.weightsync.service.rounds import ACTIVE, FAILED, PENDING, ActivationCoordinator, Member, Phase, Round
 
 
 class Outbox(list):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from services.trainer.engines.megatron.parallel import free_port
+from lorarl.trainer.engines.megatron.parallel import free_port
 
 GRAD_PARAM = "decoder.layers.0.self_attention.linear_qkv.weight"
 
@@ -32,9 +32,9 @@ def logits_worker(rank: int, world_size: int, init_method: str, model_dir: str, 
                   batches: list[torch.Tensor], out_dir: str) -> None:
     """Builds the sharded model for (tp, pp, ep); writes this rank's logits per batch (if it has them), its
     state and (pp == 1) the gradient of GRAD_PARAM for `backward_loss` on the last batch."""
-    from services.trainer.engines.megatron.convert import RankCoords
-    from services.trainer.engines.megatron.model import build_gpt_model, compute_logits
-    from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
+    from lorarl.trainer.engines.megatron.convert import RankCoords
+    from lorarl.trainer.engines.megatron.model import build_gpt_model, compute_logits
+    from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 
     torch.set_num_threads(1)
     settings = ParallelSettings(tp=tp, pp=pp, ep=ep)
@@ -55,7 +55,7 @@ def logits_worker(rank: int, world_size: int, init_method: str, model_dir: str, 
 
 def backward_grad(built: object, ids: torch.Tensor) -> torch.Tensor:
     """This rank's gradient of GRAD_PARAM for sum(logsumexp(logits)), in training mode."""
-    from services.trainer.engines.megatron.model import compute_logits, set_training
+    from lorarl.trainer.engines.megatron.model import compute_logits, set_training
 
     weight = dict(built.model.named_parameters())[GRAD_PARAM]
     weight.requires_grad_(True)

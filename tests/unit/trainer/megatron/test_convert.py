@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.engines.megatron import convert
-from services.trainer.engines.megatron.convert import RankCoords
-from services.trainer.engines.megatron.model import load_hf_state
-from services.trainer.engines.megatron.parallel import ParallelSettings
+from lorarl.trainer.engines.megatron import convert
+from lorarl.trainer.engines.megatron.convert import RankCoords
+from lorarl.trainer.engines.megatron.model import load_hf_state
+from lorarl.trainer.engines.megatron.parallel import ParallelSettings
 
-ASSETS = Path(__file__).resolve().parents[4] / "assets" / "models"
+ASSETS = Path(__file__).resolve().parents[4] / "lorarl" / "assets" / "models"
 MODELS = ("qwen3-tiny", "qwen3-moe-tiny")
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.trainer.engines.megatron import cpu_compat
+from lorarl.trainer.engines.megatron import cpu_compat
 
 
 @pytest.fixture

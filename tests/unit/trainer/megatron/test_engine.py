@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from services.trainer.engines import checkpoint as ckpt
-from services.trainer.engines.api import JobSpec, MegatronSettings, TrajectoryRecord
-from services.trainer.engines.factory import create_engine
-from services.trainer.engines.megatron.engine import MegatronEngine
-from services.trainer.engines.torch_engine import TorchEngine
-from services.trainer.rl.lora import LoraConfig, load_peft_state_dict
-from services.trainer.rl.losses import LossSettings
+from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
+from lorarl.trainer.engines import checkpoint as ckpt
+from lorarl.trainer.engines.api import JobSpec, MegatronSettings, TrajectoryRecord
+from lorarl.trainer.engines.factory import create_engine
+from lorarl.trainer.engines.megatron.engine import MegatronEngine
+from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.lora import LoraConfig, load_peft_state_dict
+from lorarl.trainer.rl.losses import LossSettings
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 
 MODELS = {"dense": DENSE_MODEL_DIR, "moe": MOE_MODEL_DIR}
@@ -175,7 +175,7 @@ def test_job_spec_settings_are_checked() -> None:
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_activation_checkpointing_trains_exactly_what_the_plain_layers_train(which: str) -> None:
-    from services.trainer.engines.api import MemorySettings
+    from lorarl.trainer.engines.api import MemorySettings
 
     batch = synthetic_batch(6, vocab=VOCAB)
     grads = {}

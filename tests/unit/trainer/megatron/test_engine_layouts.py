@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from services.trainer.engines.api import JobSpec, MegatronSettings, TrajectoryRecord
-from services.trainer.engines.megatron.engine import MegatronEngine
-from services.trainer.rl.lora import LoraConfig
-from services.trainer.rl.losses import LossSettings
+from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
+from lorarl.trainer.engines.api import JobSpec, MegatronSettings, TrajectoryRecord
+from lorarl.trainer.engines.megatron.engine import MegatronEngine
+from lorarl.trainer.rl.lora import LoraConfig
+from lorarl.trainer.rl.losses import LossSettings
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.megatron.spawn import run_workers
 
@@ -112,7 +112,7 @@ def count_idle(engine: MegatronEngine) -> list[int]:
 
 
 def layout_worker(rank: int, world_size: int, init_method: str, names: list[str], out_dir: str) -> None:
-    from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
+    from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 
     torch.set_num_threads(1)
     tp, pp, ep = CASES[names[0]][2]

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from services.trainer.engines.api import JobSpec, MegatronSettings
-from services.trainer.engines.megatron.engine import MegatronEngine
+from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
+from lorarl.trainer.engines.api import JobSpec, MegatronSettings
+from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.megatron.spawn import run_workers
 
@@ -51,7 +51,7 @@ def run(engine: MegatronEngine, out: Path, which: str) -> None:
 
 
 def tp2_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
-    from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
+    from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 
     torch.set_num_threads(1)
     init_parallel(ParallelSettings(tp=world_size), "cpu", rank=rank, world_size=world_size, init_method=init_method,

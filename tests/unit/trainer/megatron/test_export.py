@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from services.trainer.engines.megatron import convert
-from services.trainer.engines.megatron.engine import MegatronEngine
-from services.trainer.engines.megatron.model import compute_logits
-from services.trainer.engines.torch_engine import TorchEngine
-from services.trainer.rl.lora import LoraConfig
+from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
+from lorarl.trainer.engines.megatron import convert
+from lorarl.trainer.engines.megatron.engine import MegatronEngine
+from lorarl.trainer.engines.megatron.model import compute_logits
+from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.lora import LoraConfig
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 
 MODELS = {"dense": DENSE_MODEL_DIR, "moe": MOE_MODEL_DIR}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.trainer.engines.megatron.lora import (
+from lorarl.trainer.engines.megatron.lora import (
     MegatronLora,
     adapted_modules,
     adapter_spec,
@@ -18,7 +18,7 @@ from services.trainer.engines.megatron.lora import (
     sum_forward,
     sum_grad,
 )
-from services.trainer.rl.lora import LoraConfig
+from lorarl.trainer.rl.lora import LoraConfig
 from tests.unit.trainer.megatron.spawn import run_workers
 
 H, Q, FF, EF, R, S, B = 16, 24, 12, 8, 4, 5, 2  # hidden, qkv rows, ffn, expert ffn, rank, seq, batch
@@ -71,7 +71,7 @@ def run_block(c: dict[str, torch.Tensor], steps: int = 1) -> dict[str, torch.Ten
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from services.trainer.engines.megatron import convert
+    from lorarl.trainer.engines.megatron import convert
 
     tp = ps.get_tensor_model_parallel_world_size()
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -117,7 +117,7 @@ def run_block(c: dict[str, torch.Tensor], steps: int = 1) -> dict[str, torch.Ten
 
 
 def tp_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
-    from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
+    from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 
     torch.set_num_threads(1)
     init_parallel(ParallelSettings(tp=world_size), "cpu", rank=rank, world_size=world_size, init_method=init_method,
@@ -132,7 +132,7 @@ def tp_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> Non
 
 @pytest.fixture(scope="module")
 def tp1() -> dict[str, torch.Tensor]:
-    from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel
+    from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel
 
     init_parallel(ParallelSettings(), "cpu")
     return run_block(case())

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.engines.megatron.model import build_gpt_model, compute_logits, set_training
-from services.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
+from lorarl.trainer.engines.megatron.model import build_gpt_model, compute_logits, set_training
+from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 
-ASSETS = Path(__file__).resolve().parents[4] / "assets" / "models"
+ASSETS = Path(__file__).resolve().parents[4] / "lorarl" / "assets" / "models"
 TOLERANCE = 1e-4
 
 

@@ -1,0 +1,139 @@
+"""`lorarl eval CONFIG [--adapter DIR] [key=value ...]` and `lorarl export`.
+
+eval:   held-out greedy accuracy of the config's base model, or of a PEFT adapter directory (e.g. a
+        `lorarl export` or the trainer's Export) served on top of it, through a rollout service started
+        on loopback for the purpose.
+export: a job's adapter (PEFT) or merged model (HF) on disk, either from a training checkpoint with
+        nothing running (`lorarl export --checkpoint DIR --mode merged --out DIR`), or by asking a
+        running trainer (`lorarl export JOB --trainer HOST:PORT`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ADAPTER_JOB = "eval-adapter"
+
+
+def add_parsers(subparsers: Any) -> None:
+    ev = subparsers.add_parser("eval", help="held-out accuracy of a base model or an adapter", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("config", help="job YAML file (model, data and rollout sections are used)")
+    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    ev.add_argument("--adapter", metavar="DIR", help="PEFT adapter directory to serve on the base model")
+    ev.set_defaults(handler=eval_command)
+    ex = subparsers.add_parser("export", help="write a job's adapter or merged model, from a checkpoint or a trainer",
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ex.add_argument("job_id", nargs="?", help="the job, with --trainer")
+    source = ex.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a training checkpoint (runs/<job>/checkpoints/...)")
+    source.add_argument("--trainer", metavar="HOST:PORT", help="a running trainer that holds the job")
+    ex.add_argument("--mode", choices=["adapter", "merged"], default="adapter")
+    ex.add_argument("--out", metavar="DIR", help="output directory, with --checkpoint")
+    ex.add_argument("--base-model", metavar="DIR", help="with --checkpoint: the base model, if not where the "
+                                                        "checkpoint recorded it")
+    ex.add_argument("--path", default="", help="with --trainer: directory on the trainer's side (default: under its "
+                                               "export_dir)")
+    ex.set_defaults(handler=export_command)
+
+
+def read_adapter(directory: Path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a PEFT adapter directory (adapter_config.json + "
+                                "adapter_model.safetensors)")
+    return json.loads(config_path.read_text()), load_file(str(weights_path))
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from lorarl.client.commands.run import load, stack_sections
+    from lorarl.client.stack import LocalStack
+
+    cfg = load(args)
+    if cfg is None:
+        return 2
+    adapter = None
+    if args.adapter:
+        try:
+            adapter = read_adapter(Path(args.adapter))
+        except FileNotFoundError as e:
+            print(f"lorarl eval: {e}", file=sys.stderr)
+            return 2
+    out = Path(cfg.output.dir) / "eval"
+    sections = stack_sections(cfg, Path(cfg.output.dir))
+    with LocalStack(out / "services", {"rollout": sections["rollout"]}, services=("rollout",)) as stack:
+        result = asyncio.run(evaluate(cfg, stack.address("rollout"), stack.token, adapter))
+    print(json.dumps(result))
+    return 0
+
+
+async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[dict, dict] | None
+                   ) -> dict[str, float]:
+    from lorarl.client.datasets import load_examples
+    from lorarl.client.loop import LoopState, RLLoop
+    from lorarl.client.rewards import load_reward
+    from lorarl.common.channel import aio_channel
+    from lorarl.contract.lora import LoraSpec
+    from lorarl.rollout.client import load_weights_stream
+    from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    test = load_examples(cfg.data.source, "test", cfg.data.test_path)
+    async with aio_channel(rollout_address, token=token) as channel:
+        rollout = rollout_pb2_grpc.RolloutServiceStub(channel)
+        state = LoopState()
+        if adapter is not None:
+            config, tensors = adapter
+            caps = await rollout.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
+            lora = LoraSpec.from_peft_config(config).to_proto()
+            await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, 1, tensors, common_pb2.SYNC_MODE_ADAPTER,
+                                                          caps.base_model_fingerprint, lora))
+            state.version = 1
+        cfg.job_id = ADAPTER_JOB
+        loop = RLLoop(cfg, trainer=None, rollout=rollout, reward=load_reward(cfg.data.reward), train=test,
+                      test=test, on_metrics=lambda m: None, state=state)
+        return await loop.evaluate()
+
+
+def export_command(args: argparse.Namespace) -> int:
+    if args.checkpoint:
+        return export_checkpoint_command(args)
+    if not args.job_id:
+        print("lorarl export: --trainer needs the JOB to export", file=sys.stderr)
+        return 2
+    from lorarl.common.channel import sync_channel
+    from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+    mode = common_pb2.SYNC_MODE_MERGED if args.mode == "merged" else common_pb2.SYNC_MODE_ADAPTER
+    with sync_channel(args.trainer, token=os.environ.get("LORARL_AUTH_TOKEN")) as channel:
+        response = trainer_pb2_grpc.TrainerServiceStub(channel).Export(
+            trainer_pb2.ExportRequest(job_id=args.job_id, mode=mode, path=args.path), timeout=600)
+    print(response.path)
+    return 0
+
+
+def export_checkpoint_command(args: argparse.Namespace) -> int:
+    """Offline export; a missing, corrupt or foreign checkpoint is a one-line error and exit code 2."""
+    if not args.out:
+        print("lorarl export: --checkpoint needs --out DIR", file=sys.stderr)
+        return 2
+    if args.job_id or args.path:
+        print("lorarl export: JOB and --path go with --trainer, not --checkpoint", file=sys.stderr)
+        return 2
+    from lorarl.trainer.engines.checkpoint import CheckpointError
+    from lorarl.trainer.engines.offline_export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.mode, args.base_model)
+    except CheckpointError as e:
+        print(f"lorarl export: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0

@@ -1,0 +1,277 @@
+"""`lorarl run CONFIG [key=value ...]` and `lorarl train CONFIG --trainer A --rollout A --weightsync A`.
+
+run:   starts the three services on loopback (own processes, free ports, a generated token), runs
+       the job, and stops them on success, failure or Ctrl-C; resumes from the run directory's last
+       checkpoint when one exists.
+train: the same loop against services already running (compose stack, other hosts); the token
+       comes from $LORARL_AUTH_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lorarl.client.job_config import serving_length
+from lorarl.common.config import ConfigError, to_dict
+from lorarl.contract import staleness
+
+
+def add_parsers(subparsers: Any) -> None:
+    run = subparsers.add_parser("run", help="start the services on loopback and run a job", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(run)
+    run.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in the output dir")
+    run.set_defaults(handler=run_command)
+    train = subparsers.add_parser("train", help="run a job against services already running", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(train)
+    train.add_argument("--trainer", required=True, metavar="HOST:PORT")
+    train.add_argument("--rollout", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                       help="one or more rollout replicas (comma-separated); prompts are split across them")
+    train.add_argument("--weightsync", required=True, metavar="HOST:PORT",
+                       help="the weight-sync service the trainer and rollouts use (checked for reachability)")
+    train.set_defaults(handler=train_command)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="job YAML file (see examples/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. loop.steps=10")
+    parser.add_argument("--dry-run", action="store_true", help="validate the config, print the plan, and exit")
+
+
+def load(args: argparse.Namespace):
+    from lorarl.client.job_config import load_job_config
+
+    try:
+        return load_job_config(args.config, list(args.overrides))
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return None
+
+
+def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
+    """Service config sections for a local stack serving this job."""
+    window = staleness.adapter_window(cfg.loop.max_staleness)
+    # Weights move over the accelerator's own collective when there is one (untested here: CPU only).
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(cfg.trainer.device.split(":", 1)[0], "gloo")
+    return {
+        "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}"),
+                       "collective_backend": backend},
+        # A CPU trainer shares the cores with generation: its engine threads at niceness 10 do not preempt
+        # the rollout engine's step loop, while its gRPC threads keep their normal priority.
+        "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
+                    **({"compute_nice": 10} if cfg.trainer.device == "cpu" else {}),
+                    "export_dir": str(out / "exports"), "collective": cfg.sync.collective,
+                    # tensor x pipeline x data ranks, one process each (rank 0 serves gRPC)
+                    **({"ranks": cfg.trainer.parallel.world_size} if cfg.trainer.parallel.world_size > 1 else {})},
+        "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
+                    "dtype": cfg.model.dtype,
+                    "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.rollout.max_lora_rank,
+                    "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0",
+                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                    **({"block_size": cfg.rollout.block_size} if cfg.rollout.block_size else {}),
+                    **({"max_model_len": length} if (length := serving_length(cfg)) else {}),
+                    **{key: getattr(cfg.rollout, key) for key in ("enforce_eager", "gpu_memory_utilization")
+                       if getattr(cfg.rollout, key) is not None},
+                    # A step's whole batch (prompts x group) in one decode wave on every replica.
+                    "max_num_seqs": cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
+                                                                      * cfg.rollout.group_size
+                                                                      // cfg.rollout.replicas)),
+                    "collective_backends": sorted({backend, "gloo"})},
+    }
+
+
+def cpu_pins(cfg) -> dict[str, str]:
+    """CPU lists for a CPU job's two busiest processes (placement.pin_cpus 'auto'). An async loop
+    generates while it trains: vLLM's engine core on the first half of the CPUs this process may use,
+    the trainer on the rest. A sync loop takes turns (generate, then train), so each takes every CPU
+    while the other waits: at the Qwen3-0.6B shape on 2 cores a step fell from 36 s to 31 s (generation
+    19 -> 13 s; bench/RESULTS.md). The rollout frontend, weight sync and the loop stay where the OS puts
+    them. Empty when off, on accelerators, with several rollout replicas or trainer ranks, or on one CPU."""
+    from lorarl.common.cpu_affinity import available_cpus, format_cpu_list
+
+    cpus = available_cpus()
+    if (cfg.placement.pin_cpus != "auto" or cfg.trainer.device != "cpu" or cfg.rollout.engine != "vllm"
+            or cfg.rollout.replicas > 1 or cfg.trainer.parallel.world_size > 1 or len(cpus) < 2):
+        return {}
+    if cfg.loop.mode == "sync":
+        return {"rollout_engine": format_cpu_list(cpus), "trainer": format_cpu_list(cpus)}
+    half = len(cpus) // 2
+    return {"rollout_engine": format_cpu_list(cpus[:half]), "trainer": format_cpu_list(cpus[half:])}
+
+
+def pinned_threads(pins: dict[str, str]) -> dict[str, dict[str, str]]:
+    """OpenMP threads of the pinned processes: one per CPU each is pinned to (the other services keep one:
+    two threads per process on two cores made a step 20x slower while all three computed at once).
+    Several threads wait passively: threads spinning between ops took the CPUs from the other services'
+    Python threads, and a sync demo job (8 steps) took 54 s instead of 34; passive, 32 s."""
+    from lorarl.common.cpu_affinity import parse_cpu_list
+
+    env = {}
+    for process, key in (("trainer", "trainer"), ("rollout", "rollout_engine")):
+        if key in pins:
+            threads = len(parse_cpu_list(pins[key]))
+            env[process] = {"OMP_NUM_THREADS": str(threads), **({"OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 else {})}
+    return env
+
+
+def local_stack(cfg, out: Path):
+    """The services `lorarl run` starts for this job, not yet started (benchmarks start the same)."""
+    from lorarl.client.stack import LocalStack
+
+    sections = stack_sections(cfg, out)
+    pins = cpu_pins(cfg)
+    if pins:
+        sections["rollout"]["engine_cpus"] = pins["rollout_engine"]
+    threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
+    return LocalStack(out / "services", sections, threads_per_service=threads, rollout_replicas=cfg.rollout.replicas,
+                      process_env={**visible_devices(cfg), **pinned_threads(pins)},
+                      server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {})
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from lorarl.client.plan import print_plan
+
+    cfg = load(args)
+    if cfg is None:
+        return 2
+    if args.dry_run:
+        return print_plan(cfg)
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.fresh:
+        (out / "state.json").unlink(missing_ok=True)
+    if cfg.placement.nodes > 1:
+        print("lorarl: bad config: placement.nodes: `lorarl run` starts every service on this host; for several "
+              "nodes start `lorarl serve` on each and run `lorarl train` (see examples/models/README.md)",
+              file=sys.stderr)
+        return 2
+    stack = local_stack(cfg, out)
+    try:
+        with stack:
+            rollouts = stack.addresses("rollout")
+            print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {', '.join(rollouts)}, "
+                  f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
+            return asyncio.run(drive(cfg, stack.address("trainer"), rollouts, stack.token, out,
+                                     stack.address("weightsync")))
+    except KeyboardInterrupt:
+        print("lorarl: interrupted; services stopped. Run the same command again to resume.", file=sys.stderr)
+        return 130
+
+
+def train_command(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    if cfg is None:
+        return 2
+    if args.dry_run:
+        from lorarl.client.plan import print_plan
+
+        return print_plan(cfg)
+    token = os.environ.get("LORARL_AUTH_TOKEN")
+    out = Path(cfg.output.dir)
+    rollouts = [a.strip() for a in args.rollout.split(",") if a.strip()]
+    try:
+        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync))
+    except KeyboardInterrupt:
+        return 130
+
+
+def visible_devices(cfg) -> dict[str, dict[str, str]]:
+    """Per-process device masks from the placement plan (one node, accelerators only)."""
+    from lorarl.client.plan import place
+
+    device = cfg.trainer.device.split(":", 1)[0]
+    if not cfg.placement.devices_per_node or device == "cpu":
+        return {}
+    variable = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}[device]
+    masks = {}
+    for slot in place(cfg):
+        name = slot.role if slot.role == "trainer" or cfg.rollout.replicas > 1 else "rollout"
+        masks[name] = {variable: ",".join(str(d) for d in slot.devices)}
+    return masks
+
+
+async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], token: str | None,
+                out: Path, weightsync_address: str | None = None) -> int:
+    """Creates (or resumes) the job, runs the loop, and writes the plot and summary."""
+    from lorarl.client.datasets import load_examples
+    from lorarl.client.loop import RLLoop
+    from lorarl.client.rewards import load_reward
+    from lorarl.client.rollout_pool import RolloutPool
+    from lorarl.client.run_log import RunLog
+    from lorarl.common.channel import aio_channel
+    from lorarl.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
+
+    reward = load_reward(cfg.data.reward)
+    train = load_examples(cfg.data.source, "train", cfg.data.train_path)
+    test = load_examples(cfg.data.source, "test", cfg.data.test_path)
+    log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
+                 progress=cfg.output.progress, config=to_dict(cfg))
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    if isinstance(rollout_addresses, str):
+        rollout_addresses = [rollout_addresses]
+    async with contextlib.AsyncExitStack() as channels:
+        tch = await channels.enter_async_context(aio_channel(trainer_address, token=token))
+        trainer = trainer_pb2_grpc.TrainerServiceStub(tch)
+        rollout = RolloutPool([rollout_pb2_grpc.RolloutServiceStub(
+            await channels.enter_async_context(aio_channel(address, token=token))) for address in rollout_addresses])
+        weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(await channels.enter_async_context(
+            aio_channel(weightsync_address, token=token))) if weightsync_address else None
+        state = await create_or_resume(cfg, trainer, out)
+
+        async def checkpoint(s) -> None:
+            saved = await trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(
+                job_id=cfg.job_id, path=f"{cfg.job_id}/step-{s.step:06d}"))
+            write_state(out, {"step": s.step, "version": s.version, "cursor": s.cursor, "checkpoint": saved.path})
+
+        loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=checkpoint,
+                      weightsync=weightsync)
+        try:
+            await loop.run()
+        finally:
+            log.close()
+        from lorarl.v1 import common_pb2
+
+        exported = await trainer.Export(trainer_pb2.ExportRequest(job_id=cfg.job_id, mode=common_pb2.SYNC_MODE_ADAPTER,
+                                                                  path=f"{cfg.job_id}/final-adapter"))
+    plot = log.plot()
+    summary = log.summary()
+    (out / "summary.txt").write_text(summary + "\n")
+    print("\n" + summary + f"\nplot: {plot}\nmetrics: {log.jsonl_path}\nadapter (PEFT): {exported.path}", flush=True)
+    return 0
+
+
+def write_state(out: Path, state: dict[str, Any]) -> None:
+    tmp = out / "state.json.tmp"
+    tmp.write_text(json.dumps(state))
+    tmp.replace(out / "state.json")
+
+
+async def create_or_resume(cfg, trainer, out: Path):
+    """A new job, or the job restored from the run directory's last checkpoint (and re-published)."""
+    from lorarl.client.loop import SYNC_MODES, LoopState, job_config_proto
+    from lorarl.v1 import trainer_pb2
+
+    model_path = str(Path(cfg.model.path).resolve())
+    await trainer.CreateJob(trainer_pb2.CreateJobRequest(job_id=cfg.job_id, config=job_config_proto(cfg, model_path)))
+    state_file = out / "state.json"
+    if not state_file.exists():
+        return LoopState()
+    saved = json.loads(state_file.read_text())
+    loaded = await trainer.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(job_id=cfg.job_id,
+                                                                           path=saved["checkpoint"]))
+    print(f"lorarl: resumed from {saved['checkpoint']} (step {loaded.step}, version {loaded.version})", flush=True)
+    if loaded.version > 0:
+        published = await trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
+            job_id=cfg.job_id, mode=SYNC_MODES[cfg.sync.mode], wait_for_activation=True, timeout_seconds=600))
+        if not published.activated:
+            raise RuntimeError(f"could not re-publish the resumed policy: {published.error}")
+    return LoopState(step=int(saved["step"]), version=int(loaded.version), cursor=int(saved["cursor"]))

@@ -1,0 +1,250 @@
+"""The RL job a user runs: one YAML file, dotted overrides on the command line, validated up front.
+
+    lorarl run examples/demo.yaml loop.steps=20 trainer.lora.rank=16
+
+Every key is checked before any service starts: a wrong key, type or value is a ConfigError naming
+the dotted key (lorarl.common.config does the work).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from lorarl.common.config import ConfigError, all_of, in_range, multiple_of, setting
+from lorarl.contract.lora import ALL_LINEAR, DEFAULT_RANK, ExpertMode, LoraSpec, default_alpha
+
+SyncModeName = Literal["adapter", "merged", "auto"]
+LoopMode = Literal["sync", "async"]
+LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = setting("lorarl/assets/models/qwen3-tiny", doc="Local Hugging Face model directory (base policy).")
+    dtype: Literal["float32", "bfloat16"] = setting("float32", doc="Trainer dtype.")
+    shape: str = setting("", doc="Known shape (e.g. 'qwen3-8b') for --dry-run plans when the weights are absent.")
+
+
+@dataclass
+class DataConfig:
+    source: str = setting("tasks", doc="'tasks' (the shipped synthetic tasks), 'jsonl' or 'gsm8k'.")
+    train_path: str = setting("", doc="Train file for jsonl/gsm8k (fields prompt/answer, or question/answer).")
+    test_path: str = setting("", doc="Held-out file for jsonl/gsm8k.")
+    reward: str = setting("exact", doc="Reward by name ('exact', 'exact_format', 'format', 'gsm8k') or "
+                                       "'module:function'.")
+    chat_template: bool = setting(True, doc="Render prompts with the model's chat template.")
+    eval_size: int = setting(0, check=in_range(0), doc="Held-out problems evaluated (0: all).")
+    max_prompt_tokens: int = setting(256, check=in_range(1), doc="Longest prompt in tokens: the --dry-run plan's "
+                                                                 "sequence length is this plus rollout.max_tokens.")
+    seed: int = setting(0, check=in_range(0), doc="Shuffle seed of the train stream.")
+
+    def validate(self) -> None:
+        if self.source not in ("tasks", "jsonl", "gsm8k"):
+            raise ConfigError("source", f"expected 'tasks', 'jsonl' or 'gsm8k', got {self.source!r}")
+        if self.source != "tasks" and not (self.train_path and self.test_path):
+            raise ConfigError("train_path", f"data.source={self.source} needs data.train_path and data.test_path")
+
+
+@dataclass
+class LoraSection:
+    """The job file's `trainer.lora`: the fields of lorarl.contract.lora.LoraSpec, with its defaults."""
+
+    rank: int = setting(DEFAULT_RANK, check=in_range(1, 512))
+    alpha: float | None = setting(None, check=in_range(0.0), doc="Default: twice the rank.")
+    dropout: float = setting(0.0, check=in_range(0.0, 0.99))
+    target_modules: list[str] = setting(default_factory=lambda: [ALL_LINEAR])
+    expert_mode: ExpertMode = setting("per_expert")
+    use_rslora: bool = setting(False)
+
+    def spec(self) -> LoraSpec:
+        return LoraSpec(rank=self.rank, alpha=self.alpha or default_alpha(self.rank),
+                        target_modules=tuple(self.target_modules), dropout=self.dropout,
+                        expert_mode=self.expert_mode, use_rslora=self.use_rslora)
+
+
+@dataclass
+class LossSection:
+    type: LossName = setting("grpo")
+    clip_eps_low: float = setting(0.2, check=in_range(0.0, 1.0))
+    clip_eps_high: float = setting(0.2, check=in_range(0.0, 10.0))
+    dual_clip: float = setting(0.0, check=in_range(0.0))
+    kl_coef: float = setting(0.0, check=in_range(0.0))
+    behavior_weight_cap: float = setting(0.0, check=in_range(0.0),
+                                         doc="Decoupled PPO: cap on behaviour importance weights (async mode).")
+    entropy_coef: float = setting(0.0)
+
+
+@dataclass
+class OptimizerSection:
+    learning_rate: float = setting(2e-3, check=in_range(1e-12, 10.0))
+    weight_decay: float = setting(0.0, check=in_range(0.0))
+    warmup_steps: int = setting(0, check=in_range(0))
+    max_grad_norm: float = setting(1.0, check=in_range(0.0))
+    micro_batch_tokens: int = setting(0, check=in_range(0))
+
+
+@dataclass
+class ParallelSection:
+    tensor: int = setting(1, check=in_range(1, 1024), doc="Tensor-parallel size (megatron engine).")
+    pipeline: int = setting(1, check=in_range(1, 1024), doc="Pipeline-parallel size (megatron engine).")
+    expert: int = setting(1, check=in_range(1, 1024), doc="Expert-parallel size (megatron engine, MoE).")
+    data: int = setting(1, check=in_range(1, 1024), doc="Data-parallel size.")
+
+    @property
+    def world_size(self) -> int:
+        # Megatron's expert-parallel group is carved out of the data x tensor ranks, not added to them.
+        return self.tensor * self.pipeline * self.data
+
+
+@dataclass
+class MemorySection:
+    activation_checkpointing: Literal["auto", "on", "off"] = setting(
+        "auto", doc="Recompute decoder activations in backward: 'on', 'off', or 'auto' (on for micro-batches whose "
+        "activations would not fit the device).")
+    logits_chunk_tokens: int = setting(1024, check=in_range(0), doc="Tokens per LM-head/log-softmax chunk "
+                                                                    "(0: a whole micro-batch at once).")
+
+
+@dataclass
+class TrainerSection:
+    device: str = setting("cpu", doc="cpu, cuda or npu (the first of the trainer's devices).")
+    engine: Literal["torch", "megatron"] = setting("torch", doc="'torch' (transformers) or 'megatron' (TP/PP/EP).")
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    seed: int = setting(0, check=in_range(0))
+    lora: LoraSection = field(default_factory=LoraSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+
+
+@dataclass
+class RolloutSection:
+    engine: Literal["vllm", "hf"] = setting("vllm")
+    group_size: int = setting(8, check=in_range(1, 64), doc="Completions per prompt (GRPO group).")
+    temperature: float = setting(1.0, check=in_range(0.0, 10.0))
+    top_p: float = setting(1.0, check=in_range(0.0, 1.0))
+    max_tokens: int = setting(8, check=in_range(1, 65536))
+    eval_max_tokens: int = setting(8, check=in_range(1, 65536))
+    kv_cache_gib: float = setting(1.0, check=in_range(0.0625), doc="vLLM's KV cache per replica, in GiB.")
+    gpu_memory_utilization: float | None = setting(
+        None, check=in_range(0.05, 1.0), doc="Share of a GPU a vLLM engine may use (null: vLLM's 0.9).")
+    enforce_eager: bool | None = setting(
+        None, doc="Skip CUDA graphs (null: on CPU only; GPUs capture graphs for fast decoding).")
+    max_model_len: int = setting(
+        0, check=in_range(0), doc="Context the engines serve (0: the smallest power of two >= 2048 holding "
+        "data.max_prompt_tokens + the longer of max_tokens and eval_max_tokens, at most the model's).")
+    max_lora_rank: int = setting(16)
+    replicas: int = setting(1, check=in_range(1, 1024), doc="Rollout services (vLLM engines) in the job.")
+    max_num_seqs: int = setting(0, check=in_range(0, 4096),
+                                doc="Sequences a vLLM engine decodes at once (0: a whole step's batch, >= 64).")
+    tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices per rollout replica (vLLM TP).")
+    block_size: int = setting(
+        0, check=all_of(in_range(0), multiple_of(16)),
+        doc="vLLM KV-cache block in tokens, a multiple of 16 (0: vLLM's default). Prefix caching shares whole "
+            "blocks only: blocks no longer than the prompts let a group share its prefill.")
+
+@dataclass
+class LoopSection:
+    mode: LoopMode = setting("async", doc="'sync': generate, then train, then sync; 'async': generate while "
+                                          "training, at most max_staleness versions behind.")
+    steps: int = setting(40, check=in_range(1))
+    prompts_per_step: int = setting(16, check=in_range(1))
+    max_staleness: int = setting(1, check=in_range(0, 64))
+    eval_every: int = setting(10, check=in_range(0), doc="Evaluate every K steps (0: only before and after).")
+    checkpoint_every: int = setting(0, check=in_range(0), doc="Checkpoint every K steps (0: only at the end).")
+    time_limit_s: float = setting(0.0, check=in_range(0.0), doc="Stop after this much wall time (0: no limit).")
+
+
+@dataclass
+class SyncSection:
+    mode: SyncModeName = setting("auto", doc="'adapter', 'merged' or 'auto' (adapter if every replica can).")
+    collective: bool = setting(True, doc="Bytes over a gloo/nccl/hccl group (False: inline gRPC).")
+
+
+@dataclass
+class OutputSection:
+    dir: str = setting("runs/demo", doc="Metrics, plots, checkpoints and service logs go here.")
+    tensorboard: bool = setting(True, doc="Write TensorBoard event files (if tensorboard is installed).")
+    wandb: bool = setting(False, doc="Log to Weights & Biases (if installed).")
+    progress: bool = setting(True, doc="Show a progress line.")
+
+
+@dataclass
+class PlacementSection:
+    """Where the job runs: devices and memory for the --dry-run plan, CPUs for `lorarl run`."""
+
+    nodes: int = setting(1, check=in_range(1, 4096))
+    devices_per_node: int = setting(0, check=in_range(0, 64), doc="Accelerators per node (0: CPU only).")
+    device_memory_gib: float = setting(0.0, check=in_range(0.0), doc="Memory per accelerator (0: unknown).")
+    device_tflops: float = setting(0.0, check=in_range(0.0), doc="Dense peak TFLOP/s per accelerator in the job's "
+                                   "dtype, for the plan's step-time estimate (0: unknown; H100/H200 bf16: 989).")
+    device_bandwidth_gbs: float = setting(0.0, check=in_range(0.0), doc="Memory bandwidth per accelerator in GB/s "
+                                          "(0: unknown; H100 SXM: 3350, H200: 4800).")
+    pin_cpus: Literal["auto", "off"] = setting(
+        "auto", doc="`lorarl run`, CPU job on one host: 'auto' keeps vLLM's engine core and the trainer on CPUs "
+        "of their own in an async loop (half each; 6-7% shorter steps on 2 cores), and gives each all CPUs, "
+        "one OpenMP thread per CPU, in a sync loop, where they take turns (bench/RESULTS.md); 'off': the OS "
+        "places them, one thread each.")
+
+
+@dataclass
+class JobFileConfig:
+    """The whole job file."""
+
+    job_id: str = setting("demo", doc="Job name (letters, digits, '_', '.', '-').")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    loop: LoopSection = field(default_factory=LoopSection)
+    sync: SyncSection = field(default_factory=SyncSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
+
+    def validate(self) -> None:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
+            raise ConfigError("job_id", f"1-64 letters, digits, '_', '.', '-'; got {self.job_id!r}")
+        if self.rollout.max_lora_rank < self.trainer.lora.rank and self.sync.mode != "merged":
+            raise ConfigError("rollout.max_lora_rank",
+                              f"{self.rollout.max_lora_rank} is below trainer.lora.rank={self.trainer.lora.rank}")
+        parallel = self.trainer.parallel
+        if self.trainer.engine == "torch" and (parallel.tensor, parallel.pipeline, parallel.expert) != (1, 1, 1):
+            raise ConfigError("trainer.parallel", "tensor/pipeline/expert parallelism needs trainer.engine=megatron")
+        if parallel.expert > 1 and (parallel.data * parallel.tensor) % parallel.expert:
+            raise ConfigError("trainer.parallel.expert", f"{parallel.expert} must divide data x tensor ranks "
+                                                         f"({parallel.data * parallel.tensor})")
+        if self.placement.devices_per_node:
+            needed = parallel.world_size + self.rollout.replicas * self.rollout.tensor_parallel_size
+            have = self.placement.nodes * self.placement.devices_per_node
+            if needed > have:
+                raise ConfigError("placement.devices_per_node",
+                                  f"the job needs {needed} devices (trainer {parallel.world_size} + rollout "
+                                  f"{self.rollout.replicas} x {self.rollout.tensor_parallel_size}) but "
+                                  f"placement has {self.placement.nodes} x {self.placement.devices_per_node} = {have}")
+
+
+def load_job_config(path: str | None, overrides: list[str]) -> JobFileConfig:
+    from lorarl.common.config import load_config
+
+    return load_config(JobFileConfig, path, overrides=overrides, env={})
+
+
+def serving_length(cfg) -> int | None:
+    """The rollout's max_model_len: rollout.max_model_len, else the smallest power of two >= 2048 that holds
+    the longest prompt and completion, at most the model's own context (None: the model's, unknown here).
+    vLLM refuses to start when its KV cache cannot hold one max_model_len sequence, and Qwen3's 40K
+    default would make that most caches on a GPU."""
+    if cfg.rollout.max_model_len:
+        return cfg.rollout.max_model_len
+    config = Path(cfg.model.path) / "config.json"
+    if not config.is_file():
+        return None
+    context = json.loads(config.read_text()).get("max_position_embeddings")
+    need = cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.rollout.eval_max_tokens)
+    length = max(2048, 1 << (need - 1).bit_length())
+    return min(length, context) if context else length

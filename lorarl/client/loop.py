@@ -1,0 +1,343 @@
+"""The RL loop, in plain sight: sample groups, score them, train, publish, repeat.
+
+    sync:   generate(batch s, policy s) -> train step s -> publish s+1 -> generate(batch s+1) ...
+    async:  a producer keeps generating while the trainer trains; batch b may start only when the
+            served policy is at least b - max_staleness (AReaL-style admission), and the trainer's
+            decoupled loss corrects for the lag. Every token's policy version travels with it.
+
+The loop talks to the three services only through their gRPC stubs, so the same code drives the
+local stack of `lorarl run` and services running elsewhere (`lorarl train`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from lorarl.client.datasets import Example, TrainStream
+from lorarl.client.job_config import JobFileConfig, serving_length
+from lorarl.client.rewards import RewardFn
+from lorarl.contract import staleness
+from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
+from lorarl.weightsync.client.activation import await_outcome
+
+logger = logging.getLogger(__name__)
+
+LOSS_TYPES = {"grpo": trainer_pb2.LOSS_TYPE_GRPO, "dr_grpo": trainer_pb2.LOSS_TYPE_DR_GRPO,
+              "dapo": trainer_pb2.LOSS_TYPE_DAPO, "rloo": trainer_pb2.LOSS_TYPE_RLOO,
+              "gspo": trainer_pb2.LOSS_TYPE_GSPO, "ppo": trainer_pb2.LOSS_TYPE_PPO}
+SYNC_MODES = {"adapter": common_pb2.SYNC_MODE_ADAPTER, "merged": common_pb2.SYNC_MODE_MERGED,
+              "auto": common_pb2.SYNC_MODE_AUTO}
+EVAL_CHUNK = 64
+#: The trainer's own default limit on prompt + completion tokens (lorarl.trainer.engines.api.Limits).
+DEFAULT_MAX_SEQUENCE_TOKENS = 4096
+
+
+def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConfig:
+    """The trainer's JobConfig for this run; async runs get the decoupled loss."""
+    t = cfg.trainer
+    loss = trainer_pb2.LossConfig(
+        type=LOSS_TYPES[t.loss.type], clip_eps_low=t.loss.clip_eps_low, clip_eps_high=t.loss.clip_eps_high,
+        dual_clip=t.loss.dual_clip, kl_coef=t.loss.kl_coef, entropy_coef=t.loss.entropy_coef,
+        max_response_tokens=cfg.rollout.max_tokens)
+    if cfg.loop.mode == "async":
+        loss.behavior_weight_cap = t.loss.behavior_weight_cap or 5.0
+        loss.max_staleness = cfg.loop.max_staleness  # the trainer masks what admission let through
+    megatron = None
+    if t.engine == "megatron":
+        megatron = trainer_pb2.MegatronConfig(tensor_parallel_size=t.parallel.tensor,
+                                              pipeline_parallel_size=t.parallel.pipeline,
+                                              expert_parallel_size=t.parallel.expert)
+    return trainer_pb2.JobConfig(
+        base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, seed=t.seed, engine=t.engine,
+        megatron=megatron,
+        # The rollout never returns a prompt and completion longer than its context: the trainer takes them all.
+        max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS),
+        lora=t.lora.spec().to_proto(),
+        loss=loss,
+        optimizer=trainer_pb2.OptimizerConfig(
+            learning_rate=t.optimizer.learning_rate, weight_decay=t.optimizer.weight_decay,
+            warmup_steps=t.optimizer.warmup_steps, max_grad_norm=t.optimizer.max_grad_norm,
+            micro_batch_tokens=t.optimizer.micro_batch_tokens),
+        memory=trainer_pb2.MemoryConfig(
+            activation_checkpointing=trainer_pb2.ActivationCheckpointing.Value(
+                f"ACTIVATION_CHECKPOINTING_{t.memory.activation_checkpointing.upper()}"),
+            logits_chunk_tokens=t.memory.logits_chunk_tokens),
+    )
+
+
+@dataclass
+class Batch:
+    """One step's worth of scored trajectories."""
+
+    index: int
+    trajectories: list[common_pb2.Trajectory]
+    rewards: list[float]
+    accuracy: float
+    generate_s: float
+    tokens: int
+    min_version: int
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    version: int = 0  # last version published and serving
+    cursor: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+MetricSink = Callable[[dict[str, float]], None]
+
+
+class RLLoop:
+    """Drives one job through the trainer, rollout and weight-sync services."""
+
+    def __init__(self, cfg: JobFileConfig, trainer, rollout, reward: RewardFn, train: list[Example],
+                 test: list[Example], on_metrics: MetricSink, state: LoopState | None = None,
+                 on_checkpoint: Callable[[LoopState], Awaitable[None]] | None = None, weightsync=None) -> None:
+        self.cfg, self.trainer, self.rollout, self.reward = cfg, trainer, rollout, reward
+        # With the weight-sync stub, the async loop trains the next batch while a version activates.
+        self.weightsync = weightsync
+        self._activating: asyncio.Task[None] | None = None
+        self.state = state or LoopState()
+        self.stream = TrainStream(train, cfg.data.seed, self.state.cursor)
+        self.test = test[: cfg.data.eval_size] if cfg.data.eval_size else test
+        self.on_metrics = on_metrics
+        self.on_checkpoint = on_checkpoint
+        self.started = time.perf_counter()
+        self._published = asyncio.Event()
+
+    # ------------------------------------------------------------------ rollout
+
+    def _policy(self) -> rollout_pb2.PolicySelector:
+        """Version 0 is the base model (a fresh adapter is the identity); later ones the job's latest."""
+        if self.state.version == 0:
+            return rollout_pb2.PolicySelector()
+        return rollout_pb2.PolicySelector(job_id=self.cfg.job_id)
+
+    def _prompt(self, example: Example) -> rollout_pb2.Prompt:
+        return rollout_pb2.Prompt(text=example.prompt, apply_chat_template=self.cfg.data.chat_template)
+
+    async def generate(self, index: int, examples: list[Example]) -> Batch:
+        r = self.cfg.rollout
+        sampling = common_pb2.SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                                             max_tokens=r.max_tokens, seed=self.cfg.data.seed * 100_003 + index)
+        started = time.perf_counter()
+        response = await self.rollout.Generate(rollout_pb2.GenerateRequest(
+            prompts=[self._prompt(e) for e in examples], sampling=sampling, policy=self._policy(),
+            request_id=f"{self.cfg.job_id}-b{index}"))
+        elapsed = time.perf_counter() - started
+        trajectories, rewards = [], []
+        tokens, min_version = 0, 1 << 62
+        for p, (example, result) in enumerate(zip(examples, response.results, strict=True)):
+            for c, completion in enumerate(result.completions):
+                reward = float(self.reward(completion.text, example.answer))
+                rewards.append(reward)
+                tokens += len(completion.token_ids)
+                if completion.token_versions:
+                    min_version = min(min_version, min(completion.token_versions))
+                if not completion.token_ids:
+                    continue
+                trajectories.append(common_pb2.Trajectory(
+                    id=f"b{index}-p{p}-c{c}", job_id=self.cfg.job_id, group_id=f"b{index}-p{p}",
+                    prompt_token_ids=result.prompt_token_ids, completion_token_ids=completion.token_ids,
+                    behavior_logprobs=completion.logprobs, token_versions=completion.token_versions,
+                    reward=reward, finish_reason=completion.finish_reason))
+        accuracy = sum(1.0 for x in rewards if x >= 1.0) / max(len(rewards), 1)
+        return Batch(index, trajectories, rewards, accuracy, elapsed, tokens,
+                     min_version if min_version < 1 << 62 else 0)
+
+    async def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy and mean reward on the held-out split, with the current policy."""
+        sampling = common_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.rollout.eval_max_tokens)
+        chunks = [self.test[i: i + EVAL_CHUNK] for i in range(0, len(self.test), EVAL_CHUNK)]
+        policy = self._policy()
+
+        async def run(chunk: list[Example]) -> list[float]:
+            response = await self.rollout.Generate(rollout_pb2.GenerateRequest(
+                prompts=[self._prompt(e) for e in chunk], sampling=sampling, policy=policy))
+            return [float(self.reward(r.completions[0].text, e.answer)) for e, r in zip(chunk, response.results,
+                                                                                        strict=True)]
+
+        scores = [s for part in await asyncio.gather(*(run(c) for c in chunks)) for s in part]
+        return {"eval/accuracy": sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1),
+                "eval/mean_reward": sum(scores) / max(len(scores), 1)}
+
+    # ------------------------------------------------------------------ trainer
+
+    async def train(self, batch: Batch) -> dict[str, float]:
+        job = self.cfg.job_id
+
+        async def requests():
+            yield trainer_pb2.PushTrajectoriesRequest(job_id=job, trajectories=batch.trajectories)
+
+        refused = 0
+        async for response in self.trainer.PushTrajectories(requests()):
+            rejected = [s for s in response.statuses if s.code != 0]
+            if rejected:
+                refused += len(rejected)
+                logger.warning("trainer refused %d trajectories, e.g. %s: %s", len(rejected), rejected[0].field,
+                               rejected[0].message)
+        if refused and refused == len(batch.trajectories):
+            raise RuntimeError(f"the trainer refused all {refused} trajectories of step {batch.index} "
+                               f"({rejected[0].field}: {rejected[0].message}); nothing to train on")
+        result = await self.trainer.TrainStep(trainer_pb2.TrainStepRequest(job_id=job))
+        metrics = {f"train/{k}": v for k, v in result.metrics.values.items()}
+        metrics["train/version"] = result.version
+        return metrics
+
+    async def publish(self, overlap: bool = False) -> dict[str, float]:
+        """Publishes the trainer's version. With ``overlap`` (and a weight-sync stub) it returns once the
+        trainer has sent it, and the activation is awaited in the background (``settled``): the trainer's
+        next step then runs while the rollouts stage the version. The version counts as serving, for
+        admission and the policy selector, only once it is active."""
+        await self.settled()  # versions go live in order
+        overlap = overlap and self.weightsync is not None
+        response = await self.trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
+            job_id=self.cfg.job_id, mode=SYNC_MODES[self.cfg.sync.mode], wait_for_activation=not overlap,
+            timeout_seconds=600))
+        if overlap and not response.error:
+            self._activating = asyncio.create_task(self._await_activation(response.version))
+        elif not response.activated:
+            raise RuntimeError(f"version {response.version} was not activated: {response.error} "
+                               f"(failed replicas: {list(response.failed_replicas)})")
+        else:
+            self._serving(response.version)
+        return {"sync/seconds": response.seconds, "sync/bytes": float(response.payload_bytes),
+                "sync/version": float(response.version)}
+
+    async def settled(self) -> None:
+        """Returns once the last published version serves; raises if its activation failed."""
+        if self._activating is not None:
+            try:
+                await self._activating
+            finally:
+                self._activating = None
+
+    async def _await_activation(self, version: int, timeout_s: float = 600.0) -> None:
+        response = await await_outcome(self.weightsync, self.cfg.job_id, version, timeout_s)
+        if response.outcome != weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE:
+            raise RuntimeError(f"version {version} was not activated: "
+                               f"{response.error or weightsync_pb2.ActivationOutcome.Name(response.outcome)} "
+                               f"(failed replicas: {list(response.failed_replicas)})")
+        self._serving(version)
+
+    def _serving(self, version: int) -> None:
+        self.state.version = version
+        self._published.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _record(self, batch: Batch, train: dict[str, float], sync: dict[str, float], version_before: int) -> None:
+        step = self.state.step
+        metrics = {"step": float(step), "time_s": time.perf_counter() - self.started,
+                   "rollout/reward_mean": sum(batch.rewards) / max(len(batch.rewards), 1),
+                   "rollout/accuracy": batch.accuracy, "rollout/seconds": batch.generate_s,
+                   "rollout/tokens": float(batch.tokens),
+                   "rollout/tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9),
+                   "policy/version_lag": float(version_before - batch.min_version), **train, **sync}
+        self.state.history.append(metrics)
+        self.on_metrics(metrics)
+
+    async def _maybe_eval_and_checkpoint(self) -> None:
+        """Evaluation and checkpoint, when due, see the step's version serving (it may be activating)."""
+        loop = self.cfg.loop
+        step = self.state.step
+        if loop.eval_every and step % loop.eval_every == 0 and step < loop.steps:
+            await self.settled()
+            self.on_metrics({"step": float(step), "time_s": time.perf_counter() - self.started,
+                             **await self.evaluate()})
+        if self.on_checkpoint and loop.checkpoint_every and step % loop.checkpoint_every == 0:
+            await self.settled()
+            await self.on_checkpoint(self.state)
+
+    def _out_of_time(self) -> bool:
+        limit = self.cfg.loop.time_limit_s
+        return bool(limit) and time.perf_counter() - self.started > limit
+
+    async def run(self) -> LoopState:
+        first = await self.evaluate()
+        self.on_metrics({"step": float(self.state.step), "time_s": 0.0, **first})
+        if self.cfg.loop.mode == "sync":
+            await self._run_sync()
+        else:
+            await self._run_async()
+        final = await self.evaluate()
+        self.on_metrics({"step": float(self.state.step), "time_s": time.perf_counter() - self.started, **final})
+        if self.on_checkpoint:
+            await self.on_checkpoint(self.state)
+        return self.state
+
+    async def _run_sync(self) -> None:
+        while self.state.step < self.cfg.loop.steps and not self._out_of_time():
+            examples = self.stream.take(self.cfg.loop.prompts_per_step)
+            batch = await self.generate(self.state.step, examples)
+            self.state.cursor = self.stream.cursor  # == (step + 1) * prompts_per_step
+            version_before = self.state.version
+            train = await self.train(batch)
+            sync = await self.publish()
+            self.state.step += 1
+            self._record(batch, train, sync, version_before)
+            await self._maybe_eval_and_checkpoint()
+
+    async def _run_async(self) -> None:
+        bound = self.cfg.loop.max_staleness
+        # Batches in index order, as tasks: a batch starts generating as soon as admission allows, even
+        # while the previous one is still decoding, so the engine fills the slots its finished
+        # sequences free with the next batch's prompts instead of running its tail half empty.
+        queue: asyncio.Queue[asyncio.Task[Batch] | None] = asyncio.Queue()
+        stop = asyncio.Event()
+        generating: set[asyncio.Task[Batch]] = set()  # started and not yet taken by the trainer
+
+        async def producer() -> None:
+            index = first = self.state.step
+            while index < self.cfg.loop.steps and not stop.is_set():
+                # Admission: batch `index` is trained at trainer version `index`; its tokens must come
+                # from a policy at most `bound` versions older.
+                while not staleness.admits(self.state.version, index, bound) and not stop.is_set():
+                    self._published.clear()
+                    await self._published.wait()
+                if stop.is_set():
+                    break
+                examples = self.stream.take(self.cfg.loop.prompts_per_step)
+                batch = asyncio.create_task(self.generate(index, examples))
+                generating.add(batch)
+                await queue.put(batch)
+                if index == first:  # nothing trains before the first batch: it decodes alone, at full speed
+                    await asyncio.wait([batch])
+                index += 1
+            await queue.put(None)
+
+        task = asyncio.create_task(producer())
+        try:
+            while self.state.step < self.cfg.loop.steps:
+                if self._out_of_time():
+                    break
+                pending = await queue.get()
+                if pending is None:
+                    break
+                batch = await pending
+                generating.discard(pending)
+                train = await self.train(batch)
+                sync = await self.publish(overlap=True)
+                self.state.step += 1
+                self.state.cursor = self.state.step * self.cfg.loop.prompts_per_step
+                # the trainer's version before this step (the served one may still be activating)
+                self._record(batch, train, sync, int(train["train/version"]) - 1)
+                await self._maybe_eval_and_checkpoint()
+            await self.settled()
+        finally:
+            stop.set()
+            self._published.set()
+            tasks = [task, *generating, *([self._activating] if self._activating else [])]
+            self._activating = None
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t

@@ -1,0 +1,352 @@
+"""`--dry-run`: check a job config and print a memory and placement plan, without starting anything.
+
+Sizes come from the model's config.json when the weights are present; otherwise from the
+``model.shape`` named in the job file (published shapes below), so configs for real models can be
+checked on a machine that has neither the weights nor the accelerators. The plan counts, per device,
+the trainer's weights, adapters and their gradients, Adam moments, the activations of its largest
+micro-batch (with or without activation checkpointing, as the engine will run it) and its logits
+chunk, from the formulas the engine itself decides by (lorarl.trainer.engines.memory); and the rollout's
+weights and KV cache, with how many whole sequences the cache holds. A plan that does not fit is an
+error naming the key to change.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorarl.client.step_time import IMBALANCE, StepTime, estimate
+from lorarl.trainer.engines.memory import StepMemory, needs_checkpointing, step_memory
+
+GIB = 1 << 30
+ADAPTER_BYTES = 4  # adapters and their Adam moments stay fp32 whatever the base dtype
+HEADROOM = 0.9  # share of a device the plan may fill before calling it "does not fit"
+
+#: Published shapes (config.json fields) for planning without the weights.
+KNOWN_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False),
+    # Qwen3.6-27B (Qwen3_5ForConditionalGeneration, text_config): hybrid layers, every 4th one full
+    # (gated) attention, the others Gated DeltaNet linear attention; one MTP layer; a vision tower.
+    "qwen3.6-27b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                        head_dim=256, intermediate_size=17408, vocab_size=248320, tie_word_embeddings=False,
+                        attn_output_gate=True, full_attention_interval=4, linear_num_key_heads=16,
+                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_conv_kernel_dim=4, mtp_num_hidden_layers=1,
+                        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304,
+                                           out_hidden_size=5120)),
+}
+
+
+def model_shape(cfg) -> dict[str, Any]:
+    """The text model's config fields (a multimodal config's ``text_config``, vision kept alongside)."""
+    config = Path(cfg.model.path) / "config.json"
+    if config.is_file():
+        shape = json.loads(config.read_text())
+    elif getattr(cfg.model, "shape", "") in KNOWN_SHAPES:
+        shape = KNOWN_SHAPES[cfg.model.shape]
+    else:
+        raise ValueError(f"model.path {cfg.model.path!r} has no config.json and model.shape "
+                         f"{getattr(cfg.model, 'shape', '')!r} is not one of {sorted(KNOWN_SHAPES)}")
+    if "text_config" in shape:
+        shape = {**shape["text_config"], "vision_config": shape.get("vision_config")}
+    return shape
+
+
+def _is_full_attention(shape: dict[str, Any], layer: int) -> bool:
+    types = shape.get("layer_types")
+    if types:
+        return types[layer] == "full_attention"
+    interval = shape.get("full_attention_interval")
+    return not interval or (layer + 1) % interval == 0
+
+
+def _vision_params(vision: dict[str, Any] | None) -> int:
+    """ViT blocks (attention + MLP) and the merger into the text width; patch embedding ignored."""
+    if not vision:
+        return 0
+    w, inter = vision["hidden_size"], vision["intermediate_size"]
+    return vision["depth"] * (4 * w * w + 2 * w * inter) + 4 * w * (4 * w) + 4 * w * vision.get("out_hidden_size", w)
+
+
+def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> dict[str, int]:
+    """Base parameters, the expert share of them, and all-linear LoRA parameters at ``rank``.
+
+    LoRA counts what the trainer adapts with ``all-linear``: every attention projection (full and
+    Gated DeltaNet linear attention) and every MLP projection (experts: one adapter each with
+    ``per_expert``, one for all with ``shared``, none with ``none``); vision towers stay frozen.
+    """
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    hd = shape.get("head_dim") or h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    q_out = 2 * q if shape.get("attn_output_gate") else q
+    attn = h * q_out + 2 * h * kv + q * h
+    attn_lora = rank * ((h + q_out) + 2 * (h + kv) + (q + h))
+    if shape.get("linear_num_value_heads"):
+        keys = shape["linear_num_key_heads"] * shape["linear_key_head_dim"]
+        values = shape["linear_num_value_heads"] * shape["linear_value_head_dim"]
+        conv = 2 * keys + values
+        heads = shape["linear_num_value_heads"]
+        linear_attn = h * conv + h * values + 2 * h * heads + conv * shape.get("linear_conv_kernel_dim", 4) + values * h
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj (conv1d and the gates' scalars stay frozen)
+        linear_lora = rank * ((h + conv) + (h + values) + 2 * (h + heads) + (values + h))
+    else:
+        linear_attn, linear_lora = attn, attn_lora
+    experts = shape.get("num_experts") or shape.get("num_local_experts") or 0
+    if experts:
+        inter = shape["moe_intermediate_size"]
+        expert_params = experts * 3 * h * inter
+        mlp = expert_params + experts * h
+        adapted = {"per_expert": experts, "shared": 1, "none": 0}[expert_mode]
+        mlp_lora = adapted * rank * 3 * (h + inter)
+    else:
+        inter = shape["intermediate_size"]
+        expert_params, mlp, mlp_lora = 0, 3 * h * inter, rank * 3 * (h + inter)
+    full = sum(_is_full_attention(shape, i) for i in range(layers))
+    mtp = shape.get("mtp_num_hidden_layers", 0) * (attn + mlp + 2 * h * h)
+    embed = shape["vocab_size"] * h * (1 if shape.get("tie_word_embeddings") else 2)
+    base = embed + full * attn + (layers - full) * linear_attn + layers * mlp + mtp
+    vision = _vision_params(shape.get("vision_config"))
+    return {"base": base + vision, "vision": vision, "expert_params": layers * expert_params,
+            "lora": full * attn_lora + (layers - full) * linear_lora + layers * mlp_lora,
+            "lora_experts": layers * mlp_lora if experts else 0, "experts": experts}
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One process group's devices: which node and which device indices there."""
+
+    role: str
+    node: int
+    devices: tuple[int, ...]
+
+
+def place(cfg) -> list[Slot]:
+    """Trainer ranks fill node 0 (then the next nodes) first; each rollout replica's TP group then
+    takes the next free devices of one node (a vLLM TP group never spans nodes)."""
+    per_node = cfg.placement.devices_per_node
+    free = [list(range(per_node)) for _ in range(cfg.placement.nodes)]
+    slots: list[Slot] = []
+    ranks = cfg.trainer.parallel.world_size
+    node = 0
+    while ranks:
+        take = min(ranks, len(free[node]))
+        if take:
+            slots.append(Slot("trainer", node, tuple(free[node][:take])))
+            del free[node][:take]
+            ranks -= take
+        node += 1
+    tp = cfg.rollout.tensor_parallel_size
+    for replica in range(cfg.rollout.replicas):
+        node = next((n for n, devices in enumerate(free) if len(devices) >= tp), None)
+        if node is None:
+            raise ValueError(f"rollout replica {replica} needs {tp} devices on one node; none is left "
+                             "(fewer replicas, a smaller rollout.tensor_parallel_size, or more nodes)")
+        slots.append(Slot(f"rollout-{replica}", node, tuple(free[node][:tp])))
+        del free[node][:tp]
+    return slots
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """One trainer device's peak bytes in a step, by part (lorarl.trainer.engines.memory's formulas)."""
+
+    weights: float
+    adapters: float  # fp32 adapters + their gradients
+    adam: float
+    step: StepMemory  # activations and logits chunk of the largest micro-batch, as the job runs
+    unchecked: StepMemory  # the same micro-batch without activation checkpointing
+    checkpointed: StepMemory  # and with it
+    sequence_tokens: int
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.adapters + self.adam
+
+    @property
+    def total(self) -> float:
+        return self.static + self.step.total
+
+
+def micro_batch_tokens(cfg) -> tuple[int, int]:
+    """(tokens of the largest micro-batch per trainer rank, tokens of one sequence) the plan assumes."""
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+    per_rank = -(-cfg.loop.prompts_per_step * cfg.rollout.group_size // cfg.trainer.parallel.data) * seq
+    budget = cfg.trainer.optimizer.micro_batch_tokens
+    # A micro-batch holds whole sequences: at most the budget, but never less than one sequence.
+    return (max(min(budget, per_rank), seq) if budget else per_rank), seq
+
+
+def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: float | None) -> TrainerMemory:
+    """Weights, adapters, Adam and the step's activations on one trainer device; ``free_bytes`` (the
+    device's memory, None if unknown) decides ``activation_checkpointing: auto`` as the engine does."""
+    dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    par = cfg.trainer.parallel
+    # Dense weights split by TP x PP, experts additionally by EP.
+    dense_bytes = (n["base"] - n["expert_params"]) * dtype_bytes
+    weights = dense_bytes / (par.tensor * par.pipeline) + n["expert_params"] * dtype_bytes / (
+        par.tensor * par.pipeline * par.expert)
+    adapters = ((n["lora"] - n["lora_experts"]) / (par.tensor * par.pipeline) + n["lora_experts"] / (
+        par.tensor * par.pipeline * par.expert)) * ADAPTER_BYTES
+    tokens, seq = micro_batch_tokens(cfg)
+    memory = cfg.trainer.memory
+    layers = -(-shape["num_hidden_layers"] // par.pipeline)
+    rank, dtype, chunk = cfg.trainer.lora.rank, cfg.model.dtype, memory.logits_chunk_tokens
+    with_grads, adam = 2 * adapters, 2 * adapters  # adapters and their gradients; two Adam moments
+    static = weights + with_grads + adam
+    # The torch engine takes a frozen head's gradient in closed form, in chunks; Megatron's output layer
+    # goes through autograd over the whole micro-batch's logits.
+    frozen_head = cfg.trainer.engine == "torch"
+    if not frozen_head:
+        chunk = 0
+    if memory.activation_checkpointing == "auto":
+        checkpointing = free_bytes is not None and needs_checkpointing(shape, rank, dtype, tokens, chunk,
+                                                                        int(free_bytes - static), layers, frozen_head)
+    else:
+        checkpointing = memory.activation_checkpointing == "on"
+
+    def per_device(on: bool) -> StepMemory:
+        # Tensor parallelism splits the layers' activations (not the LM-head chunk, gathered per rank).
+        return step_memory(shape, rank, dtype, tokens, on, chunk, layers, frozen_head=frozen_head).split(par.tensor)
+
+    return TrainerMemory(weights, with_grads, adam, per_device(checkpointing), per_device(False), per_device(True),
+                         seq)
+
+
+def kv_bytes_per_token(shape: dict[str, Any], dtype: str) -> int:
+    """The rollout's KV cache per token: keys and values of every full-attention layer."""
+    hd = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    full = sum(_is_full_attention(shape, i) for i in range(shape["num_hidden_layers"]))
+    return 2 * full * shape["num_key_value_heads"] * hd * (2 if dtype == "bfloat16" else 4)
+
+
+def print_plan(cfg) -> int:
+    try:
+        shape = model_shape(cfg)
+    except ValueError as e:
+        print(f"lorarl: bad config: model.path: {e}")
+        return 2
+    n = count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)
+    dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    par = cfg.trainer.parallel
+    base_bytes = n["base"] * dtype_bytes
+    device_memory = cfg.placement.device_memory_gib * GIB if cfg.placement.devices_per_node else 0.0
+    trainer = trainer_memory(cfg, shape, n, HEADROOM * device_memory if device_memory else None)
+    rollout_base = base_bytes / cfg.rollout.tensor_parallel_size
+    kv = cfg.rollout.kv_cache_gib * GIB
+    kv_per_token = kv_bytes_per_token(shape, cfg.model.dtype) / cfg.rollout.tensor_parallel_size
+    moe_on_cpu = bool(n["experts"]) and cfg.rollout.engine == "vllm" and cfg.trainer.device == "cpu"
+    mode = cfg.sync.mode if cfg.sync.mode != "auto" else ("merged" if moe_on_cpu else "adapter (if replicas can)")
+
+    print(f"job {cfg.job_id}: {cfg.loop.mode} loop, {cfg.loop.steps} steps x {cfg.loop.prompts_per_step} prompts x "
+          f"{cfg.rollout.group_size} samples, staleness <= {cfg.loop.max_staleness}")
+    extras = [f"{n['experts']} experts"] if n["experts"] else []
+    if n["vision"]:
+        extras.append(f"vision tower {human_count(n['vision'])} (frozen, not adapted)")
+    print(f"model {cfg.model.path}: {human_count(n['base'])} parameters ({human_bytes(base_bytes)} in "
+          f"{cfg.model.dtype})" + (f", {', '.join(extras)}" if extras else ""))
+    print(f"adapters: rank {cfg.trainer.lora.rank}, {human_count(n['lora'])} parameters "
+          f"({100 * n['lora'] / n['base']:.2f}% of base), {human_bytes(n['lora'] * ADAPTER_BYTES)} fp32")
+    step, unchecked = trainer.step, trainer.unchecked
+    ckpt_mode = cfg.trainer.memory.activation_checkpointing
+    ckpt = ("on" if step.checkpointing else "off") + (" (auto)" if ckpt_mode == "auto" else "")
+    print(f"trainer ({cfg.trainer.engine} engine, {cfg.trainer.device}, TP {par.tensor} x PP {par.pipeline} x "
+          f"DP {par.data}, EP {par.expert}): per device base {human_bytes(trainer.weights)} + adapters and grads "
+          f"{human_bytes(trainer.adapters)} + Adam {human_bytes(trainer.adam)} + step {human_bytes(step.total)} "
+          f"(activations kept {human_bytes(step.kept)}, then the larger of one recomputed layer "
+          f"{human_bytes(step.recompute)} and the logits chunk {human_bytes(step.logits)}) "
+          f"= {human_bytes(trainer.total)}")
+    print(f"trainer activations: micro-batch of {step.tokens:,} tokens ({trainer.sequence_tokens:,}-token sequences: "
+          f"data.max_prompt_tokens + rollout.max_tokens); checkpointing {ckpt}: {human_bytes(step.activations)}, "
+          f"without: {human_bytes(unchecked.activations)}")
+    sequences = kv / (kv_per_token * trainer.sequence_tokens) if kv_per_token else float("inf")
+    print(f"rollout ({cfg.rollout.engine}, {cfg.rollout.replicas} replica(s) x TP {cfg.rollout.tensor_parallel_size}):"
+          f" per device base {human_bytes(rollout_base)} + KV cache {human_bytes(kv)} "
+          f"({human_bytes(kv_per_token)} per token: {sequences:,.1f} full sequences)")
+    print(f"weight sync: {mode}; per version {human_bytes(n['lora'] * ADAPTER_BYTES)} (adapter, fp32) vs "
+          f"{human_bytes(base_bytes)} (merged)")
+    if sequences < 1:
+        print(f"lorarl: bad config: rollout.kv_cache_gib: {human_bytes(kv)} holds "
+              f"{int(kv / kv_per_token):,} tokens, less than one {trainer.sequence_tokens:,}-token sequence")
+        return 2
+    if cfg.placement.devices_per_node:
+        try:
+            slots = place(cfg)
+        except ValueError as e:
+            print(f"lorarl: bad config: placement: {e}")
+            return 2
+        for node in range(cfg.placement.nodes):
+            here = [f"{s.role} (devices {s.devices[0]}-{s.devices[-1]})" if len(s.devices) > 1
+                    else f"{s.role} (device {s.devices[0]})" for s in slots if s.node == node]
+            print(f"node {node}: " + (", ".join(here) if here else "idle"))
+        speed = cfg.placement
+        if speed.device_tflops and speed.device_bandwidth_gbs:
+            _print_step_time(estimate(cfg, shape, n, trainer.step.checkpointing, kv_per_token, speed.device_tflops,
+                                      speed.device_bandwidth_gbs), cfg)
+        if device_memory:
+            return _check_fit(trainer, rollout_base + kv, device_memory)
+    print("config OK")
+    return 0
+
+
+def _print_step_time(t: StepTime, cfg) -> None:
+    print(f"step time estimate (lorarl/client/step_time.py): train ~{t.train_s:,.0f} s on "
+          f"{cfg.trainer.parallel.world_size} device(s), generate ~{t.generate_s:,.0f} s on {cfg.rollout.replicas} "
+          f"replica(s) ({t.concurrency} sequences at once, {t.waves} wave(s)): "
+          + ("balanced" if t.ratio <= IMBALANCE else "IMBALANCED"))
+    if t.ratio > IMBALANCE:
+        slower = "training" if t.train_s > t.generate_s else "generation"
+        fix = ("more trainer devices (trainer.parallel.data or tensor) or fewer rollout replicas"
+               if slower == "training"
+               else "more rollout replicas or fewer trainer devices")
+        print(f"warning: {slower} takes {t.ratio:.1f}x as long as the other half of the step; {fix}")
+
+
+def _check_fit(trainer: TrainerMemory, rollout: float, memory: float) -> int:
+    """Whether the trainer and a rollout replica fit their devices; a misfit names the key to change."""
+    limit = HEADROOM * memory
+    for role, used in (("trainer", trainer.total), ("rollout", rollout)):
+        verdict = "fits" if used <= limit else "DOES NOT FIT"
+        print(f"{role}: {human_bytes(used)} of {human_bytes(memory)} per device: {verdict}")
+    if trainer.total > limit:
+        need = human_bytes(trainer.total)
+        if trainer.static > limit:
+            key, hint = "placement.device_memory_gib", "weights and optimiser state alone do not fit: more "\
+                "parallelism (trainer.parallel.*) or larger devices"
+        elif not trainer.step.checkpointing and trainer.static + trainer.checkpointed.total <= limit:
+            key, hint = "trainer.memory.activation_checkpointing", "set it to 'on' (or 'auto')"
+        else:
+            key, hint = "trainer.optimizer.micro_batch_tokens", "a smaller micro-batch (or more parallelism)"
+        print(f"lorarl: bad config: {key}: the trainer needs {need} per device of {human_bytes(limit)} usable; {hint}")
+        return 2
+    if rollout > limit:
+        print(f"lorarl: bad config: rollout.kv_cache_gib: a rollout replica needs {human_bytes(rollout)} per device "
+              f"of {human_bytes(limit)} usable (a smaller KV cache or a larger rollout.tensor_parallel_size)")
+        return 2
+    print("config OK")
+    return 0
+

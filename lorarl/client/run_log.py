@@ -1,0 +1,112 @@
+"""Where a run's numbers go: a JSONL log, TensorBoard events, optional W&B, a progress line,
+and at the end a PNG of reward and held-out accuracy over steps plus a short text summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lorarl.client.progress import ProgressBar
+
+
+class RunLog:
+    """Appends metric dicts (each with a ``step``) to every configured sink."""
+
+    def __init__(self, out_dir: Path, *, total_steps: int, tensorboard: bool = True, wandb: bool = False,
+                 progress: bool = True, config: dict[str, Any] | None = None) -> None:
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = out_dir / "metrics.jsonl"
+        self._jsonl = self.jsonl_path.open("a")
+        self.total_steps = total_steps
+        self.progress = ProgressBar(total_steps) if progress else None
+        self.rows: list[dict[str, float]] = []
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+            except ImportError:
+                self._tb = None
+        self._wandb = None
+        if wandb:
+            try:
+                import wandb as wandb_module
+
+                self._wandb = wandb_module.init(project="lorarl", config=config or {}, dir=str(out_dir))
+            except ImportError:
+                print("wandb is not installed; skipping Weights & Biases logging", file=sys.stderr)
+
+    def __call__(self, metrics: dict[str, float]) -> None:
+        row = {"wall_time": time.time(), **metrics}
+        self.rows.append(row)
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        step = int(metrics.get("step", 0))
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self.progress is not None:
+            self.progress.update(metrics)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    # ------------------------------------------------------------------ end of run
+
+    def evals(self) -> list[dict[str, float]]:
+        return [r for r in self.rows if "eval/accuracy" in r]
+
+    def plot(self, path: Path | None = None) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = path or self.out_dir / "learning_curve.png"
+        steps = [r for r in self.rows if "rollout/reward_mean" in r]
+        evals = self.evals()
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        ax.plot([r["step"] for r in steps], [r["rollout/reward_mean"] for r in steps], label="train reward (mean)",
+                color="tab:blue", alpha=0.8)
+        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy",
+                color="tab:orange")
+        ax.set_xlabel("step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title("lorarl: reward and held-out greedy accuracy")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    def summary(self) -> str:
+        evals = self.evals()
+        if not evals:
+            return "no evaluation recorded"
+        first, last = evals[0], evals[-1]
+        steps = [r for r in self.rows if "rollout/reward_mean" in r]
+        lags = [r.get("policy/version_lag", 0) for r in steps]
+        lines = [
+            f"held-out greedy accuracy: {first['eval/accuracy']:.3f} -> {last['eval/accuracy']:.3f} "
+            f"({100 * (last['eval/accuracy'] - first['eval/accuracy']):+.1f} points)",
+            f"held-out mean reward:     {first['eval/mean_reward']:.3f} -> {last['eval/mean_reward']:.3f}",
+            f"steps: {len(steps)}, wall time: {last.get('time_s', 0):.0f} s, max policy version lag: "
+            f"{int(max(lags, default=0))}",
+        ]
+        return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""Configuration of the rollout service: `server:` (shared) and `rollout:` (its own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lorarl.common.config import ConfigError, all_of, existing_dir, in_range, multiple_of, setting
+from lorarl.common.cpu_affinity import check_cpu_setting, cpu_list
+from lorarl.common.server_config import ServerConfig
+
+#: Ranks vLLM accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+EngineKind = Literal["vllm", "hf"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+AdapterSource = Literal["memory", "shm"]
+UpdatePolicy = Literal["finish", "continue"]
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+
+
+@dataclass
+class RolloutSettings:
+    """What one rollout replica serves and how (engine, memory, adapter window, limits)."""
+
+    model_path: str | None = setting(
+        None, check=existing_dir, doc="Local Hugging Face model directory served by the engine (null: no engine)."
+    )
+    replica_id: str | None = setting(None, doc="Name reported to weight sync; default: host-pid.")
+    engine: EngineKind = setting("vllm", doc="'vllm' (continuous batching) or 'hf' (transformers, one at a time).")
+    device: str = setting("cpu", doc="Torch device for the hf engine; vLLM picks its platform itself.")
+    dtype: DType = setting("auto", doc="Weights and activations dtype; 'auto' keeps the checkpoint's.")
+    max_model_len: int | None = setting(None, check=in_range(16), doc="Context length; default: the model's.")
+    kv_cache_gib: float | None = setting(
+        None, check=in_range(0.0625), doc="KV cache size in GiB (vLLM); null: 1 GiB on CPU, and on GPUs what "
+        "gpu_memory_utilization leaves once the weights are loaded.")
+    gpu_memory_utilization: float | None = setting(
+        None, check=in_range(0.05, 1.0), doc="Share of each GPU's memory the vLLM engine may use (weights, "
+        "activations, KV cache); null: vLLM's default (0.9). Ignored on CPU.")
+    tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices one vLLM engine spans (TP).")
+    max_num_batched_tokens: int | None = setting(
+        None, check=in_range(16), doc="Tokens vLLM schedules per step (longer prefills are chunked); default: vLLM's.")
+    max_num_seqs: int = setting(64, check=in_range(1), doc="Sequences vLLM runs in one step at most.")
+    block_size: int | None = setting(
+        None, check=all_of(in_range(16), multiple_of(16)),
+        doc="Tokens per KV-cache block (a multiple of 16); prefix caching shares whole blocks, so prompts "
+            "shorter than a block are prefilled once per sample. Default: vLLM's (128 on CPU).")
+    engine_cpus: str = setting(
+        "", check=cpu_list, doc="CPUs of the process running vLLM's engine core, every thread, as a Linux CPU "
+        "list ('0', '0-3'); with vLLM in-process that is this service's process. Empty: unpinned. `lorarl run` "
+        "sets it on CPU jobs (placement.pin_cpus).")
+    enforce_eager: bool | None = setting(
+        None, doc="Skip torch.compile and CUDA graph capture; null: true on CPU (vLLM CPU runs eager), false "
+        "on GPUs, where captured graphs make decoding several times faster (at a slower start).")
+    seed: int = setting(0, check=in_range(0), doc="Engine seed (requests without a seed draw from it).")
+    enable_lora: bool | None = setting(
+        None, doc="Start the engine with LoRA; null: yes unless the model cannot run LoRA on this platform."
+    )
+    max_lora_rank: int = setting(16, doc=f"Largest adapter rank the engine accepts; one of {VLLM_LORA_RANKS}.")
+    max_loras: int = setting(4, check=in_range(1), doc="Adapters the engine holds at once (all jobs together).")
+    adapter_window: int | None = setting(
+        None, check=in_range(1), doc="Versions of one job kept loaded (>= staleness bound + 2); null: max_loras."
+    )
+    adapter_source: AdapterSource = setting(
+        "memory", doc="'memory': adapters go to vLLM as bytes (worker extension); 'shm': PEFT dirs in shm_dir."
+    )
+    shm_dir: str = setting("/dev/shm", doc="tmpfs directory for adapter_source 'shm'.")
+    update_policy: UpdatePolicy = setting(
+        "finish",
+        doc="Adapter jobs: requests following the latest version 'finish' on the version they started with, "
+        "or are interrupted and 'continue' on the new one. Merged jobs always continue.",
+    )
+    logprobs_mode: LogprobsMode = setting(
+        "processed_logprobs", doc="Logprobs after temperature/top-k/top-p ('processed') or of the raw logits."
+    )
+    max_logprobs: int = setting(20, check=in_range(0), doc="Largest SamplingParams.logprobs accepted.")
+    max_n: int = setting(64, check=in_range(1), doc="Largest SamplingParams.n (GRPO group size) accepted.")
+    default_max_tokens: int = setting(256, check=in_range(1), doc="max_tokens when a request leaves it 0.")
+    max_queued_requests: int = setting(
+        1024, check=in_range(1), doc="Sequences (prompts x n) admitted at once; beyond: RESOURCE_EXHAUSTED."
+    )
+    base_fingerprint: str | None = setting(
+        None, doc="Identity of the base model; default: computed from model_path like the trainer does."
+    )
+    weightsync_address: str = setting("", doc="host:port of the weight-sync service to follow (empty: none).")
+    collective_backends: list[str] = setting(
+        default_factory=lambda: ["gloo"], doc="Collective backends this replica can join ('gloo', 'nccl', 'hccl'); "
+        "empty: inline transfers only."
+    )
+    sync_host: str = setting("", doc="Address the trainer's collective group reaches this replica at "
+                                     "(empty: the local address of the route to weight sync).")
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.collective_backends) - {"gloo", "nccl", "hccl"})
+        if unknown:
+            raise ConfigError("collective_backends", f"unknown backends {unknown}; use gloo, nccl or hccl")
+        if self.engine_cpus:
+            if self.engine != "vllm":
+                raise ConfigError("engine_cpus", f"pins vLLM's engine core; engine is {self.engine!r} (use "
+                                  "server.cpus for the whole service)")
+            check_cpu_setting("engine_cpus", self.engine_cpus)
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ConfigError("max_lora_rank", f"expected one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}")
+        if self.adapter_window is not None and self.adapter_window > self.max_loras:
+            raise ConfigError(
+                "adapter_window", f"{self.adapter_window} versions cannot fit in max_loras={self.max_loras}"
+            )
+
+
+    @property
+    def window(self) -> int:
+        """Versions of one job kept loaded as adapters."""
+        return self.adapter_window or self.max_loras
+
+
+@dataclass
+class RolloutServiceConfig:
+    """The whole rollout service config file."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)

@@ -1,0 +1,117 @@
+"""The rollout replica, engine-neutral: generation with exact per-token versions, and policy updates.
+
+Two parts over one engine, one policy table and one switch gate:
+- lorarl.rollout.segments `SegmentRunner`: completions as engine segments, each under one policy,
+  so every token is tagged with the version that produced it;
+- lorarl.rollout.policy_manager `PolicyManager`: staging, committing and unloading versions
+  (adapters side by side, merged weights switched between engine steps).
+This class wires them together and is what the servicer, the weight-sync sink and the tests use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from lorarl.rollout.config import RolloutSettings
+from lorarl.rollout.engine_api import GenerationEngine
+from lorarl.rollout.gate import SwitchGate
+from lorarl.rollout.model_files import ModelFiles
+from lorarl.rollout.payloads import PolicyPayload
+from lorarl.rollout.policies import PolicyTable, State
+from lorarl.rollout.policy_manager import PolicyManager
+from lorarl.rollout.prompts import PromptRenderer
+from lorarl.rollout.schema import LATEST, CompletionChunk, EngineInfo, GenerateInput, Mode, PromptResult
+from lorarl.rollout.segments import SegmentRunner
+
+
+@dataclass(frozen=True)
+class LoadedPolicyStatus:
+    job_id: str
+    version: int
+    mode: Mode
+    state: State
+    in_flight: int
+    active: bool
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    policies: list[LoadedPolicyStatus]
+    paused: bool
+    in_flight: int
+    queued: int
+    peak_running: int
+
+
+class RolloutCore:
+    """Generation and policy management of one replica on top of any GenerationEngine."""
+
+    def __init__(self, engine: GenerationEngine, settings: RolloutSettings, files: ModelFiles,
+                 fingerprint: str, renderer: PromptRenderer | None = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.files = files
+        self.fingerprint = fingerprint
+        self.renderer = renderer
+        self.table = PolicyTable(window=settings.window, capacity=max(1, settings.max_loras))
+        gate = SwitchGate()
+        self.runner = SegmentRunner(engine, settings, self.table, gate, renderer,
+                                    on_drained=lambda loaded: self.policies.unload_if_drained(loaded))
+        self.policies = PolicyManager(engine, settings, self.table, gate, files, fingerprint, self.runner)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    async def close(self) -> None:
+        self.runner.close()
+        await self.engine.close()
+
+    # ------------------------------------------------------------ generation (segments.py)
+
+    async def generate(self, request: GenerateInput) -> list[PromptResult]:
+        return await self.runner.generate(request)
+
+    def generate_stream(self, request: GenerateInput) -> AsyncIterator[CompletionChunk]:
+        return self.runner.generate_stream(request)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.runner.decode(token_ids)
+
+    async def pause(self) -> None:
+        await self.runner.pause()
+
+    async def resume(self) -> None:
+        await self.runner.resume()
+
+    async def abort(self, request_ids: list[str]) -> int:
+        return await self.runner.abort(request_ids)
+
+    # ------------------------------------------------------------ policies (policy_manager.py)
+
+    async def load(self, payload: PolicyPayload) -> None:
+        await self.policies.load(payload)
+
+    async def stage(self, payload: PolicyPayload) -> None:
+        await self.policies.stage(payload)
+
+    async def commit(self, job_id: str, version: int) -> None:
+        await self.policies.commit(job_id, version)
+
+    async def abort_staged(self, job_id: str, version: int) -> None:
+        await self.policies.abort_staged(job_id, version)
+
+    async def unload(self, job_id: str, version: int = LATEST) -> None:
+        await self.policies.unload(job_id, version)
+
+    def active_versions(self) -> dict[str, int]:
+        return self.table.active_versions()
+
+    def status(self) -> ReplicaStatus:
+        stats = self.engine.stats()
+        active = self.table.active_versions()
+        policies = [LoadedPolicyStatus(v.job_id, v.version, v.mode, v.state, v.in_flight,
+                                       active.get(v.job_id) == v.version) for v in self.table.all_versions()]
+        return ReplicaStatus(policies=policies, paused=self.runner.client_paused, in_flight=self.runner.in_flight,
+                             queued=max(0, self.runner.admitted - stats.running), peak_running=stats.peak_running)

@@ -1,0 +1,46 @@
+"""Connects a rollout replica to the weight-sync service: subscribe, stage, commit, report.
+
+The agent runs on its own event loop in a daemon thread (AgentThread) and reaches the rollout core
+through RolloutSink, which runs each call on the service's loop. Capabilities come from the engine,
+so weight sync can choose adapter or merged mode for each job on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from lorarl.rollout.core import RolloutCore
+from lorarl.rollout.sink import RolloutSink
+from lorarl.v1 import common_pb2, weightsync_pb2
+from lorarl.weightsync.client.agent import AgentThread, WeightSyncAgent
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = {"gloo": common_pb2.COLLECTIVE_BACKEND_GLOO, "nccl": common_pb2.COLLECTIVE_BACKEND_NCCL,
+            "hccl": common_pb2.COLLECTIVE_BACKEND_HCCL}
+
+
+def replica_capabilities(core: RolloutCore, backends: list[str]) -> weightsync_pb2.ReplicaCapabilities:
+    info = core.info
+    return weightsync_pb2.ReplicaCapabilities(
+        supports_lora=info.supports_lora, max_lora_rank=info.max_lora_rank if info.supports_lora else 0,
+        max_loras=info.max_loras if info.supports_lora else 0, base_model_fingerprint=core.fingerprint,
+        engine=info.engine, collective_backends=[BACKENDS[b] for b in backends])
+
+
+def start_sync_agent(core: RolloutCore, *, target: str, replica_id: str, token: str | None, backends: list[str],
+                     host: str | None = None, device: str = "cpu", wait_s: float = 30.0) -> AgentThread:
+    """Subscribes this replica to every job weight sync knows (job_ids empty) and keeps it in sync."""
+    sink = RolloutSink(core, asyncio.get_running_loop())
+    agent = WeightSyncAgent(target, sink, replica_id=replica_id, capabilities=replica_capabilities(core, backends),
+                            token=token, host=host or None, device=device)
+    thread = AgentThread(agent)
+    thread.start()  # subscription is awaited by wait_connected without blocking the service's loop
+    return thread
+
+
+async def wait_connected(thread: AgentThread, timeout_s: float) -> None:
+    ok = await asyncio.to_thread(thread.agent.wait_connected, timeout_s)
+    if not ok:
+        raise TimeoutError(f"rollout replica did not subscribe to weight sync within {timeout_s:.0f} s")

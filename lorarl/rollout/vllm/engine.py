@@ -1,0 +1,323 @@
+"""GenerationEngine on vLLM's AsyncLLM: continuous batching, run-time LoRA, in-place weight reloads.
+
+Every segment the core submits is one AsyncLLM request, so concurrent RPCs are batched by vLLM's
+scheduler, never serialised here. AsyncLLM runs its engine core in a child process; adapters and
+merged weights reach it as safetensors bytes through the worker extension in
+lorarl/rollout/vllm/worker_ext.py (the only code that knows vLLM internals). With
+adapter_source 'shm' adapters go through PEFT directories on a tmpfs instead, which needs only
+vLLM's public `add_lora`.
+
+vLLM is imported on start(), not at module import, so `lorarl serve rollout` starts fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorarl.common.cpu_affinity import format_cpu_list, parse_cpu_list
+from lorarl.contract.lora import LoraSpec
+from lorarl.rollout.config import RolloutSettings
+from lorarl.rollout.model_files import ModelFiles
+from lorarl.rollout.schema import (
+    AdapterHandle,
+    EngineInfo,
+    EngineStats,
+    Finish,
+    SegmentEvent,
+    SegmentSpec,
+)
+from lorarl.rollout.vllm.worker_ext import EXTENSION_QUALNAME, MEMORY_SCHEME
+
+logger = logging.getLogger(__name__)
+
+#: Merged weights travel to the engine process in blobs of at most this many bytes.
+BLOB_BYTES = 256 << 20
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH}
+
+
+def lora_support(files: ModelFiles, on_cpu: bool) -> tuple[bool, str]:
+    """Whether vLLM can run LoRA on this model here, and why not."""
+    if files.is_moe and on_cpu:
+        return False, (f"{files.architecture} is a mixture-of-experts model and vLLM's CPU backend cannot start "
+                       "it with LoRA enabled; serve it with merged weights (mode 2)")
+    return True, ""
+
+
+def safetensors_blobs(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int = BLOB_BYTES
+                      ) -> Iterable[bytes]:
+    """Serialises (name, tensor) pairs into safetensors blobs of bounded size (always copies)."""
+    from safetensors.torch import save
+
+    group: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in weights:
+        t = tensor.detach().to("cpu").contiguous()
+        if group and size + t.nbytes > max_bytes:
+            yield save(group)
+            group, size = {}, 0
+        group[name] = t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
+        size += t.nbytes
+    if group:
+        yield save(group)
+
+
+
+def engine_memory_args(s: RolloutSettings, on_cpu: bool) -> dict[str, Any]:
+    """vLLM's graph and memory arguments for this platform: eager and a 1 GiB KV cache on CPU unless set;
+    on GPUs CUDA graphs, and the KV cache sized by gpu_memory_utilization unless kv_cache_gib is set."""
+    args: dict[str, Any] = {"enforce_eager": on_cpu if s.enforce_eager is None else s.enforce_eager}
+    kv_gib = s.kv_cache_gib if s.kv_cache_gib is not None else (1.0 if on_cpu else None)
+    if kv_gib is not None:
+        args["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
+    if s.gpu_memory_utilization is not None and not on_cpu:
+        args["gpu_memory_utilization"] = s.gpu_memory_utilization
+    return args
+
+class VllmEngine:
+    """GenerationEngine backed by vllm.v1 AsyncLLM (see module docstring)."""
+
+    def __init__(self, settings: RolloutSettings) -> None:
+        if settings.model_path is None:
+            raise ValueError("rollout.model_path is required to start an engine")
+        self.settings = settings
+        self.files = ModelFiles(settings.model_path)
+        self.info: EngineInfo
+        self._llm: Any = None
+        self._live = 0  # requests handed to vLLM and not yet finished
+        self._peak = 0
+        self._lora_requests: dict[int, Any] = {}
+        self._shm_root: Path | None = None
+
+    # --------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker inside the engine-core process
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        s = self.settings
+        supported, reason = lora_support(self.files, current_platform.is_cpu())
+        enable_lora = supported if s.enable_lora is None else s.enable_lora
+        if enable_lora and not supported:
+            raise ValueError(f"rollout.enable_lora is true but {reason}")
+        if not enable_lora and supported:
+            reason = "the engine was started with rollout.enable_lora=false"
+        args = AsyncEngineArgs(
+            model=str(self.files.root),
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            **engine_memory_args(s, current_platform.is_cpu()),
+            seed=s.seed,
+            max_num_seqs=s.max_num_seqs,
+            block_size=s.block_size,
+            tensor_parallel_size=s.tensor_parallel_size,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_logprobs=max(s.max_logprobs, 1),
+            logprobs_mode=s.logprobs_mode,
+            enable_lora=enable_lora,
+            max_lora_rank=s.max_lora_rank if enable_lora else 16,
+            max_loras=s.max_loras if enable_lora else 1,
+            max_cpu_loras=s.max_loras if enable_lora else None,
+            worker_extension_cls=EXTENSION_QUALNAME,
+            disable_log_stats=True,
+        )
+        # No stat loggers: with any, vLLM records Prometheus histograms and iteration stats for every
+        # request at every step in the frontend (~15% of its CPU on the demo); stats() counts requests here.
+        self._llm = AsyncLLM.from_engine_args(args)
+        # vLLM reads its settings from the environment on every access (every request's SamplingParams
+        # looks up VLLM_MAX_N_SEQUENCES: ~14% of this process's CPU on the demo). vLLM's own servers and
+        # engine core freeze them once the engine is up; so does this frontend.
+        from vllm import envs as vllm_envs
+
+        vllm_envs.enable_envs_cache()
+        self.info = EngineInfo(
+            engine="vllm",
+            model_path=str(self.files.root),
+            architecture=self.files.architecture,
+            vocab_size=self.files.vocab_size,
+            max_model_len=int(self._llm.model_config.max_model_len),
+            eos_token_ids=self.files.eos_token_ids,
+            is_moe=self.files.is_moe,
+            supports_lora=enable_lora,
+            lora_reason="" if enable_lora else reason,
+            max_lora_rank=s.max_lora_rank if enable_lora else 0,
+            max_loras=s.max_loras if enable_lora else 0,
+        )
+        if current_platform.is_cpu():
+            await self._llm.collective_rpc("lorarl_install_cpu_fixes")
+        if s.engine_cpus:
+            pinned = await self._llm.collective_rpc("lorarl_pin_cpus", kwargs={"cpus": parse_cpu_list(s.engine_cpus)})
+            logger.info("vLLM engine core pinned to CPUs %s", format_cpu_list(pinned[0]))
+        if enable_lora and s.adapter_source == "shm":
+            self._shm_root = Path(s.shm_dir) / f"lorarl-rollout-{os.getpid()}-{id(self):x}"
+            self._shm_root.mkdir(parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:  # stop reading outputs first, or it logs the engine's exit as a failure
+                handler.cancel()
+            await asyncio.to_thread(llm.shutdown)
+        if self._shm_root is not None:
+            shutil.rmtree(self._shm_root, ignore_errors=True)
+
+    @property
+    def llm(self) -> Any:
+        """The AsyncLLM itself, for benchmarks (raw-engine baselines) and diagnostics."""
+        return self._llm
+
+    async def probe(self) -> dict[str, bool]:
+        """Which vLLM internals the worker extension relies on are present (see lorarl/rollout/vllm/worker_ext.py)."""
+        return (await self._llm.collective_rpc("lorarl_probe"))[0]
+
+    # ---------------------------------------------------------------------------- requests
+
+    def _params(self, spec: SegmentSpec) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = spec.sampling
+        return SamplingParams(
+            n=1, temperature=s.temperature, top_p=s.top_p, top_k=0 if s.top_k in (0, -1) else s.top_k,
+            max_tokens=s.max_tokens, stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None,
+            seed=s.seed, logprobs=s.logprobs, ignore_eos=s.ignore_eos, detokenize=bool(s.stop),
+            output_kind=RequestOutputKind.DELTA if spec.stream else RequestOutputKind.FINAL_ONLY,
+            skip_clone=True,  # made fresh for this one request: vLLM need not deep-copy it again
+        )
+
+    async def submit(self, spec: SegmentSpec) -> AsyncIterator[SegmentEvent]:
+        lora = self._lora_requests.get(spec.adapter.lora_int_id) if spec.adapter is not None else None
+        if spec.adapter is not None and lora is None:
+            raise RuntimeError(f"adapter {spec.adapter.name} is not loaded in the engine")
+        from vllm.inputs.engine import tokens_input
+
+        # Already-tokenized ids as a rendered input: vLLM skips its executor hop for tokenization (our
+        # validation has checked the ids against the vocabulary), which adds up over a batch's requests.
+        queue = await self._llm.add_request(spec.request_id, tokens_input(list(spec.prompt_token_ids)),
+                                            self._params(spec), lora_request=lora)
+        return self._events(spec.request_id, queue, spec.sampling.logprobs)
+
+    async def _events(self, request_id: str, queue: Any, top_n: int) -> AsyncIterator[SegmentEvent]:
+        finished = False
+        self._live += 1  # counted while consumed, so a generator never started cannot leak a count
+        self._peak = max(self._peak, min(self._live, self.settings.max_num_seqs))
+        try:
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                completion = out.outputs[0]
+                token_ids = list(completion.token_ids)
+                logprobs, top = _logprobs(token_ids, completion.logprobs, top_n)
+                finish = _FINISH.get(completion.finish_reason, Finish.ABORT) if finished else None
+                yield SegmentEvent(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish=finish)
+        finally:
+            self._live -= 1
+            if not finished and self._llm is not None:  # consumer gone: vLLM's id for this request
+                await self._llm.abort(queue.request_id, internal=True)
+            queue.close()
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        if request_ids:  # our ids are vLLM's external ids; each gets a final ABORT output
+            await self._llm.abort(list(request_ids), internal=False)
+
+    async def pause(self) -> None:
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def reset_prefix_cache(self) -> None:
+        if not await self._llm.reset_prefix_cache():
+            logger.info("prefix cache not reset (blocks still in use by running requests)")
+
+    def stats(self) -> EngineStats:
+        """Requests in the engine, split as its scheduler would run them (at most max_num_seqs at once)."""
+        running = min(self._live, self.settings.max_num_seqs)
+        return EngineStats(running, self._live - running, self._peak)
+
+    # ---------------------------------------------------------------------------- adapters
+
+    async def add_adapter(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]
+                          ) -> None:
+        from vllm.lora.request import LoRARequest
+
+        memory = self._shm_root is None
+        path = (f"{MEMORY_SCHEME}{handle.key}" if memory
+                else await asyncio.to_thread(self._write_peft_dir, handle, lora, tensors))
+        request = LoRARequest(lora_name=handle.name, lora_int_id=handle.lora_int_id, lora_path=path)
+        try:
+            if memory:  # registered and added by the worker in one engine call (see lorarl_put_adapter)
+                blob = await asyncio.to_thread(
+                    lambda: next(iter(safetensors_blobs(tensors.items(), max_bytes=1 << 62))))
+                await self._llm.collective_rpc("lorarl_put_adapter", kwargs={
+                    "lora_int_id": handle.lora_int_id, "peft_config": lora.peft_config(), "blob": blob,
+                    "lora_name": request.lora_name, "lora_path": request.lora_path})
+            else:
+                await self._llm.add_lora(request)
+        except BaseException:
+            await self._forget_adapter(handle)
+            raise
+        self._lora_requests[handle.lora_int_id] = request
+
+    def _write_peft_dir(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]) -> str:
+        from safetensors.torch import save_file
+
+        assert self._shm_root is not None
+        path = self._shm_root / handle.key
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "adapter_config.json").write_text(json.dumps(lora.peft_config()))
+        save_file({n: t.detach().contiguous().clone() for n, t in tensors.items()},
+                  str(path / "adapter_model.safetensors"))
+        return str(path)
+
+    async def remove_adapter(self, handle: AdapterHandle) -> None:
+        self._lora_requests.pop(handle.lora_int_id, None)
+        await self._llm.remove_lora(handle.lora_int_id)
+        await self._forget_adapter(handle)
+
+    async def _forget_adapter(self, handle: AdapterHandle) -> None:
+        if self._shm_root is not None:
+            shutil.rmtree(self._shm_root / handle.key, ignore_errors=True)
+        else:
+            await self._llm.collective_rpc("lorarl_drop_adapter", kwargs={"lora_int_id": handle.lora_int_id})
+
+    # ----------------------------------------------------------------------------- weights
+
+    async def stage_weights(self, token: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        blobs = iter(safetensors_blobs(weights))
+        try:
+            while (blob := await asyncio.to_thread(next, blobs, None)) is not None:
+                await self._llm.collective_rpc("lorarl_put_weights", kwargs={"token": token, "blob": blob})
+        except BaseException:
+            await self.drop_weights(token)
+            raise
+
+    async def drop_weights(self, token: str) -> None:
+        await self._llm.collective_rpc("lorarl_drop_weights", kwargs={"token": token})
+
+    async def load_weights(self, token: str, label: str) -> None:
+        await self._llm.collective_rpc("lorarl_load_weights", kwargs={"token": token})
+        await self._llm.update_weight_version(label)
+
+
+def _logprobs(token_ids: list[int], entries: Any, top_n: int) -> tuple[list[float], list[dict[int, float]]]:
+    """The sampled tokens' logprobs and, when asked for, the top-n alternatives at each position."""
+    if not entries:
+        return [float("nan")] * len(token_ids), []
+    sampled = [float(entry[tok].logprob) for tok, entry in zip(token_ids, entries, strict=True)]
+    if top_n <= 0:
+        return sampled, []
+    top = [{int(t): float(lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n}
+           for entry in entries]
+    return sampled, top

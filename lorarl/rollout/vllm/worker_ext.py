@@ -1,0 +1,236 @@
+"""The one module that touches vLLM internals: a worker extension for in-memory adapters and weights.
+
+vLLM has no public API to load a LoRA adapter from tensors (RFC vllm#48297), and AsyncLLM runs its
+engine core in a child process, so tensors cannot simply be handed over. vLLM does offer
+`parallel_config.worker_extension_cls`: methods of this class are mixed into the worker class and
+reachable with `AsyncLLM.collective_rpc(name, kwargs=...)`. Payloads cross the process boundary as
+safetensors *bytes* (msgpack carries bytes natively, it does not rebuild tensors in utility calls),
+so nothing touches the disk.
+
+Adapters: `lorarl_put_adapter` keeps (PEFT config, bytes) in a per-process registry and patches the
+worker's LoRA manager so a `LoRARequest` whose path starts with MEMORY_SCHEME is built from the
+registry (PEFTHelper.from_dict -> LoRAModel.from_lora_tensors, as AReaL does) instead of read from
+a directory, and adds it to the worker in the same call. Everything else stays public:
+`AsyncLLM.remove_lora` drops the adapter, and vLLM may evict and later reload it (after a weight
+reload, say) without us: each build
+deserialises fresh tensors, because vLLM folds the scale into lora_B in place.
+
+Merged weights: `lorarl_put_weights` stages bytes while the engine keeps generating; between steps,
+`lorarl_load_weights` feeds them to the worker's `reload_weights` (in place, checkpoint names).
+
+Internals used (checked by `lorarl_probe`; tests/unit/rollout/test_vllm_internals.py fails loudly
+when an upgrade moves them): worker.model_runner.lora_manager and its `_load_adapter`,
+`_adapter_manager` (.model, .supported_lora_modules, .packed_modules_mapping), `lora_config`,
+`vocab_size`, `max_position_embeddings`, `_lora_model_cls`; Worker.reload_weights(weights_iterator=).
+
+CPU code apart, each piece with its canary test: cpu_fixes.py (three vLLM CPU bugs worked around) and
+cpu_lora_ops.py (the faster CPU LoRA path); `lorarl_install_cpu_fixes` switches them on.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from lorarl.rollout.vllm.cpu_fixes import _refresh_tied_lm_head, _repack_cpu_moe_experts, _rewind_cpu_generators
+from lorarl.rollout.vllm.cpu_lora_ops import (
+    _cpu_punica_wrappers,
+    _install_grouped_cpu_lora_ops,
+    _is_cpu,
+    _set_lean_lora,
+)
+
+MEMORY_SCHEME = "lorarl-mem://"
+EXTENSION_QUALNAME = "lorarl.rollout.vllm.worker_ext.LorarlWorkerExtension"
+
+#: lora_int_id -> (PEFT adapter_config dict, safetensors bytes); one registry per worker process.
+_ADAPTERS: dict[int, tuple[dict[str, Any], bytes]] = {}
+#: staging token -> safetensors byte blobs of merged weights awaiting `lorarl_load_weights`.
+_WEIGHTS: dict[str, list[bytes]] = {}
+
+_LORA_MANAGER_ATTRS = ("_load_adapter", "_adapter_manager", "lora_config", "vocab_size",
+                       "max_position_embeddings", "_lora_model_cls")
+
+
+def _tensors(blob: bytes) -> dict[str, Any]:
+    from safetensors.torch import load
+
+    return load(blob)
+
+
+def _lora_manager(worker: Any) -> Any:
+    runner = getattr(worker, "model_runner", None)
+    manager = getattr(runner, "lora_manager", None)
+    if manager is None:
+        raise RuntimeError("the engine was started without enable_lora: no LoRA manager on the worker")
+    return manager
+
+
+def _expected_modules(manager: Any) -> set[str]:
+    """Leaf module names vLLM accepts in an adapter (as WorkerLoRAManager._load_adapter computes them)."""
+    adapter_manager = manager._adapter_manager
+    packed = adapter_manager.packed_modules_mapping
+    expected: set[str] = set()
+    for module in adapter_manager.supported_lora_modules:
+        expected.update(packed.get(module, [module]))
+        if module == "experts":
+            expected.add(module)
+    return expected
+
+
+def _build_lora(manager: Any, lora_int_id: int) -> Any:
+    """A LoRAModel for a registered adapter, from freshly deserialised tensors."""
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    config, blob = _ADAPTERS[lora_int_id]
+    peft_helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    peft_helper.validate_legal(manager.lora_config)
+    tensors = _tensors(blob)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    expected = _expected_modules(manager)
+    unexpected = sorted({
+        module for name in tensors
+        if (module := parse_fine_tuned_lora_name(name, mapper)[0].rsplit(".", 1)[-1]) not in expected
+    })
+    if unexpected:
+        raise ValueError(f"adapter targets modules this model cannot adapt: {unexpected} "
+                         f"(supported: {sorted(expected)})")
+    return manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_int_id, tensors=tensors, peft_helper=peft_helper, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+
+
+def _install_memory_loader(manager: Any) -> None:
+    """Routes MEMORY_SCHEME requests of this manager to the registry; other paths keep vLLM's loader."""
+    if getattr(manager, "_lorarl_installed", False):
+        return
+    original = manager._load_adapter
+
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        if not str(lora_request.lora_path).startswith(MEMORY_SCHEME):
+            return original(lora_request)
+        if lora_request.lora_int_id not in _ADAPTERS:
+            raise RuntimeError(f"adapter {lora_request.lora_name} (id {lora_request.lora_int_id}) is not registered")
+        return _build_lora(self, lora_request.lora_int_id)
+
+    manager._load_adapter = types.MethodType(_load_adapter, manager)
+    manager._lorarl_installed = True
+
+
+def _staged_weights(token: str) -> Iterator[tuple[str, Any]]:
+    for blob in _WEIGHTS.get(token, []):
+        yield from _tensors(blob).items()
+
+
+
+class LorarlWorkerExtension:
+    """Mixed into vLLM's worker class (see module docstring); every method runs in the worker process."""
+
+    def lorarl_probe(self) -> dict[str, bool]:
+        """Which internals this module relies on are present (for the upgrade canary test)."""
+        found: dict[str, bool] = {"reload_weights": callable(getattr(self, "reload_weights", None))}
+        runner = getattr(self, "model_runner", None)
+        found["model_runner._bookkeeping_sync"] = callable(getattr(runner, "_bookkeeping_sync", None))
+        found["model_runner._sample"] = callable(getattr(runner, "_sample", None))
+        found["model_runner.discard_request_mask"] = hasattr(getattr(runner, "discard_request_mask", None), "np")
+        found["model_runner.input_batch.generators"] = isinstance(
+            getattr(getattr(runner, "input_batch", None), "generators", None), dict)
+        manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+        found["lora_manager"] = manager is not None
+        if manager is not None:
+            for attr in _LORA_MANAGER_ATTRS:
+                found[f"lora_manager.{attr}"] = hasattr(manager, attr)
+            adapter_manager = getattr(manager, "_adapter_manager", None)
+            for attr in ("model", "supported_lora_modules", "packed_modules_mapping", "punica_wrapper_mapping"):
+                found[f"lora_manager._adapter_manager.{attr}"] = hasattr(adapter_manager, attr)
+            wrappers = _cpu_punica_wrappers(runner)
+            found["cpu punica wrappers"] = bool(wrappers) or not _is_cpu()
+            for attr in ("token_lora_indices", "indices_len", "is_prefill", "no_lora", "update_metadata"):
+                found[f"punica_wrapper.{attr}"] = all(hasattr(w, attr) for w in wrappers)
+        return found
+
+    def lorarl_install_cpu_fixes(self, lean_lora: bool = True, grouped_lora: bool = True) -> bool:
+        """Works around vLLM CPU bugs and slow paths in this worker (see _rewind_cpu_generators,
+        _install_grouped_cpu_lora_ops, _lean_add_lora_linear); idempotent. The two LoRA switches apply
+        on every call, so benchmarks and parity tests can compare paths on one engine."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not getattr(runner, "_lorarl_cpu_fixes", False):
+            _rewind_cpu_generators(runner)
+            runner._lorarl_cpu_fixes = True
+        _install_grouped_cpu_lora_ops(grouped_lora)
+        for wrapper in _cpu_punica_wrappers(runner):
+            _set_lean_lora(wrapper, lean_lora)
+        return True
+
+    def lorarl_pin_cpus(self, cpus: list[int]) -> list[int]:
+        """Pins every thread of this worker's process (vLLM's engine core, or the whole service when vLLM
+        runs in-process) to ``cpus``; returns the union of the threads' CPU sets afterwards."""
+        from lorarl.common.cpu_affinity import pin_process
+
+        return pin_process(cpus)
+
+    def lorarl_lean_lora_state(self) -> dict[str, int]:
+        """How much the lean LoRA path has served since switched on: CPU wrappers using it, layers
+        whose weights it holds, and how often it (re)built a layer's weights (rises only when vLLM
+        writes adapter slots, not per step)."""
+        wrappers = [w for w in _cpu_punica_wrappers(self.model_runner)  # type: ignore[attr-defined]
+                    if "add_lora_linear" in w.__dict__]
+        return {"wrappers": len(wrappers), "layers": sum(len(w._lorarl_lean_weights) for w in wrappers),
+                "builds": sum(w._lorarl_lean_builds for w in wrappers)}
+
+    def lorarl_put_adapter(self, lora_int_id: int, peft_config: dict[str, Any], blob: bytes, lora_name: str,
+                           lora_path: str) -> bool:
+        """Registers an adapter and adds it to the worker as ``AsyncLLM.add_lora`` would (engine core and
+        executor only forward that call), which builds it once through the memory loader: a bad one is
+        refused here, not mid-request, in one trip to a busy engine instead of two."""
+        from vllm.lora.request import LoRARequest
+
+        if not lora_path.startswith(MEMORY_SCHEME):
+            raise ValueError(f"lora_path must start with {MEMORY_SCHEME}, got {lora_path!r}")
+        _install_memory_loader(_lora_manager(self))
+        _ADAPTERS[lora_int_id] = (dict(peft_config), bytes(blob))
+        try:
+            self.add_lora(LoRARequest(lora_name=lora_name, lora_int_id=lora_int_id,  # type: ignore[attr-defined]
+                                      lora_path=lora_path))
+        except Exception:
+            _ADAPTERS.pop(lora_int_id, None)
+            raise
+        return True
+
+    def lorarl_drop_adapter(self, lora_int_id: int) -> bool:
+        return _ADAPTERS.pop(lora_int_id, None) is not None
+
+    def lorarl_put_weights(self, token: str, blob: bytes) -> int:
+        """Adds one blob of merged weights to a staging area; returns the blobs staged so far."""
+        _WEIGHTS.setdefault(token, []).append(bytes(blob))
+        return len(_WEIGHTS[token])
+
+    def lorarl_drop_weights(self, token: str) -> bool:
+        return _WEIGHTS.pop(token, None) is not None
+
+    def lorarl_load_weights(self, token: str) -> int:
+        """Reloads the model in place from staged weights (call between steps, engine paused)."""
+        if token not in _WEIGHTS:
+            raise RuntimeError(f"no weights staged under {token!r}")
+        try:
+            count = 0
+
+            def counted() -> Iterator[tuple[str, Any]]:
+                nonlocal count
+                for item in _staged_weights(token):
+                    count += 1
+                    yield item
+
+            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            _repack_cpu_moe_experts(model)
+            _refresh_tied_lm_head(model)
+            return count
+        finally:
+            _WEIGHTS.pop(token, None)

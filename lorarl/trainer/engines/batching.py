@@ -1,0 +1,129 @@
+"""Trajectories -> right-padded tensors, and a batch -> micro-batches under a token budget.
+
+Layout of one packed row (prompt P tokens, completion C tokens, right-padded to L):
+
+    input_ids        p0 p1 .. pP-1 c0 c1 .. cC-1 pad pad
+    target_positions  [P-1, P, .., P+C-2]        (the logit at position i predicts token i+1)
+
+Per-token tensors are [B, T] aligned with completion tokens (T = longest completion), so they plug
+straight into lorarl.trainer.rl.losses. Advantages are computed once on the whole batch (group
+statistics need every member of a group) and then sliced, never recomputed per micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from lorarl.trainer.engines.api import TrajectoryRecord
+from lorarl.trainer.rl.losses import LossSettings, group_advantages, overlong_penalty
+
+
+@dataclass
+class PackedBatch:
+    """A micro-batch as tensors; [B, L] for the model input, [B, T] per completion token, [B] per row."""
+
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    target_positions: torch.Tensor  # [B, T] long, index into L of the logit predicting each token
+    completion_ids: torch.Tensor  # [B, T] long
+    mask: torch.Tensor  # [B, T] float, 1 on real completion tokens
+    behavior_logp: torch.Tensor  # [B, T] float
+    token_versions: torch.Tensor  # [B, T] long
+    advantages: torch.Tensor  # [B] float
+    completion_lengths: torch.Tensor  # [B] long
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def group_index(records: Sequence[TrajectoryRecord]) -> torch.Tensor:
+    """Dense group numbers in order of first appearance (group_id, or the prompt when empty)."""
+    ids: dict[object, int] = {}
+    return torch.tensor([ids.setdefault(r.group_key(), len(ids)) for r in records], dtype=torch.long)
+
+
+def shaped_rewards(records: Sequence[TrajectoryRecord], loss: LossSettings) -> torch.Tensor:
+    """Rewards with DAPO's soft overlong penalty applied (before advantages, as DAPO does)."""
+    rewards = torch.tensor([float(r.reward) for r in records], dtype=torch.float32)
+    if loss.overlong_buffer and loss.overlong_penalty:
+        lengths = torch.tensor([len(r.completion_token_ids) for r in records])
+        rewards = rewards + overlong_penalty(lengths, loss.max_response_tokens, loss.overlong_buffer,
+                                             loss.overlong_penalty)
+    return rewards
+
+
+def compute_advantages(records: Sequence[TrajectoryRecord], loss: LossSettings) -> torch.Tensor:
+    """Per-sequence advantages over the whole batch, by the loss family's group rule."""
+    return group_advantages(shaped_rewards(records, loss), group_index(records), loss.name)
+
+
+def pack(records: Sequence[TrajectoryRecord], advantages: torch.Tensor | None = None,
+         pad_token_id: int = 0) -> PackedBatch:
+    """Right-pads prompt+completion rows; missing behaviour logprobs / versions become zeros."""
+    if not records:
+        raise ValueError("cannot pack an empty batch")
+    B = len(records)
+    L = max(r.num_tokens for r in records)
+    T = max(len(r.completion_token_ids) for r in records)
+    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, L, dtype=torch.long)
+    target_positions = torch.zeros(B, T, dtype=torch.long)
+    completion_ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    behavior = torch.zeros(B, T)
+    versions = torch.zeros(B, T, dtype=torch.long)
+    for b, r in enumerate(records):
+        P, C = len(r.prompt_token_ids), len(r.completion_token_ids)
+        if P < 1:
+            raise ValueError(f"record {b}: the prompt needs at least one token to predict the completion from")
+        input_ids[b, : P + C] = torch.tensor(list(r.prompt_token_ids) + list(r.completion_token_ids))
+        attention_mask[b, : P + C] = 1
+        target_positions[b, :C] = torch.arange(P - 1, P + C - 1)
+        completion_ids[b, :C] = torch.tensor(r.completion_token_ids)
+        mask[b, :C] = 1.0
+        if r.behavior_logprobs:
+            behavior[b, :C] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
+        if r.token_versions:
+            versions[b, :C] = torch.tensor(r.token_versions, dtype=torch.long)
+    adv = torch.zeros(B) if advantages is None else advantages.detach().float().reshape(B).clone()
+    lengths = torch.tensor([len(r.completion_token_ids) for r in records], dtype=torch.long)
+    return PackedBatch(input_ids, attention_mask, target_positions, completion_ids, mask, behavior, versions,
+                       adv, lengths)
+
+
+def micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive index groups whose summed lengths stay within ``budget`` (0: one group).
+
+    Order is kept (predictable, and equal batches split equally on every data-parallel rank);
+    a sequence longer than the budget gets a micro-batch of its own.
+    """
+    if budget <= 0:
+        return [list(range(len(lengths)))] if lengths else []
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if current and used + n > budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def split(records: Sequence[TrajectoryRecord], advantages: torch.Tensor, budget: int
+          ) -> list[tuple[list[int], PackedBatch]]:
+    """Packs each micro-batch with its slice of the whole-batch advantages."""
+    out = []
+    for idx in micro_batches([r.num_tokens for r in records], budget):
+        out.append((idx, pack([records[i] for i in idx], advantages[idx])))
+    return out

@@ -1,0 +1,129 @@
+"""Data parallelism for the torch engine: N processes, each with whole groups of the batch.
+
+Kept explicit instead of wrapping the model in DDP: every rank computes its micro-batch loss
+shares against *global* totals (sequences, loss tokens, Dr.GRPO length, all-reduced before the
+backward), so the plain SUM of the ranks' gradients is the full-batch gradient, bit for bit the
+same rule a single process uses. Adapters start identical (broadcast from rank 0) and every rank
+applies the same summed gradient, so they stay identical without further synchronisation.
+
+Backends by device: gloo on CPU, nccl on CUDA, hccl on Ascend NPU (untested here).
+Checkpoints are written by rank 0 (its RNG state) and read by every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lorarl.trainer.engines.api import CheckpointInfo, EngineStateError, JobSpec, Metrics, TrajectoryRecord
+from lorarl.trainer.engines.torch_engine import BatchTotals, TorchEngine
+from lorarl.trainer.rl.losses import LossSettings
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def backend_for(device: str) -> str:
+    return BACKENDS[device.split(":", 1)[0]]
+
+
+def init_distributed(device: str, rank: int, world_size: int, init_method: str, timeout_s: float = 300.0) -> None:
+    """Joins the default process group with the backend the device needs (e.g. tcp://host:port)."""
+    if device.startswith("npu"):
+        import torch_npu  # noqa: F401  (registers hccl)
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(torch.device(device))  # nccl binds each rank to its current device
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def shard_by_group(records: Sequence[TrajectoryRecord], rank: int, world_size: int) -> list[TrajectoryRecord]:
+    """This rank's trajectories: whole groups dealt round-robin, so group advantages stay exact."""
+    order: dict[object, int] = {}
+    for rec in records:
+        order.setdefault(rec.group_key(), len(order))
+    return [rec for rec in records if order[rec.group_key()] % world_size == rank]
+
+
+class DataParallelEngine(TorchEngine):
+    """TorchEngine whose loss shares, metrics and gradients are reduced over the default process group.
+
+    Every rank calls forward_backward with its own shard (see shard_by_group; an empty shard is
+    fine) and then optim_step, in lockstep. With ``full_batch`` every rank is handed the whole
+    batch instead (what a multi-rank trainer service does) and takes its shard itself.
+    """
+
+    def __init__(self, spec: JobSpec, full_batch: bool = False) -> None:
+        if not dist.is_initialized():
+            raise EngineStateError("DataParallelEngine needs torch.distributed initialised (init_distributed)")
+        super().__init__(spec)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.full_batch = full_batch
+        with torch.no_grad():
+            for p in self._trainable:
+                dist.broadcast(p.data, src=0)
+
+    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
+        if self.full_batch:
+            batch = shard_by_group(batch, self.rank, self.world_size)
+        return super().forward_backward(batch, loss)
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def _reduce_totals(self, totals: BatchTotals) -> BatchTotals:
+        sequences, tokens, loss_tokens = self._all_reduce(
+            [totals.sequences, totals.tokens, totals.loss_tokens], dist.ReduceOp.SUM)
+        (norm,) = self._all_reduce([float(totals.norm_tokens)], dist.ReduceOp.MAX)
+        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        # Every rank reports the same keys (same loss settings); each value is already weighted by
+        # its global share, so the sum over ranks is the full-batch metric.
+        keys = sorted(sums)
+        return dict(zip(keys, self._all_reduce([sums[k] for k in keys], dist.ReduceOp.SUM), strict=True))
+
+    def _sync_gradients(self) -> None:
+        """One flat SUM all-reduce of every trainable gradient (they are full-batch shares already)."""
+        grads = [p.grad for p in self._trainable]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset: offset + n].view_as(g))
+            offset += n
+
+    def save_checkpoint(self, path: str | Path, data_cursor: Any = None) -> CheckpointInfo:
+        info = super().save_checkpoint(path, data_cursor) if self.rank == 0 else None
+        dist.barrier()
+        return info or CheckpointInfo(Path(path), self._step, self._version, data_cursor)
+
+    def _rank0_writes(self, write: Callable[[], Path], path: str | Path) -> Path:
+        """Rank 0 writes (every rank holds the same weights); all ranks learn whether it worked, so none waits
+        for a writer that failed."""
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                write()
+            except Exception as e:  # re-raised below, once the others know
+                error = e
+        (failed,) = self._all_reduce([float(error is not None)], dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed:
+            raise EngineStateError(f"rank 0 could not write {str(path)!r}")
+        return Path(path)
+
+    def export_adapter(self, path: str | Path) -> Path:
+        return self._rank0_writes(lambda: super(DataParallelEngine, self).export_adapter(path), path)
+
+    def export_merged(self, path: str | Path) -> Path:
+        return self._rank0_writes(lambda: super(DataParallelEngine, self).export_merged(path), path)

@@ -1,0 +1,70 @@
+"""Writes a trained policy to disk: the adapter in PEFT format, or the merged model in HF format."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from lorarl.contract.lora import LINEAR_TARGETS, LoraSpec
+from lorarl.trainer.rl.lora import iter_merged_weights, peft_state_dict
+
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def adapted_module_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Leaf module names (q_proj, in_proj_qkv, ...) that carry adapters, for target_modules."""
+    names = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in tensors}
+    return sorted(names & set(LINEAR_TARGETS)) or sorted(names)
+
+
+def _atomic_dir(final: Path) -> Path:
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish_dir(tmp: Path, final: Path) -> None:
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
+def save_peft_adapter(model: nn.Module, lora: LoraSpec, base_model_path: str, out_dir: str | Path,
+                      dtype: torch.dtype = torch.float32) -> Path:
+    """adapter_config.json + adapter_model.safetensors, written to a temp dir then renamed."""
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _atomic_dir(final)
+    tensors = {k: v.to(dtype).contiguous().cpu() for k, v in peft_state_dict(model).items()}
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = lora.peft_config(base_model_path, adapted_module_names(tensors))
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    _publish_dir(tmp, final)
+    return final
+
+
+def save_merged_model(model: nn.Module, base_model_path: str | Path, out_dir: str | Path) -> Path:
+    """The merged policy as an HF checkpoint (config and tokenizer copied from the base)."""
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _atomic_dir(final)
+    tensors = {name: t.contiguous().cpu().clone() for name, t in iter_merged_weights(model)}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    base = Path(base_model_path)
+    for name in HF_SIDE_FILES:
+        if (base / name).exists():
+            shutil.copy2(base / name, tmp / name)
+    _publish_dir(tmp, final)
+    return final

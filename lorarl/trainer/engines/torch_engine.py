@@ -1,0 +1,146 @@
+"""The trainer engine in plain PyTorch: a frozen transformers Qwen3 / Qwen3-MoE base plus LoRA adapters.
+
+The training step itself (advantages, micro-batches, loss shares, AdamW, schedule, checkpoints) is
+model-agnostic and lives in lorarl.trainer.engines.policy_engine; this module only says how a
+transformers model computes completion logprobs, switches adapters off and exports.
+
+Creating an engine seeds the process-global torch/python RNGs from ``spec.seed`` (LoRA dropout
+draws from them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from lorarl.contract.fingerprint import base_model_fingerprint
+from lorarl.trainer.engines.api import EngineStateError, JobSpec
+from lorarl.trainer.engines.batching import PackedBatch
+from lorarl.trainer.engines.export import save_merged_model, save_peft_adapter
+from lorarl.trainer.engines.head_logprobs import head_token_logprobs
+from lorarl.trainer.engines.policy_engine import (  # noqa: F401  (re-exported: the torch engine's public names)
+    ENTROPY_CHUNK_ROWS,
+    LOSS_WEIGHTED,
+    TOKEN_WEIGHTED,
+    TORCH_DTYPES,
+    BatchTotals,
+    PolicyEngine,
+    device_for,
+    loss_mask,
+    scheduled_lr,
+    seed_everything,
+    token_logprobs,
+)
+from lorarl.trainer.engines.prefix_sharing import (
+    attention_cost,
+    plan_prefix_sharing,
+    shared_prefix_hidden,
+    supports_prefix_sharing,
+)
+from lorarl.trainer.engines.recompute import DEFAULT_LOGITS_CHUNK_TOKENS
+from lorarl.trainer.rl.lora import adapters_disabled, inject_lora, iter_merged_weights, peft_state_dict
+
+
+def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False,
+                        share_prompts: bool = True, pack_completions: bool = True,
+                        logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [B, T] of the completion tokens and the policy entropy [B, T] at each of them.
+
+    Runs the decoder, then the LM head only at the positions predicting completion tokens (the
+    prompt's logits are never built), ``logits_chunk_tokens`` rows at a time (lorarl.trainer.engines.head_logprobs).
+    Rows repeating a prompt (a GRPO group) share one forward of it when ``share_prompts``
+    (lorarl.trainer.engines.prefix_sharing; same numbers, less work), and their completions skip padding by
+    packing when ``pack_completions`` and the layout estimate says it pays.
+    """
+    plan = None
+    if share_prompts and supports_prefix_sharing(model):
+        plan = plan_prefix_sharing(batch, attention_cost(model) if pack_completions else None)
+    if plan is not None:
+        selected = shared_prefix_hidden(model.get_decoder(), batch, plan)
+    else:
+        hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                     use_cache=False).last_hidden_state
+        selected = hidden.gather(1, batch.target_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    return head_token_logprobs(selected, model.get_output_embeddings(), batch.completion_ids, entropy_grad,
+                               token_logprobs, logits_chunk_tokens)
+
+
+class TorchEngine(PolicyEngine):
+    """TrainEngine on one device with transformers + lorarl.trainer.rl.lora.
+
+    ``share_prompts`` (default on) runs a repeated prompt once per micro-batch; off gives the plain forward.
+    ``pack_completions`` (default on) lets that shared forward pack completions instead of padding them.
+    """
+
+    share_prompts: bool = True
+    pack_completions: bool = True
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.device = device_for(spec.device)
+        seed_everything(spec.seed)
+        self._fingerprint = base_model_fingerprint(spec.base_model_path)
+        model = AutoModelForCausalLM.from_pretrained(spec.base_model_path, dtype=TORCH_DTYPES[spec.dtype],
+                                                     use_safetensors=True)
+        if spec.full_finetune:
+            model.requires_grad_(True)
+        else:
+            # Injected on CPU (the init generator is a CPU one), then moved with the model.
+            inject_lora(model, spec.lora, seed=spec.seed)
+        self.model = model.to(self.device)
+        self.model.eval()
+        self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
+        self._init_memory(self.model, model.config.to_dict(), model.config.num_hidden_layers)
+        self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad})
+
+    @classmethod
+    def create(cls, spec: JobSpec) -> TorchEngine:
+        return cls(spec)
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    # ------------------------------------------------------------ model hooks of PolicyEngine
+
+    def _completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return completion_logprobs(self.model, batch, entropy_grad, self.share_prompts, self.pack_completions,
+                                   self.spec.memory.logits_chunk_tokens)
+
+
+    def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
+        return adapters_disabled(self.model)
+
+    def _set_training(self, training: bool) -> None:
+        self.model.train(training)
+
+    # ------------------------------------------------------------ export
+
+    def export_adapter(self, path: str | Path) -> Path:
+        if self.spec.full_finetune:
+            raise EngineStateError("a full fine-tune has no adapter to export; export the merged model")
+        return save_peft_adapter(self.model, self.spec.lora, self.spec.base_model_path, path)
+
+    def export_merged(self, path: str | Path) -> Path:
+        return save_merged_model(self.model, self.spec.base_model_path, path)
+
+    def iter_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.spec.full_finetune:
+            raise EngineStateError("a full fine-tune has no adapter tensors")
+        yield from peft_state_dict(self.model).items()
+
+    def iter_merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from iter_merged_weights(self.model)
+
+    def iter_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from iter_merged_weights(self.model, merge=False)

@@ -1,0 +1,48 @@
+"""Configuration of the trainer service: `server:` (shared) and `trainer:` (its own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lorarl.common.config import in_range, matches, setting
+from lorarl.common.server_config import ServerConfig
+
+
+@dataclass
+class TrainerSettings:
+    """What the trainer process itself needs (per-job settings arrive with CreateJob)."""
+
+    device: str = setting(
+        "cpu",
+        check=matches(r"cpu|cuda(:\d+)?|npu(:\d+)?", "a device like 'cpu', 'cuda', 'cuda:1' or 'npu'"),
+        doc="Default device for jobs that do not name one.",
+    )
+    checkpoint_dir: str = setting("runs/trainer/checkpoints",
+                                  doc="Checkpoints are written under this directory (relative paths resolve here).")
+    export_dir: str = setting("runs/trainer/exports",
+                              doc="Exports are written under this directory (relative paths resolve here).")
+    model_roots: list[str] = setting(default_factory=list,
+                                     doc="If set, base models must lie under one of these directories.")
+    max_jobs: int = setting(4, check=in_range(1, 1024), doc="Jobs held at once.")
+    weightsync_address: str = setting("", doc="host:port of the weight-sync service, for PublishWeights.")
+    sender_host: str = setting("", doc="Address rollout replicas reach this trainer at for collective transfers "
+                                       "(empty: the local address of the route to the weight-sync service).")
+    collective: bool = setting(True, doc="Send weights over a collective group (False: inline gRPC only).")
+    bucket_mb: int = setting(1024, check=in_range(1, 1 << 20), doc="Collective bucket size in MiB.")
+    ranks: int = setting(1, check=in_range(1, 1024),
+                         doc="Trainer processes on this host: this one serves gRPC as rank 0 and starts ranks "
+                             "1..N-1 itself. Under torchrun its WORLD_SIZE decides (leave this at 1).")
+    rank_timeout_s: float = setting(1800.0, check=in_range(1.0, None),
+                                    doc="Bound on one collective between trainer ranks (and on their rendezvous).")
+    compute_nice: int = setting(0, check=in_range(0, 19),
+                                doc="Niceness added to the threads that run engine work (steps, checkpoints, "
+                                    "exports) but not to the gRPC ones: a CPU trainer sharing cores with "
+                                    "generation yields them while its RPCs keep their priority.")
+
+
+@dataclass
+class TrainerServiceConfig:
+    """The whole trainer service config file."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)

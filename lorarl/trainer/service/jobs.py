@@ -1,0 +1,306 @@
+"""Training jobs held by one trainer process: an engine, a trajectory buffer and a lock each.
+
+Plain Python (no gRPC): the servicer translates messages and calls these methods; errors are
+lorarl.common.errors exceptions that the server maps to statuses. Engine work is CPU/GPU bound
+and runs on a worker thread, one operation per job at a time, so the event loop keeps answering
+health checks and other jobs' RPCs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lorarl.common.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from lorarl.common.gc_heap import freeze_long_lived
+from lorarl.trainer.engines.api import JobSpec, Metrics, TrainEngine, TrajectoryRecord
+from lorarl.trainer.engines.factory import create_engine
+from lorarl.trainer.service.validation import (
+    BufferFullError,
+    InvalidTrajectory,
+    TrajectoryBuffer,
+    validate_trajectory,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Adds ``nice`` to the calling thread only (Linux keeps niceness per thread); elsewhere a no-op."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (AttributeError, OSError):
+        logger.warning("could not lower the priority of the engine threads", exc_info=True)
+
+T = TypeVar("T")
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+EngineFactory = Callable[[JobSpec], TrainEngine]
+
+
+@dataclass
+class Job:
+    job_id: str
+    spec: JobSpec
+    engine: TrainEngine
+    buffer: TrajectoryBuffer
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def check_job_id(job_id: str) -> None:
+    if not JOB_ID.fullmatch(job_id or ""):
+        raise InvalidArgumentError("job_id", f"{job_id!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+
+
+def resolve_under(path: str, roots: Sequence[Path], field_name: str, default: Path) -> Path:
+    """A client-given path, confined to the configured roots (relative paths resolve under the first)."""
+    if not path:
+        return default.resolve()
+    candidate = Path(path)
+    if not candidate.is_absolute():
+        candidate = roots[0] / candidate
+    candidate = candidate.resolve()
+    for root in roots:
+        root = root.resolve()
+        if candidate == root or root in candidate.parents:
+            return candidate
+    raise InvalidArgumentError(field_name, f"{path!r} is outside the allowed directories {[str(r) for r in roots]}")
+
+
+class JobManager:
+    """Creates, runs and forgets training jobs."""
+
+    def __init__(self, *, max_jobs: int = 4, model_roots: Sequence[str] = (),
+                 engine_factory: EngineFactory = create_engine, compute_nice: int = 0) -> None:
+        self.max_jobs = max_jobs
+        self.model_roots = [Path(r) for r in model_roots]
+        self.engine_factory = engine_factory
+        self._jobs: dict[str, Job] = {}
+        self._creating: set[str] = set()
+        # Engine work runs on these threads, at `compute_nice` when asked; None: asyncio's default pool.
+        self._compute = ThreadPoolExecutor(max_jobs, "engine", lower_thread_priority, (compute_nice,)) \
+            if compute_nice else None
+
+    async def _in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._compute is None:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, functools.partial(fn, *args))
+
+    # ------------------------------------------------------------ lifecycle
+
+    def get(self, job_id: str) -> Job:
+        check_job_id(job_id)
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id!r}; create it with CreateJob first")
+        return job
+
+    def list(self) -> list[Job]:
+        return [self._jobs[k] for k in sorted(self._jobs)]
+
+    def _check_model_path(self, spec: JobSpec) -> None:
+        path = Path(spec.base_model_path)
+        if self.model_roots:
+            resolve_under(spec.base_model_path, self.model_roots, "config.base_model_path", path)
+        if not (path / "config.json").is_file():
+            raise InvalidArgumentError("config.base_model_path",
+                                       f"{spec.base_model_path!r} is not a Hugging Face model directory "
+                                       "(no config.json)")
+
+    async def create(self, job_id: str, spec: JobSpec) -> Job:
+        check_job_id(job_id)
+        if job_id in self._jobs or job_id in self._creating:
+            raise AlreadyExistsError(f"job {job_id!r} already exists; delete it or pick another id")
+        if len(self._jobs) + len(self._creating) >= self.max_jobs:
+            raise ResourceExhaustedError(f"this trainer holds at most {self.max_jobs} jobs; delete one first")
+        self._check_model_path(spec)
+        self._creating.add(job_id)
+        try:
+            try:
+                engine = await self._in_engine_thread(self.engine_factory, spec)
+            except (ValueError, OSError) as e:
+                raise InvalidArgumentError("config", f"cannot build the job's engine: {e}") from None
+            try:
+                await self._in_engine_thread(engine.warm_up)
+            except Exception:  # the job still trains; its first step just pays the set-up itself
+                logger.warning("job %s: engine warm-up failed", job_id, exc_info=True)
+            freeze_long_lived()  # the model lives as long as the job: keep full collections off it
+            job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits))
+            self._jobs[job_id] = job
+            return job
+        finally:
+            self._creating.discard(job_id)
+
+    async def delete(self, job_id: str) -> None:
+        job = self.get(job_id)
+        async with job.lock:
+            self._jobs.pop(job_id, None)
+            await self._in_engine_thread(job.engine.close)  # a multi-rank engine is freed on every rank
+
+    # ------------------------------------------------------------ data
+
+    def push(self, job_id: str, records: Sequence[TrajectoryRecord]
+             ) -> list[InvalidTrajectory | BufferFullError | None]:
+        job = self.get(job_id)
+        return job.buffer.push_many(records, job.engine.version)
+
+    def _validated(self, job: Job, records: Sequence[TrajectoryRecord], field_name: str) -> list[TrajectoryRecord]:
+        for i, rec in enumerate(records):
+            try:
+                validate_trajectory(rec, job.engine.vocab_size, job.engine.version, job.spec.limits)
+            except InvalidTrajectory as e:
+                raise InvalidArgumentError(f"{field_name}[{i}].{e.field}", e.message) from None
+        return list(records)
+
+    # ------------------------------------------------------------ engine work
+
+    async def _run(self, job: Job, fn: Callable[..., T], *args: Any) -> T:
+        async with job.lock:
+            return await self._in_engine_thread(fn, *args)
+
+    async def train_step(self, job_id: str, max_trajectories: int, inline: Sequence[TrajectoryRecord]
+                         ) -> tuple[Metrics, int, int]:
+        """One optimiser step on buffered (+ inline) trajectories; popped ones go back on failure."""
+        job = self.get(job_id)
+        extra = self._validated(job, inline, "trajectories")
+        async with job.lock:
+            batch = job.buffer.pop_batch(max_trajectories)
+            if not batch and not extra:
+                raise FailedPreconditionError(f"job {job_id!r} has no trajectories to train on; push some first")
+            try:
+                metrics = await self._in_engine_thread(job.engine.train_step, batch + extra)
+            except BaseException:
+                job.buffer.restore(batch)
+                raise
+        return metrics, job.engine.version, job.engine.step
+
+    async def forward_backward(self, job_id: str, records: Sequence[TrajectoryRecord], loss=None) -> Metrics:
+        job = self.get(job_id)
+        batch = self._validated(job, records, "trajectories")
+        if not batch:
+            raise InvalidArgumentError("trajectories", "is empty")
+        return await self._run(job, job.engine.forward_backward, batch, loss)
+
+    async def optim_step(self, job_id: str, lr: float | None) -> tuple[Metrics, int, int]:
+        job = self.get(job_id)
+        try:
+            metrics = await self._run(job, job.engine.optim_step, lr)
+        except RuntimeError as e:
+            raise FailedPreconditionError(str(e)) from None
+        return metrics, job.engine.version, job.engine.step
+
+    async def compute_logprobs(self, job_id: str, records: Sequence[TrajectoryRecord], reference: bool
+                               ) -> list[list[float]]:
+        job = self.get(job_id)
+        vocab = job.engine.vocab_size
+        for i, rec in enumerate(records):
+            for name in ("prompt_token_ids", "completion_token_ids"):
+                ids = getattr(rec, name)
+                if not ids:
+                    raise InvalidArgumentError(f"trajectories[{i}].{name}", "is empty")
+                bad = next((t for t in ids if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise InvalidArgumentError(f"trajectories[{i}].{name}", f"token id {bad} outside [0, {vocab})")
+            if rec.num_tokens > job.spec.limits.max_sequence_tokens:
+                raise InvalidArgumentError(f"trajectories[{i}]", "longer than max_sequence_tokens")
+        return await self._run(job, job.engine.compute_logprobs, list(records), reference)
+
+    async def save_checkpoint(self, job_id: str, path: Path, data_cursor: Any = None):
+        job = self.get(job_id)
+        return await self._run(job, job.engine.save_checkpoint, path, data_cursor)
+
+    async def load_checkpoint(self, job_id: str, path: Path):
+        job = self.get(job_id)
+        if not path.exists():
+            raise NotFoundError(f"no checkpoint at {str(path)!r}")
+        from lorarl.trainer.engines.checkpoint import CheckpointError
+
+        try:
+            return await self._run(job, job.engine.load_checkpoint, path)
+        except CheckpointError as e:
+            raise FailedPreconditionError(f"checkpoint {str(path)!r} refused: {e}") from None
+
+    async def export(self, job_id: str, merged: bool, path: Path) -> Path:
+        job = self.get(job_id)
+        fn = job.engine.export_merged if merged else job.engine.export_adapter
+        return await self._run(job, fn, path)
+
+    # ------------------------------------------------------------ weight sync
+
+    async def publish(self, job_id: str, publisher: Any, mode: int, wait: bool, timeout_s: float) -> PublishOutcome:
+        """Publishes the job's current version through weight sync (a WeightPublisher).
+
+        The engine is locked while the payload is packed and sent, so training cannot change it
+        underneath; waiting for the replicas to activate happens outside the lock.
+        """
+        import grpc
+
+        from lorarl.weightsync.client.publisher import PublishError
+        from lorarl.weightsync.wire.catalog import catalog_from_tensors
+
+        job = self.get(job_id)
+        engine = job.engine
+        try:
+            async with job.lock:
+                version = engine.version
+                if version == 0:
+                    raise FailedPreconditionError(
+                        f"job {job_id!r} is at version 0 (the base model every replica already serves); "
+                        "train a step before publishing")
+                if job_id not in publisher.jobs:
+                    catalog = await self._in_engine_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
+                    await publisher.register_job(job_id, base_model_fingerprint=engine.base_model_fingerprint,
+                                                 lora=job.spec.lora.to_proto(), catalog=catalog, mode=mode,
+                                                 start_version=version - 1)
+                result = await publisher.publish(
+                    job_id, version, wait=False,
+                    adapter=lambda: [(n, t.detach().clone()) for n, t in engine.iter_adapter_tensors()],
+                    merged=engine.iter_merged_tensors)
+            registration = publisher.jobs[job_id]
+            outcome = PublishOutcome(version=version, mode=registration.mode, mode_reason=registration.reason,
+                                     duplicate=result.duplicate, payload_bytes=result.payload_bytes,
+                                     transport=result.transport, send_error=result.send_error)
+            if wait:
+                activation = await publisher.await_activation(job_id, version, timeout_s)
+                outcome.activated = activation.ok
+                outcome.error = activation.error or ("" if activation.ok else activation.outcome_name)
+                outcome.failed_replicas = list(activation.failed_replicas)
+            return outcome
+        except PublishError as e:
+            raise FailedPreconditionError(f"weight sync refused version: {e}") from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise UnavailableError(f"weight-sync service unreachable: {e.details()}") from None
+            raise FailedPreconditionError(f"weight sync answered {e.code().name}: {e.details()}") from None
+
+
+@dataclass
+class PublishOutcome:
+    """What PublishWeights reports back."""
+
+    version: int
+    mode: int
+    mode_reason: str
+    duplicate: bool
+    payload_bytes: int
+    transport: str
+    send_error: str = ""
+    activated: bool = False
+    error: str = ""
+    failed_replicas: list[str] = field(default_factory=list)

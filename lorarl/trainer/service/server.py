@@ -1,0 +1,229 @@
+"""TrainerService over gRPC: a thin servicer over lorarl.trainer.service.jobs.JobManager.
+
+Methods translate protobuf messages to plain objects (lorarl.trainer.service.convert), call the manager
+and translate back; errors raised as lorarl.common.errors exceptions become statuses in the
+bootstrap's interceptor. torch and transformers load lazily with the first job, so
+`lorarl serve trainer` starts fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from lorarl.common.auth import server_token
+from lorarl.common.config import ConfigError
+from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
+from lorarl.common.log import configure_logging
+from lorarl.common.server import Register, RunningServer, StartupError, serve
+from lorarl.trainer.service import convert
+from lorarl.trainer.service.config import TrainerServiceConfig, TrainerSettings
+from lorarl.trainer.service.jobs import Job, JobManager, resolve_under
+from lorarl.trainer.service.validation import BufferFullError
+from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+NAME = "trainer"
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+CONFIG_TYPE = TrainerServiceConfig
+
+
+def job_status(job: Job) -> trainer_pb2.JobStatus:
+    engine = job.engine
+    return trainer_pb2.JobStatus(
+        job_id=job.job_id, config=convert.job_config(job.spec), version=engine.version, step=engine.step,
+        buffered_trajectories=len(job.buffer), base_model_fingerprint=engine.base_model_fingerprint,
+        trainable_parameters=engine.trainable_parameters, total_parameters=engine.total_parameters,
+    )
+
+
+def item_status(index: int, error: Exception | None) -> common_pb2.ItemStatus:
+    if error is None:
+        return common_pb2.ItemStatus(index=index, code=grpc.StatusCode.OK.value[0])
+    if isinstance(error, BufferFullError):
+        return common_pb2.ItemStatus(index=index, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                     message=str(error))
+    field = getattr(error, "field", "")
+    return common_pb2.ItemStatus(index=index, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                 message=str(error), field=field)
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """TrainerService RPCs, each delegating to a JobManager."""
+
+    def __init__(self, settings: TrainerSettings, jobs: JobManager | None = None, token: str | None = None) -> None:
+        self.settings = settings
+        self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots,
+                                       compute_nice=settings.compute_nice)
+        self.token = token
+        self._publisher = None
+
+    def publisher(self):
+        """The weight-sync client, made on first use (the same bearer token as this server's)."""
+        if self._publisher is None:
+            if not self.settings.weightsync_address:
+                raise FailedPreconditionError("trainer.weightsync_address is not set; this trainer cannot publish")
+            from lorarl.weightsync.client.publisher import WeightPublisher
+
+            self._publisher = WeightPublisher(
+                self.settings.weightsync_address, token=self.token, host=self.settings.sender_host or None,
+                collective=self.settings.collective, bucket_bytes=self.settings.bucket_mb << 20,
+                device=self.settings.device)
+        return self._publisher
+
+    async def close(self) -> None:
+        if self._publisher is not None:
+            await self._publisher.close()
+
+    def _path(self, path: str, root: str, field: str, default_name: str) -> Path:
+        base = Path(root)
+        return resolve_under(path, [base], field, base / default_name)
+
+    async def CreateJob(self, request, context):
+        spec = convert.job_spec(request.config, self.settings.device)
+        job = await self.jobs.create(request.job_id, spec)
+        if self.settings.weightsync_address:
+            self.publisher().connect()  # the first publish should not pay for the import and the handshake
+        return trainer_pb2.CreateJobResponse(job=job_status(job))
+
+    async def GetJob(self, request, context):
+        return trainer_pb2.GetJobResponse(job=job_status(self.jobs.get(request.job_id)))
+
+    async def ListJobs(self, request, context):
+        return trainer_pb2.ListJobsResponse(jobs=[job_status(j) for j in self.jobs.list()])
+
+    async def DeleteJob(self, request, context):
+        await self.jobs.delete(request.job_id)
+        return trainer_pb2.DeleteJobResponse()
+
+    async def PushTrajectories(self, request_iterator, context) -> AsyncIterator[trainer_pb2.PushTrajectoriesResponse]:
+        async for request in request_iterator:
+            records = [convert.trajectory_record(t) for t in request.trajectories]
+            errors = self.jobs.push(request.job_id, records)
+            statuses = [item_status(i, e) for i, e in enumerate(errors)]
+            yield trainer_pb2.PushTrajectoriesResponse(
+                statuses=statuses, accepted=sum(e is None for e in errors),
+                buffered_trajectories=len(self.jobs.get(request.job_id).buffer))
+
+    async def TrainStep(self, request, context):
+        inline = [convert.trajectory_record(t) for t in request.trajectories]
+        metrics, version, step = await self.jobs.train_step(request.job_id, request.max_trajectories, inline)
+        return trainer_pb2.TrainStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
+
+    async def ForwardBackward(self, request, context):
+        loss = convert.loss_settings(request.loss, "loss") if request.HasField("loss") else None
+        records = [convert.trajectory_record(t) for t in request.trajectories]
+        metrics = await self.jobs.forward_backward(request.job_id, records, loss)
+        return trainer_pb2.ForwardBackwardResponse(metrics=convert.step_metrics(metrics))
+
+    async def OptimStep(self, request, context):
+        if request.learning_rate < 0:
+            raise InvalidArgumentError("learning_rate", "must be >= 0 (0 keeps the schedule)")
+        metrics, version, step = await self.jobs.optim_step(request.job_id, request.learning_rate or None)
+        return trainer_pb2.OptimStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
+
+    async def ComputeLogprobs(self, request, context):
+        records = [convert.trajectory_record(t) for t in request.trajectories]
+        results = await self.jobs.compute_logprobs(request.job_id, records, request.reference)
+        return trainer_pb2.ComputeLogprobsResponse(results=[trainer_pb2.TokenLogprobs(logprobs=r) for r in results])
+
+    async def SaveCheckpoint(self, request, context):
+        job = self.jobs.get(request.job_id)
+        path = self._path(request.path, self.settings.checkpoint_dir, "path",
+                          f"{request.job_id}/step-{job.engine.step:06d}")
+        info = await self.jobs.save_checkpoint(request.job_id, path)
+        return trainer_pb2.SaveCheckpointResponse(path=str(info.path), version=info.version, step=info.step)
+
+    async def LoadCheckpoint(self, request, context):
+        if not request.path:
+            raise InvalidArgumentError("path", "is required")
+        path = self._path(request.path, self.settings.checkpoint_dir, "path", "")
+        info = await self.jobs.load_checkpoint(request.job_id, path)
+        return trainer_pb2.LoadCheckpointResponse(version=info.version, step=info.step)
+
+    async def Export(self, request, context):
+        if request.mode not in (common_pb2.SYNC_MODE_ADAPTER, common_pb2.SYNC_MODE_MERGED):
+            raise InvalidArgumentError("mode", "must be SYNC_MODE_ADAPTER or SYNC_MODE_MERGED")
+        merged = request.mode == common_pb2.SYNC_MODE_MERGED
+        job = self.jobs.get(request.job_id)
+        kind = "merged" if merged else "adapter"
+        path = self._path(request.path, self.settings.export_dir, "path",
+                          f"{request.job_id}/{kind}-v{job.engine.version:06d}")
+        out = await self.jobs.export(request.job_id, merged, path)
+        return trainer_pb2.ExportResponse(path=str(out))
+
+    async def PublishWeights(self, request, context):
+        if request.mode not in (common_pb2.SYNC_MODE_UNSPECIFIED, common_pb2.SYNC_MODE_ADAPTER,
+                                common_pb2.SYNC_MODE_MERGED, common_pb2.SYNC_MODE_AUTO):
+            raise InvalidArgumentError("mode", f"unknown sync mode {request.mode}")
+        self.jobs.get(request.job_id)
+        started = time.perf_counter()
+        outcome = await self.jobs.publish(request.job_id, self.publisher(), request.mode or common_pb2.SYNC_MODE_AUTO,
+                                          request.wait_for_activation, float(request.timeout_seconds or 600))
+        return trainer_pb2.PublishWeightsResponse(
+            seconds=time.perf_counter() - started, version=outcome.version, mode=outcome.mode,
+            mode_reason=outcome.mode_reason, duplicate=outcome.duplicate, activated=outcome.activated,
+            error=outcome.error or outcome.send_error, failed_replicas=outcome.failed_replicas,
+            payload_bytes=outcome.payload_bytes, transport=outcome.transport)
+
+
+def registration(servicer: TrainerServicer) -> Register:
+    """Adds `servicer` to a server; returns the service names for health and reflection."""
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    return register
+
+
+async def serve_forever(config: TrainerServiceConfig) -> None:
+    """Runs the trainer service until SIGTERM/SIGINT; with several ranks (trainer.ranks, or torchrun) rank 0
+    serves and the others follow it (lorarl.trainer.ranks.follower)."""
+    from lorarl.trainer.ranks.launch import RankWorld
+
+    settings, server = config.trainer, config.server
+    world = RankWorld.discover(settings.ranks)
+    if world.world_size == 1:
+        servicer = TrainerServicer(settings, token=server_token(server.auth))
+        await serve(NAME, server, registration(servicer), on_shutdown=servicer.close)
+        return
+    if ":" in settings.device:
+        raise ConfigError("trainer.device", f"{settings.device!r} names one device, but each of the "
+                                            f"{world.world_size} ranks takes its own (cuda:LOCAL_RANK): give the "
+                                            "type only, e.g. 'cuda'")
+    configure_logging(NAME if world.rank == 0 else f"{NAME}-rank{world.rank}", level=server.log_level,
+                      fmt=server.log_format)
+    if world.rank != 0:
+        from lorarl.trainer.ranks.follower import run_follower
+
+        await asyncio.to_thread(run_follower, settings.device, world, settings.rank_timeout_s)
+        return
+    from lorarl.trainer.ranks.group import RankGroup
+
+    try:
+        group = await asyncio.to_thread(RankGroup.start, settings.device, world, settings.rank_timeout_s,
+                                        server.log_level, server.log_format)
+    except RuntimeError as e:
+        raise StartupError(f"trainer ranks did not start: {e}") from None
+    jobs = JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots, engine_factory=group.create_engine,
+                      compute_nice=settings.compute_nice)
+    servicer = TrainerServicer(settings, jobs=jobs, token=server_token(server.auth))
+
+    def started(running: RunningServer) -> None:
+        loop = asyncio.get_running_loop()
+
+        def not_serving(reason: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the service is stopping anyway
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(running.set_serving(False)))
+
+        group.on_broken(not_serving)
+
+    try:
+        await serve(NAME, server, registration(servicer), on_shutdown=servicer.close, on_started=started)
+    finally:
+        await asyncio.to_thread(group.stop)

@@ -1,0 +1,151 @@
+"""Checks on incoming trajectories, and the bounded buffer that holds the accepted ones.
+
+Validation happens at the door, one trajectory at a time, so a bad one is refused with the name of
+its offending field (later INVALID_ARGUMENT) and never poisons a training step or its neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+
+from lorarl.trainer.engines.api import FINISH_REASONS, Limits, TrajectoryRecord
+
+#: Largest positive behaviour logprob accepted. Samplers compute log_softmax in low precision and a
+#: near-certain token can come back as a tiny positive number (e.g. 2e-6); anything above this is a
+#: bug on the client side (a probability, a negated value, garbage), not rounding.
+LOGPROB_TOLERANCE = 1e-4
+
+
+class InvalidTrajectory(ValueError):  # noqa: N818  (the name the trainer API documents)
+    """A trajectory the trainer refuses; ``field`` names the offending Trajectory field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class BufferFullError(RuntimeError):
+    """The job's trajectory buffer is at capacity (later RESOURCE_EXHAUSTED); train, then push again."""
+
+
+def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidTrajectory(field, f"token id {token} at index {i} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version: int, limits: Limits) -> None:
+    """Raises InvalidTrajectory for the first problem found; returns None when the trajectory is usable."""
+    n = len(rec.completion_token_ids)
+    if not rec.prompt_token_ids:
+        raise InvalidTrajectory("prompt_token_ids", "is empty; the first completion token is predicted from the prompt")
+    if n == 0:
+        raise InvalidTrajectory("completion_token_ids", "is empty; there is nothing to learn from")
+    if len(rec.behavior_logprobs) != n:
+        raise InvalidTrajectory("behavior_logprobs",
+                                f"has {len(rec.behavior_logprobs)} entries for {n} completion tokens")
+    if len(rec.token_versions) != n:
+        raise InvalidTrajectory("token_versions", f"has {len(rec.token_versions)} entries for {n} completion tokens")
+    total = len(rec.prompt_token_ids) + n
+    if total > limits.max_sequence_tokens:
+        raise InvalidTrajectory("completion_token_ids",
+                                f"prompt + completion is {total} tokens, above max_sequence_tokens "
+                                f"{limits.max_sequence_tokens}")
+    _check_ids("prompt_token_ids", rec.prompt_token_ids, vocab_size)
+    _check_ids("completion_token_ids", rec.completion_token_ids, vocab_size)
+    for i, lp in enumerate(rec.behavior_logprobs):
+        if not math.isfinite(lp):
+            raise InvalidTrajectory("behavior_logprobs", f"entry {i} is {lp}, not a finite number")
+        if lp > LOGPROB_TOLERANCE:
+            raise InvalidTrajectory("behavior_logprobs", f"entry {i} is {lp}; a log-probability must be <= 0")
+    for i, v in enumerate(rec.token_versions):
+        if v < 0:
+            raise InvalidTrajectory("token_versions", f"entry {i} is negative ({v})")
+        if v > current_version:
+            raise InvalidTrajectory("token_versions",
+                                    f"entry {i} is version {v}, ahead of the trainer's version {current_version}")
+    if not math.isfinite(rec.reward):
+        raise InvalidTrajectory("reward", f"is {rec.reward}, not a finite number")
+    if rec.finish_reason not in FINISH_REASONS:
+        raise InvalidTrajectory("finish_reason", f"is {rec.finish_reason!r}, expected one of {list(FINISH_REASONS)}")
+
+
+class TrajectoryBuffer:
+    """Accepted trajectories waiting for a training step, bounded by ``limits.max_buffered_trajectories``.
+
+    Thread-safe (gRPC handlers push concurrently). Every item is validated on its own: a rejected
+    one never removes or blocks those accepted before or after it.
+    """
+
+    def __init__(self, vocab_size: int, limits: Limits) -> None:
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self._items: list[TrajectoryRecord] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    @property
+    def capacity(self) -> int:
+        return self.limits.max_buffered_trajectories
+
+    def push(self, rec: TrajectoryRecord, current_version: int) -> None:
+        """Validates and appends one trajectory; raises InvalidTrajectory or BufferFullError."""
+        validate_trajectory(rec, self.vocab_size, current_version, self.limits)
+        with self._lock:
+            if len(self._items) >= self.capacity:
+                raise BufferFullError(f"trajectory buffer is full ({self.capacity} trajectories); "
+                                 "run a training step before pushing more")
+            self._items.append(rec)
+
+    def push_many(self, records: Sequence[TrajectoryRecord], current_version: int
+                  ) -> list[InvalidTrajectory | BufferFullError | None]:
+        """One status per record, in order: None when accepted, else the error that refused it."""
+        statuses: list[InvalidTrajectory | BufferFullError | None] = []
+        for rec in records:
+            try:
+                self.push(rec, current_version)
+                statuses.append(None)
+            except (InvalidTrajectory, BufferFullError) as e:
+                statuses.append(e)
+        return statuses
+
+    def pop_batch(self, max_items: int = 0) -> list[TrajectoryRecord]:
+        """Removes and returns the oldest whole groups, at most ``max_items`` trajectories (0: all).
+
+        Groups are never split, since advantages are relative to the group; a first group larger
+        than ``max_items`` is returned whole rather than starving.
+        """
+        with self._lock:
+            if max_items <= 0 or max_items >= len(self._items):
+                batch, self._items = self._items, []
+                return batch
+            order: list[object] = []
+            members: dict[object, list[int]] = {}
+            for i, rec in enumerate(self._items):
+                key = rec.group_key()
+                if key not in members:
+                    order.append(key)
+                members.setdefault(key, []).append(i)
+            chosen: set[int] = set()
+            for key in order:
+                if chosen and len(chosen) + len(members[key]) > max_items:
+                    break
+                chosen.update(members[key])
+            batch = [rec for i, rec in enumerate(self._items) if i in chosen]
+            self._items = [rec for i, rec in enumerate(self._items) if i not in chosen]
+            return batch
+
+    def restore(self, records: Sequence[TrajectoryRecord]) -> None:
+        """Puts a popped batch back in front (e.g. after a failed step); capacity is not enforced."""
+        with self._lock:
+            self._items = list(records) + self._items
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()

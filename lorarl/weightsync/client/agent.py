@@ -1,0 +1,282 @@
+"""The rollout side of weight sync: subscribe, receive and verify versions, hand them to a PolicySink.
+
+One agent per replica. It subscribes with the replica's capabilities and the versions it already
+serves, then follows the service's events in order: Stage (receive the bytes over the collective
+group or inline, verify every bucket and tensor checksum, give the tensors to `sink.stage`, report
+staged ok or the error), Commit (`sink.commit`, report active), Abort (`sink.abort`). When the
+stream drops (service restart, network), it resubscribes with backoff; the service then catches it
+up if it fell behind. Transport and sink work run in worker threads, so the event loop stays live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+import torch
+
+from lorarl.common.channel import ClientTls, aio_channel
+from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
+from lorarl.weightsync.client.sinks import PolicySink, PolicyUpdate
+from lorarl.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup
+from lorarl.weightsync.wire.inline import BucketAssembler
+from lorarl.weightsync.wire.net import local_address_towards
+from lorarl.weightsync.wire.payload import PayloadVerifier, manifest_digest, validate_manifest
+
+logger = logging.getLogger(__name__)
+
+#: Fault injection: sees each received piece (a view into its bucket) before it is verified; may change
+#: bytes in place, and returns the piece, or a prefix of it to simulate a transfer cut short.
+ReceiveHook = Callable[[common_pb2.WeightManifest, int, torch.Tensor], torch.Tensor]
+Piece = tuple[int, torch.Tensor, int, int]  # bucket index, bucket buffer, start, end
+
+
+class StageError(Exception):
+    """A version cannot be staged on this replica (reported to the service as staged ok=false)."""
+
+
+def verify_pieces(manifest: common_pb2.WeightManifest, pieces: Iterable[Piece],
+                  hook: ReceiveHook | None = None) -> dict[str, torch.Tensor]:
+    """Checks every bucket and tensor checksum as pieces land, and that nothing is missing; returns
+    tensor views by name. Consumes every piece even after a failure, so a collective transfer
+    completes for the peers."""
+    verifier = PayloadVerifier(manifest)
+    for index, buffer, start, end in pieces:
+        short = False
+        if hook is not None and verifier.error is None:
+            passed = hook(manifest, index, buffer[start:end]).numel()
+            short, end = passed < end - start, start + passed
+        verifier.feed(index, buffer, start, end, short=short)
+    return verifier.finish()
+
+
+def verified_tensors(manifest: common_pb2.WeightManifest, buffers: Iterable[torch.Tensor],
+                     hook: ReceiveHook | None = None) -> dict[str, torch.Tensor]:
+    """verify_pieces over whole buckets (inline transfers)."""
+    return verify_pieces(manifest, ((i, b, 0, b.numel()) for i, b in enumerate(buffers)), hook)
+
+
+class WeightSyncAgent:
+    """Keeps a PolicySink in sync with the weight-sync service (see module docstring).
+
+    host: the address this replica's collective endpoint is reachable at (default: the local address
+    of the route to the service). capabilities.collective_backends empty: inline transfers only.
+    """
+
+    def __init__(self, target: str, sink: PolicySink, *, replica_id: str,
+                 capabilities: weightsync_pb2.ReplicaCapabilities, job_ids: Sequence[str] = (),
+                 host: str | None = None, token: str | None = None, tls: ClientTls | None = None,
+                 device: str = "cpu", reconnect_min_s: float = 0.2, reconnect_max_s: float = 5.0,
+                 receive_hook: ReceiveHook | None = None) -> None:
+        self.target, self.sink, self.replica_id = target, sink, replica_id
+        self.capabilities, self.job_ids = capabilities, list(job_ids)
+        self.host = host or local_address_towards(target)
+        self.token, self.tls, self.device = token, tls, device
+        self.reconnect_min_s, self.reconnect_max_s = reconnect_min_s, reconnect_max_s
+        self.receive_hook = receive_hook
+        self.staged: dict[str, int] = {}
+        self.timings: dict[tuple[str, int], dict[str, float]] = {}
+        self.subscriptions = 0
+        self._stub: weightsync_pb2_grpc.WeightSyncServiceStub | None = None
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._stopping = False
+        self._connected = threading.Event()
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Blocks until subscribed (any thread)."""
+        return self._connected.wait(timeout)
+
+    def stop(self) -> None:
+        """Ends run() after the current event (call on the agent's loop)."""
+        self._stopping = True
+        if self._call is not None:
+            self._call.cancel()
+
+    async def run(self) -> None:
+        """Subscribes and follows events until stop(); reconnects with backoff when the stream drops."""
+        delay = self.reconnect_min_s
+        async with aio_channel(self.target, token=self.token, tls=self.tls) as channel:
+            self._stub = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
+            while not self._stopping:
+                try:
+                    if await self._session():
+                        delay = self.reconnect_min_s
+                except grpc.aio.AioRpcError as exc:
+                    if not self._stopping:
+                        logger.warning("weight-sync stream lost (%s): %s; retrying in %.1f s", exc.code().name,
+                                       exc.details(), delay, extra={"replica_id": self.replica_id})
+                except asyncio.CancelledError:
+                    if not self._stopping:
+                        raise
+                except Exception:  # a sink or local failure must not end the agent: resubscribe
+                    logger.exception("weight-sync agent %s failed; resubscribing in %.1f s", self.replica_id, delay)
+                finally:
+                    self._connected.clear()
+                    self._call = None
+                if not self._stopping:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.reconnect_max_s)
+
+    async def _session(self) -> bool:
+        """One subscription; True if it was established before it ended."""
+        assert self._stub is not None
+        active = await asyncio.to_thread(self.sink.active_versions)
+        request = weightsync_pb2.SubscribeRequest(replica_id=self.replica_id, job_ids=self.job_ids,
+                                                  capabilities=self.capabilities, host=self.host,
+                                                  active_versions=active)
+        call = self._stub.Subscribe(request)
+        self._call = call
+        await call.wait_for_connection()
+        self.subscriptions += 1
+        self._connected.set()
+        logger.info("subscribed to weight sync at %s as %s (active %s)", self.target, self.replica_id, active,
+                    extra={"replica_id": self.replica_id})
+        async for event in call:
+            await self._handle(event)
+        return True
+
+    async def _handle(self, event: weightsync_pb2.SubscribeResponse) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "stage":
+            await self._stage(event.stage)
+        elif kind == "commit":
+            await self._commit(event.commit.job_id, event.commit.version)
+        elif kind == "abort":
+            await self._abort(event.abort)
+
+    # --------------------------------------------------------------------------------- stage
+
+    async def _stage(self, stage: weightsync_pb2.StageEvent) -> None:
+        manifest = stage.manifest
+        job_id, version = manifest.job_id, manifest.version
+        started = time.perf_counter()
+        try:
+            active = (await asyncio.to_thread(self.sink.active_versions)).get(job_id, 0)
+            if version <= active:
+                raise StageError(f"v{version} is not newer than the active v{active}")
+            validate_manifest(manifest)
+            transport = manifest.transport.WhichOneof("kind")
+            if transport == "collective":
+                tensors = await asyncio.to_thread(self._receive_collective, stage)
+            elif transport == "inline":
+                tensors = await self._receive_inline(manifest)
+            else:
+                raise StageError(f"transport {transport!r} is not supported by this agent")
+            received = time.perf_counter()
+            update = PolicyUpdate(manifest, tensors, stage.serve_mode or manifest.mode)
+            await asyncio.to_thread(self.sink.stage, update)
+            self.staged[job_id] = version
+            self.timings[(job_id, version)] = {"receive_s": received - started,
+                                               "stage_s": time.perf_counter() - started}
+            ok, error = True, ""
+        except Exception as exc:
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+            logger.warning("rejected %s v%d: %s", job_id, version, error, extra={"replica_id": self.replica_id})
+        await self._report(self._stub_call("ReportStaged", weightsync_pb2.ReportStagedRequest(
+            replica_id=self.replica_id, job_id=job_id, version=version, ok=ok, error=error)))
+
+    def _receive_collective(self, stage: weightsync_pb2.StageEvent) -> dict[str, torch.Tensor]:
+        manifest = stage.manifest
+        c = manifest.transport.collective
+        backend = BACKEND_NAMES.get(c.backend)
+        if backend is None:
+            raise StageError(f"unknown collective backend {c.backend}")
+        group = WeightTransferGroup(backend, c.master_address, c.master_port, stage.rank, c.world_size, c.group_name,
+                                    timeout_s=c.timeout_seconds or 120, device=self.device, local_address=self.host)
+        try:
+            pieces = group.receive_pieces([b.nbytes for b in manifest.buckets], src=c.source_rank)
+            return verify_pieces(manifest, pieces, self.receive_hook)
+        finally:
+            group.close(wait=False)
+
+    async def _receive_inline(self, manifest: common_pb2.WeightManifest) -> dict[str, torch.Tensor]:
+        assert self._stub is not None
+        request = weightsync_pb2.FetchWeightsRequest(job_id=manifest.job_id, version=manifest.version,
+                                                     chunk_bytes=manifest.transport.inline.chunk_bytes)
+        assembler: BucketAssembler | None = None
+        async for response in self._stub.FetchWeights(request):
+            if assembler is None:
+                if not response.HasField("manifest") or manifest_digest(response.manifest) != manifest_digest(manifest):
+                    raise StageError("FetchWeights answered with a different manifest")
+                assembler = BucketAssembler(manifest)
+            else:
+                assembler.add(response.chunk)
+        if assembler is None:
+            raise StageError("FetchWeights returned nothing")
+        buffers = assembler.finish()
+        return await asyncio.to_thread(verified_tensors, manifest, buffers, self.receive_hook)
+
+    # ------------------------------------------------------------------------ commit / abort
+
+    async def _commit(self, job_id: str, version: int) -> None:
+        if self.staged.get(job_id) != version:
+            logger.warning("commit of %s v%d, which is not staged here; ignored", job_id, version)
+            return
+        try:
+            await asyncio.to_thread(self.sink.commit, job_id, version)
+        except Exception as exc:
+            logger.exception("sink failed to commit %s v%d", job_id, version)
+            await self._report(self._stub_call("ReportStaged", weightsync_pb2.ReportStagedRequest(
+                replica_id=self.replica_id, job_id=job_id, version=version, ok=False,
+                error=f"commit failed: {type(exc).__name__}: {exc}")))
+            return
+        finally:
+            self.staged.pop(job_id, None)
+        await self._report(self._stub_call("ReportActive", weightsync_pb2.ReportActiveRequest(
+            replica_id=self.replica_id, job_id=job_id, version=version)))
+
+    async def _abort(self, abort: weightsync_pb2.AbortEvent) -> None:
+        logger.info("abort %s v%d: %s", abort.job_id, abort.version, abort.reason)
+        if self.staged.get(abort.job_id) == abort.version:
+            self.staged.pop(abort.job_id)
+            try:
+                await asyncio.to_thread(self.sink.abort, abort.job_id, abort.version)
+            except Exception:
+                logger.exception("sink failed to abort %s v%d", abort.job_id, abort.version)
+
+    def _stub_call(self, method: str, request: object) -> asyncio.Future[object]:
+        assert self._stub is not None
+        return getattr(self._stub, method)(request, timeout=30)
+
+    async def _report(self, call: asyncio.Future[object]) -> None:
+        try:
+            await call
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("report to weight sync failed (%s): %s", exc.code().name, exc.details())
+
+
+class AgentThread:
+    """Runs a WeightSyncAgent on its own event loop in a daemon thread, for engines that are not asyncio."""
+
+    def __init__(self, agent: WeightSyncAgent) -> None:
+        self.agent = agent
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=f"weightsync-agent-{agent.replica_id}", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        with contextlib.suppress(asyncio.CancelledError):
+            self._loop.run_until_complete(self.agent.run())
+        self._loop.close()
+
+    def start(self, wait_connected_s: float | None = None) -> AgentThread:
+        self._thread.start()
+        if wait_connected_s is not None and not self.agent.wait_connected(wait_connected_s):
+            raise TimeoutError(f"agent did not subscribe within {wait_connected_s} s")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.agent.stop)
+            self._thread.join(timeout)

@@ -1,0 +1,39 @@
+"""Merging a LoRA adapter into base weights on the receiving side (local merge).
+
+A late joiner of a MERGED job, or a replica that cannot run LoRA, is sent the small adapter and
+builds the merged weights itself from the base weights it already holds: tens of MB on the wire
+instead of the whole model, and the service only ever stores adapters. The arithmetic is the one
+merge (lorarl.contract.merge), so the result is bit-identical to the trainer's merged tensor for the
+same base and scale. Always merge into the pristine base, never into a previously merged weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+from lorarl.contract.lora import LoraSpec
+from lorarl.contract.merge import merge_lora
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.wire.catalog import adapter_module
+
+
+def adapter_pairs(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (lora_A, lora_B)} from PEFT-named tensors; raises KeyError if a half is missing."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in adapter.items():
+        parsed = adapter_module(name)
+        if parsed is None:
+            raise KeyError(f"{name} is not a PEFT adapter tensor name")
+        halves.setdefault(parsed[0], {})[parsed[1]] = tensor
+    return {module: (h["A"], h["B"]) for module, h in halves.items()}
+
+
+def merged_from_adapter(adapter: Mapping[str, torch.Tensor], lora: LoraSpec | common_pb2.LoraSpec,
+                        base_weight: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, merged weight) for every adapted module; `base_weight(name)` returns the pristine base."""
+    scale = (lora if isinstance(lora, LoraSpec) else LoraSpec.from_proto(lora)).scale
+    for module, (a, b) in adapter_pairs(adapter).items():
+        name = f"{module}.weight"
+        yield name, merge_lora(base_weight(name), a, b, scale)

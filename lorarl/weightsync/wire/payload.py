@@ -1,0 +1,275 @@
+"""Weight payloads: named tensors packed into byte buckets, described by a manifest, verified on receipt.
+
+The sender and every receiver share this module, so packing and checking can never disagree.
+A bucket is one contiguous uint8 buffer (one collective broadcast, or a run of inline chunks);
+tensors sit in it at 64-byte aligned offsets. Checksums are xxh64 of each tensor's raw bytes and
+of each whole bucket.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from lorarl.v1 import common_pb2
+
+CHECKSUM_ALGORITHM = "xxh64"
+ALIGN = 64
+DEFAULT_BUCKET_BYTES = 1 << 30
+
+DTYPE_TO_PROTO = {
+    torch.float32: common_pb2.D_TYPE_FLOAT32,
+    torch.bfloat16: common_pb2.D_TYPE_BFLOAT16,
+    torch.float16: common_pb2.D_TYPE_FLOAT16,
+    torch.int64: common_pb2.D_TYPE_INT64,
+    torch.int32: common_pb2.D_TYPE_INT32,
+    torch.uint8: common_pb2.D_TYPE_UINT8,
+}
+PROTO_TO_DTYPE = {v: k for k, v in DTYPE_TO_PROTO.items()}
+
+
+class PayloadError(ValueError):
+    """A payload or manifest is inconsistent, incomplete or corrupted."""
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy raw bytes of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+
+def checksum(data: bytes | memoryview | torch.Tensor) -> int:
+    if isinstance(data, torch.Tensor):
+        data = tensor_bytes(data)
+    return xxhash.xxh64_intdigest(data)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class PackedBucket:
+    index: int
+    buffer: torch.Tensor  # uint8, contiguous
+    specs: list[common_pb2.TensorSpec]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def checksum(self) -> int:
+        return checksum(self.buffer)
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    """What a manifest needs of a bucket whose bytes were dropped (senders that re-pack to stay lean)."""
+
+    index: int
+    nbytes: int
+    checksum: int
+    specs: list[common_pb2.TensorSpec]
+
+
+def pack(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+         ) -> Iterator[PackedBucket]:
+    """Streams (name, tensor) pairs into buckets, yielding each bucket as soon as it is full.
+
+    Only one bucket is alive at a time on the sender side, so a merged model is never materialised.
+    """
+    index, offset = 0, 0
+    parts: list[tuple[common_pb2.TensorSpec, torch.Tensor]] = []
+
+    def flush() -> PackedBucket:
+        buf = torch.zeros(offset, dtype=torch.uint8)
+        for spec, t in parts:
+            buf[spec.offset: spec.offset + spec.nbytes] = t.reshape(-1).view(torch.uint8)
+        return PackedBucket(index=index, buffer=buf, specs=[s for s, _ in parts])
+
+    for name, tensor in tensors:
+        t = tensor.detach().contiguous().cpu()
+        if t.dtype not in DTYPE_TO_PROTO:
+            raise PayloadError(f"tensor {name}: unsupported dtype {t.dtype}")
+        nbytes = t.numel() * t.element_size()
+        if parts and offset + nbytes > bucket_bytes:
+            yield flush()
+            index, offset, parts = index + 1, 0, []
+        spec = common_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=DTYPE_TO_PROTO[t.dtype],
+                                     bucket=index, offset=offset, nbytes=nbytes, checksum=checksum(t))
+        parts.append((spec, t))
+        offset = _aligned(offset + nbytes)
+    if parts:
+        yield flush()
+
+
+def build_manifest(*, job_id: str, version: int, mode: int, base_model_fingerprint: str,
+                   buckets: list[PackedBucket] | list[BucketInfo], lora: common_pb2.LoraSpec | None = None,
+                   policy_id: str = "") -> common_pb2.WeightManifest:
+    """The manifest describing already-packed buckets (tensor specs carry their checksums)."""
+    manifest = common_pb2.WeightManifest(
+        job_id=job_id, policy_id=policy_id or job_id, version=version, mode=mode,
+        base_model_fingerprint=base_model_fingerprint, checksum_algorithm=CHECKSUM_ALGORITHM,
+    )
+    if lora is not None:
+        manifest.lora.CopyFrom(lora)
+    for b in buckets:
+        manifest.tensors.extend(b.specs)
+        manifest.buckets.append(common_pb2.Bucket(index=b.index, nbytes=b.nbytes, checksum=b.checksum))
+    manifest.total_bytes = sum(b.nbytes for b in manifest.buckets)
+    manifest.created_at.GetCurrentTime()
+    return manifest
+
+
+def validate_manifest(manifest: common_pb2.WeightManifest) -> None:
+    """Internal consistency: every tensor fits in its bucket, sizes agree, no duplicates or overlaps."""
+    if not manifest.job_id:
+        raise PayloadError("manifest.job_id is empty")
+    if manifest.mode not in (common_pb2.SYNC_MODE_ADAPTER, common_pb2.SYNC_MODE_MERGED):
+        raise PayloadError("manifest.mode must be ADAPTER or MERGED")
+    if manifest.checksum_algorithm != CHECKSUM_ALGORITHM:
+        raise PayloadError(f"manifest.checksum_algorithm must be {CHECKSUM_ALGORITHM!r}")
+    if not manifest.tensors:
+        raise PayloadError("manifest.tensors is empty")
+    bucket_sizes = {b.index: b.nbytes for b in manifest.buckets}
+    if sorted(bucket_sizes) != list(range(len(manifest.buckets))):
+        raise PayloadError("manifest.buckets must be numbered 0..n-1 without gaps or duplicates")
+    if manifest.total_bytes != sum(bucket_sizes.values()):
+        raise PayloadError(f"manifest.total_bytes {manifest.total_bytes} != sum of bucket sizes")
+    seen: set[str] = set()
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for i, t in enumerate(manifest.tensors):
+        where = f"manifest.tensors[{i}] ({t.name})"
+        if not t.name or t.name in seen:
+            raise PayloadError(f"{where}: empty or duplicate name")
+        seen.add(t.name)
+        if t.dtype not in PROTO_TO_DTYPE:
+            raise PayloadError(f"{where}: unknown dtype")
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        if numel * torch.empty((), dtype=PROTO_TO_DTYPE[t.dtype]).element_size() != t.nbytes:
+            raise PayloadError(f"{where}: nbytes {t.nbytes} does not match shape {list(t.shape)}")
+        if t.bucket not in bucket_sizes or t.offset + t.nbytes > bucket_sizes[t.bucket]:
+            raise PayloadError(f"{where}: does not fit in bucket {t.bucket}")
+        spans.setdefault(t.bucket, []).append((t.offset, t.offset + t.nbytes))
+    for bucket, ranges in spans.items():
+        ranges.sort()
+        for (_, end), (start, _) in itertools.pairwise(ranges):
+            if start < end:
+                raise PayloadError(f"manifest bucket {bucket}: tensors overlap")
+
+
+def verify_bucket(manifest: common_pb2.WeightManifest, index: int, buffer: torch.Tensor) -> None:
+    """Size and checksum of one received bucket."""
+    spec = manifest.buckets[index]
+    if buffer.numel() != spec.nbytes:
+        raise PayloadError(f"bucket {index}: received {buffer.numel()} bytes, expected {spec.nbytes}")
+    got = checksum(buffer)
+    if got != spec.checksum:
+        raise PayloadError(f"bucket {index}: checksum mismatch (got {got:#x}, expected {spec.checksum:#x})")
+
+
+def unpack_bucket(manifest: common_pb2.WeightManifest, index: int, buffer: torch.Tensor,
+                  verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views of one verified bucket; each tensor's checksum is checked too."""
+    if verify:
+        verify_bucket(manifest, index, buffer)
+    for spec in manifest.tensors:
+        if spec.bucket != index:
+            continue
+        raw = buffer[spec.offset: spec.offset + spec.nbytes]
+        tensor = raw.view(PROTO_TO_DTYPE[spec.dtype]).reshape(tuple(spec.shape))
+        if verify and checksum(raw) != spec.checksum:
+            raise PayloadError(f"tensor {spec.name}: checksum mismatch")
+        yield spec.name, tensor
+
+
+def manifest_digest(manifest: common_pb2.WeightManifest) -> int:
+    """Identity of a payload's content: same tensors, same bytes -> same digest (idempotent publish)."""
+    h = xxhash.xxh64()
+    h.update(f"{manifest.job_id}|{manifest.version}|{manifest.mode}|{manifest.base_model_fingerprint}".encode())
+    for t in manifest.tensors:
+        h.update(f"{t.name}|{list(t.shape)}|{t.dtype}|{t.checksum};".encode())
+    return h.intdigest()
+
+
+class PayloadVerifier:
+    """Checks a payload as its bytes arrive, piece by piece in order: every bucket's xxh64 and every
+    tensor's, both updated incrementally, so a receiver verifies one piece while the next is in flight.
+
+    Errors are kept, not raised, until finish(): a collective receiver must keep draining for its peers.
+    """
+
+    def __init__(self, manifest: common_pb2.WeightManifest) -> None:
+        self.manifest = manifest
+        self._specs = {b.index: sorted((t for t in manifest.tensors if t.bucket == b.index), key=lambda t: t.offset)
+                       for b in manifest.buckets}
+        self._done = {b.index: 0 for b in manifest.buckets}
+        self._short: set[int] = set()
+        self._bucket_hash = {b.index: xxhash.xxh64() for b in manifest.buckets}
+        self._next = {b.index: 0 for b in manifest.buckets}
+        self._tensor_hash = {b.index: xxhash.xxh64() for b in manifest.buckets}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.error: PayloadError | None = None
+
+    def feed(self, index: int, buffer: torch.Tensor, start: int, end: int, short: bool = False) -> None:
+        """Bytes [start, end) of bucket `index` have landed in `buffer`; `short`: nothing more will come."""
+        if self.error is not None:
+            return
+        try:
+            self._feed(index, buffer, start, end)
+            if short:
+                self._short.add(index)
+        except PayloadError as exc:
+            self.error = exc
+
+    def _feed(self, index: int, buffer: torch.Tensor, start: int, end: int) -> None:
+        if index not in self._done:
+            raise PayloadError(f"bucket {index} is not in the manifest")
+        if index in self._short:
+            return  # the bucket was cut short: the rest is missing whatever arrives
+        bucket = self.manifest.buckets[index]
+        if buffer.numel() != bucket.nbytes:
+            raise PayloadError(f"bucket {index}: received {buffer.numel()} bytes, expected {bucket.nbytes}")
+        if start != self._done[index] or end > bucket.nbytes or end < start:
+            raise PayloadError(f"bucket {index}: bytes [{start}, {end}) out of order (have {self._done[index]})")
+        raw = tensor_bytes(buffer)
+        self._bucket_hash[index].update(raw[start:end])
+        specs, k = self._specs[index], self._next[index]
+        while k < len(specs):  # tensors in offset order; the padding between them is only in the bucket hash
+            spec = specs[k]
+            stop = spec.offset + spec.nbytes
+            lo, hi = max(start, spec.offset), min(end, stop)
+            if hi > lo:
+                self._tensor_hash[index].update(raw[lo:hi])
+            if stop > end:
+                break
+            if self._tensor_hash[index].intdigest() != spec.checksum:
+                raise PayloadError(f"tensor {spec.name}: checksum mismatch")
+            self.tensors[spec.name] = (buffer[spec.offset: spec.offset + spec.nbytes]
+                                       .view(PROTO_TO_DTYPE[spec.dtype]).reshape(tuple(spec.shape)))
+            self._tensor_hash[index] = xxhash.xxh64()
+            k += 1
+        self._next[index], self._done[index] = k, end
+        if end == bucket.nbytes and self._bucket_hash[index].intdigest() != bucket.checksum:
+            raise PayloadError(f"bucket {index}: checksum mismatch (got {self._bucket_hash[index].intdigest():#x}, "
+                               f"expected {bucket.checksum:#x})")
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The verified tensors by name; raises the first error, a short bucket, or a missing tensor."""
+        if self.error is not None:
+            raise self.error
+        for b in self.manifest.buckets:
+            if self._done[b.index] != b.nbytes:
+                raise PayloadError(f"bucket {b.index}: received {self._done[b.index]} bytes, expected {b.nbytes} "
+                                   "(short transfer)")
+        missing = [t.name for t in self.manifest.tensors if t.name not in self.tensors]
+        if missing:
+            raise PayloadError(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+        return self.tensors
+

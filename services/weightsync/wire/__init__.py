@@ -1,1 +1,0 @@
-"""The wire format the weight-sync service and its clients share (see services/weightsync/__init__.py)."""
