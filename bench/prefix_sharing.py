@@ -103,8 +103,8 @@ def packed_micro_batches(batch: list, micro_batch_tokens: int, model: torch.nn.M
                          ) -> tuple[int, int, float]:
     """(micro-batches the packed engine packs, micro-batches, seconds to plan them and build their
     packed inputs and masks, best of ``repeats``): the layout's own overhead, measured apart from the step."""
-    from lorarl.trainer.engines.batching import micro_batches, pack
     from lorarl.trainer.engines.prefix_sharing import attention_cost, packed_completion_inputs, plan_prefix_sharing
+    from lorarl.trainer.rl.batching import micro_batches, pack
 
     weight = attention_cost(model)
     micros = [pack([batch[i] for i in idx]) for idx in micro_batches([r.num_tokens for r in batch],

@@ -162,16 +162,21 @@ def source_lines() -> list[tuple[str, int, str]]:
     return [(name, i, line) for name, path in modules().items() for i, line in code_lines(path)]
 
 
-#: One definition each, everywhere but its home in lorarl.contract.
+#: One definition (or one caller) each, nowhere but its home.
 SINGLE_DEFINITIONS = {
     "LoRA scale": (re.compile(r"alpha\s*/\s*\(?\s*(math\.)?sqrt|alpha\s*/\s*\w*\.?rank\b"), "lorarl.contract.lora"),
     "LoRA merge": (re.compile(r"\.float\(\)\s*@\s*.*\.float\(\)"), "lorarl.contract.merge"),
     "PEFT config": (re.compile(r"""["']lora_alpha["']\s*:"""), "lorarl.contract.lora"),
+    # the staleness rule: a version difference compared against a bound
+    "staleness rule": (re.compile(r"version\s*-\s*[\w.]+\)?\s*<=\s*[\w.]*(staleness|bound)"), "lorarl.contract.staleness"),
+    # the RL step: the one caller of the policy loss and of group advantages
+    "policy loss call": (re.compile(r"(?<!def )\bpolicy_loss\("), "lorarl.trainer.rl.step"),
+    "advantages call": (re.compile(r"(?<!def )\bcompute_advantages\("), "lorarl.trainer.rl.step"),
 }
 
 
 @pytest.mark.parametrize("concept", list(SINGLE_DEFINITIONS))
-def test_one_definition_of_each_lora_concept(concept: str) -> None:
+def test_one_definition_of_each_concept(concept: str) -> None:
     pattern, home = SINGLE_DEFINITIONS[concept]
     places = [f"{name}:{i}: {line.strip()}" for name, i, line in source_lines() if pattern.search(line)]
     assert places and all(p.startswith(f"{home}:") for p in places), places

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from lorarl.trainer.rl.lora import LoraConfig
 from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.step import EngineStateError  # noqa: F401  (re-exported: what engines raise)
+from lorarl.trainer.rl.trajectory import TrajectoryRecord  # re-exported: what engines take
 
 if TYPE_CHECKING:
     import torch
@@ -28,10 +30,6 @@ DTYPES = ("float32", "bfloat16")
 ENGINES = ("torch", "megatron")
 FINISH_REASONS = ("", "stop", "length", "abort")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?|npu(:\d+)?")
-
-
-class EngineStateError(RuntimeError):
-    """The call is valid but not now (e.g. optim_step with no accumulated gradients)."""
 
 
 @dataclass(frozen=True)
@@ -175,31 +173,6 @@ class JobSpec:
         """Whether proximal logprobs must be recomputed before the step (decoupled PPO)."""
         loss = loss or self.loss
         return self.recompute_proximal or loss.behavior_weight_cap > 0 or loss.max_staleness is not None
-
-
-@dataclass
-class TrajectoryRecord:
-    """One completion and what the trainer needs to learn from it; mirrors lorarl.v1.Trajectory.
-
-    ``behavior_logprobs`` and ``token_versions`` hold one entry per completion token. An empty
-    ``group_id`` groups the trajectory with those sharing its exact prompt.
-    """
-
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    behavior_logprobs: list[float]
-    token_versions: list[int]
-    reward: float
-    group_id: str = ""
-    finish_reason: str = "stop"
-    id: str = ""
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.completion_token_ids)
-
-    def group_key(self) -> str | tuple[int, ...]:
-        return self.group_id or tuple(self.prompt_token_ids)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lorarl.trainer.engines.api import CheckpointInfo, EngineStateError, JobSpec, Metrics, TrajectoryRecord
-from lorarl.trainer.engines.torch_engine import BatchTotals, TorchEngine
+from lorarl.trainer.engines.torch_engine import TorchEngine, device_for
 from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.step import BatchTotals
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -49,8 +51,52 @@ def shard_by_group(records: Sequence[TrajectoryRecord], rank: int, world_size: i
     return [rec for rec in records if order[rec.group_key()] % world_size == rank]
 
 
+def all_reduce_floats(values: list[float], op: dist.ReduceOp, device: torch.device,
+                      group: dist.ProcessGroup | None = None) -> list[float]:
+    """``values`` reduced over ``group`` (the default group when None), in float64."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
+
+
+class DataParallelReducer:
+    """The RL step's GradientReducer over the default process group: global totals, summed metrics and
+    gradients (lorarl.trainer.rl.step). Every rank runs its own micro-batches: no idle ones."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
+        sequences, tokens, loss_tokens = all_reduce_floats(
+            [totals.sequences, totals.tokens, totals.loss_tokens], dist.ReduceOp.SUM, self.device)
+        (norm,) = all_reduce_floats([float(totals.norm_tokens)], dist.ReduceOp.MAX, self.device)
+        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
+
+    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        # Every rank reports the same keys (same loss settings); each value is already weighted by
+        # its global share, so the sum over ranks is the full-batch metric.
+        keys = sorted(sums)
+        return dict(zip(keys, all_reduce_floats([sums[k] for k in keys], dist.ReduceOp.SUM, self.device),
+                        strict=True))
+
+    def sync_gradients(self, params: Sequence[nn.Parameter]) -> None:
+        """One flat SUM all-reduce of every trainable gradient (they are full-batch shares already)."""
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset: offset + n].view_as(g))
+            offset += n
+
+    def idle_micro_steps(self, planned: int) -> int:
+        return 0
+
+
 class DataParallelEngine(TorchEngine):
-    """TorchEngine whose loss shares, metrics and gradients are reduced over the default process group.
+    """TorchEngine whose loss shares, metrics and gradients are reduced over the default process group
+    (its RL step's reducer is a DataParallelReducer).
 
     Every rank calls forward_backward with its own shard (see shard_by_group; an empty shard is
     fine) and then optim_step, in lockstep. With ``full_batch`` every rank is handed the whole
@@ -60,7 +106,7 @@ class DataParallelEngine(TorchEngine):
     def __init__(self, spec: JobSpec, full_batch: bool = False) -> None:
         if not dist.is_initialized():
             raise EngineStateError("DataParallelEngine needs torch.distributed initialised (init_distributed)")
-        super().__init__(spec)
+        super().__init__(spec, reducer=DataParallelReducer(device_for(spec.device)))
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.full_batch = full_batch
@@ -72,34 +118,6 @@ class DataParallelEngine(TorchEngine):
         if self.full_batch:
             batch = shard_by_group(batch, self.rank, self.world_size)
         return super().forward_backward(batch, loss)
-
-    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op)
-        return t.tolist()
-
-    def _reduce_totals(self, totals: BatchTotals) -> BatchTotals:
-        sequences, tokens, loss_tokens = self._all_reduce(
-            [totals.sequences, totals.tokens, totals.loss_tokens], dist.ReduceOp.SUM)
-        (norm,) = self._all_reduce([float(totals.norm_tokens)], dist.ReduceOp.MAX)
-        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
-
-    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        # Every rank reports the same keys (same loss settings); each value is already weighted by
-        # its global share, so the sum over ranks is the full-batch metric.
-        keys = sorted(sums)
-        return dict(zip(keys, self._all_reduce([sums[k] for k in keys], dist.ReduceOp.SUM), strict=True))
-
-    def _sync_gradients(self) -> None:
-        """One flat SUM all-reduce of every trainable gradient (they are full-batch shares already)."""
-        grads = [p.grad for p in self._trainable]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset: offset + n].view_as(g))
-            offset += n
 
     def save_checkpoint(self, path: str | Path, data_cursor: Any = None) -> CheckpointInfo:
         info = super().save_checkpoint(path, data_cursor) if self.rank == 0 else None
@@ -115,7 +133,7 @@ class DataParallelEngine(TorchEngine):
                 write()
             except Exception as e:  # re-raised below, once the others know
                 error = e
-        (failed,) = self._all_reduce([float(error is not None)], dist.ReduceOp.MAX)
+        (failed,) = all_reduce_floats([float(error is not None)], dist.ReduceOp.MAX, self.device)
         if error is not None:
             raise error
         if failed:

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from lorarl.trainer.engines.batching import PackedBatch
+from lorarl.trainer.rl.batching import PackedBatch
 
 #: Model types whose decoder this module was checked against (full attention, per-position K/V cache).
 SHARED_PREFIX_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})

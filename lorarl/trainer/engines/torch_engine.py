@@ -1,8 +1,8 @@
 """The trainer engine in plain PyTorch: a frozen transformers Qwen3 / Qwen3-MoE base plus LoRA adapters.
 
-The training step itself (advantages, micro-batches, loss shares, AdamW, schedule, checkpoints) is
-model-agnostic and lives in lorarl.trainer.engines.policy_engine; this module only says how a
-transformers model computes completion logprobs, switches adapters off and exports.
+The RL step (advantages, micro-batches, loss shares: lorarl.trainer.rl.step) and the optimiser side
+(AdamW, schedule, checkpoints: lorarl.trainer.engines.policy_engine) are model-agnostic; this module
+is the step's model backend for a transformers model: completion logprobs, adapters off, export.
 
 Creating an engine seeds the process-global torch/python RNGs from ``spec.seed`` (LoRA dropout
 draws from them).
@@ -20,18 +20,13 @@ from transformers import AutoModelForCausalLM
 
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines.api import EngineStateError, JobSpec
-from lorarl.trainer.engines.batching import PackedBatch
 from lorarl.trainer.engines.export import save_merged_model, save_peft_adapter
 from lorarl.trainer.engines.head_logprobs import head_token_logprobs
 from lorarl.trainer.engines.policy_engine import (  # noqa: F401  (re-exported: the torch engine's public names)
     ENTROPY_CHUNK_ROWS,
-    LOSS_WEIGHTED,
-    TOKEN_WEIGHTED,
     TORCH_DTYPES,
-    BatchTotals,
     PolicyEngine,
     device_for,
-    loss_mask,
     scheduled_lr,
     seed_everything,
     token_logprobs,
@@ -43,7 +38,9 @@ from lorarl.trainer.engines.prefix_sharing import (
     supports_prefix_sharing,
 )
 from lorarl.trainer.engines.recompute import DEFAULT_LOGITS_CHUNK_TOKENS
+from lorarl.trainer.rl.batching import PackedBatch
 from lorarl.trainer.rl.lora import adapters_disabled, inject_lora, iter_merged_weights, peft_state_dict
+from lorarl.trainer.rl.step import GradientReducer
 
 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False,
@@ -80,7 +77,8 @@ class TorchEngine(PolicyEngine):
     share_prompts: bool = True
     pack_completions: bool = True
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, reducer: GradientReducer | None = None) -> None:
+        """``reducer``: how ranks that share the step combine it (engines.distributed); None: one process."""
         self.spec = spec
         self.device = device_for(spec.device)
         seed_everything(spec.seed)
@@ -96,7 +94,7 @@ class TorchEngine(PolicyEngine):
         self.model.eval()
         self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
         self._init_memory(self.model, model.config.to_dict(), model.config.num_hidden_layers)
-        self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad})
+        self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad}, reducer)
 
     @classmethod
     def create(cls, spec: JobSpec) -> TorchEngine:
@@ -110,18 +108,18 @@ class TorchEngine(PolicyEngine):
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
-    # ------------------------------------------------------------ model hooks of PolicyEngine
+    # ------------------------------------------------------------ the RL step's model backend
 
-    def _completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
         return completion_logprobs(self.model, batch, entropy_grad, self.share_prompts, self.pack_completions,
                                    self.spec.memory.logits_chunk_tokens)
 
 
-    def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
+    def adapters_off(self) -> contextlib.AbstractContextManager[None]:
         return adapters_disabled(self.model)
 
-    def _set_training(self, training: bool) -> None:
+    def set_training(self, training: bool) -> None:
         self.model.train(training)
 
     # ------------------------------------------------------------ export

@@ -1,1 +1,1 @@
-"""RL math that knows no engine: LoRA layers and the GRPO-family losses."""
+"""RL math that knows no engine: LoRA layers, losses, trajectories and batching, the one RL step."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorarl.trainer.engines.api import TrajectoryRecord
-from lorarl.trainer.engines.batching import (
+from lorarl.trainer.rl.batching import (
     compute_advantages,
     group_index,
     micro_batches,

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
 from lorarl.trainer.engines import prefix_sharing
 from lorarl.trainer.engines.api import TrajectoryRecord
-from lorarl.trainer.engines.batching import micro_batches, pack
 from lorarl.trainer.engines.prefix_sharing import (
     attention_cost,
     plan_prefix_sharing,
@@ -23,6 +22,7 @@ from lorarl.trainer.engines.prefix_sharing import (
     supports_prefix_sharing,
 )
 from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs
+from lorarl.trainer.rl.batching import micro_batches, pack
 from lorarl.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
 from lorarl.trainer.rl.losses import LossSettings
 from tests.unit.trainer.engine_utils import make_spec

@@ -24,16 +24,16 @@ DECOUPLED = LossSettings(behavior_weight_cap=5.0, max_staleness=3)
 def train(path: Path, reuse: bool, steps: int = 3) -> tuple[list[dict[str, float]], dict[str, torch.Tensor], int]:
     engine = TorchEngine.create(make_spec(path, loss=DECOUPLED, seed=3, micro_batch_tokens=40))
     passes = 0
-    original = engine._logprobs_no_grad
+    original = engine.rl.logprobs_no_grad
 
     def counted(*args, **kwargs):
         nonlocal passes
         passes += 1
         return original(*args, **kwargs)
 
-    engine._logprobs_no_grad = counted  # type: ignore[method-assign]
+    engine.rl.logprobs_no_grad = counted  # type: ignore[method-assign]
     if not reuse:
-        engine._dropout_free = lambda: False  # type: ignore[method-assign]
+        engine.dropout_free = lambda: False  # type: ignore[method-assign]
     history = []
     for step in range(steps):
         batch = synthetic_batch(step, groups=3, group_size=3, max_version=engine.version)
@@ -58,6 +58,6 @@ def test_reused_proximal_trains_exactly_what_the_extra_pass_trains(model: str, r
 def test_dropout_keeps_the_separate_proximal_pass(dense_dir: Path) -> None:
     spec = make_spec(dense_dir, loss=DECOUPLED, lora=LoraConfig(rank=4, alpha=8, dropout=0.1))
     engine = TorchEngine.create(spec)
-    assert not engine._dropout_free()
-    assert TorchEngine.create(make_spec(dense_dir, loss=DECOUPLED))._dropout_free()
+    assert not engine.dropout_free()
+    assert TorchEngine.create(make_spec(dense_dir, loss=DECOUPLED)).dropout_free()
     assert OptimizerSettings().max_grad_norm > 0  # clipping stays on in the comparison above

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 from lorarl.assets.models import init_model, shape_config
 from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
 from lorarl.trainer.engines.api import MemorySettings, TrajectoryRecord
-from lorarl.trainer.engines.batching import pack
 from lorarl.trainer.engines.policy_engine import token_logprobs
 from lorarl.trainer.engines.recompute import (
     activation_checkpointing_enabled,
@@ -22,6 +21,7 @@ from lorarl.trainer.engines.recompute import (
     enable_activation_checkpointing,
 )
 from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs
+from lorarl.trainer.rl.batching import pack
 from lorarl.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.test_prefix_sharing import groups

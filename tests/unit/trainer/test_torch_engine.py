@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from lorarl.trainer.engines.api import EngineStateError, OptimizerSettings, TrajectoryRecord
-from lorarl.trainer.engines.batching import pack
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs, scheduled_lr
+from lorarl.trainer.rl.batching import pack
 from lorarl.trainer.rl.lora import LoraConfig, iter_merged_weights, lora_parameters
 from lorarl.trainer.rl.losses import LossSettings
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
@@ -109,7 +109,7 @@ def test_micro_batched_gradients_equal_the_full_batch(dense_dir: Path, warm_chec
 
 
 def test_micro_batches_are_really_split(dense_dir: Path) -> None:
-    from lorarl.trainer.engines.batching import micro_batches
+    from lorarl.trainer.rl.batching import micro_batches
 
     batch = synthetic_batch(7, groups=3, group_size=3, max_version=2)
     groups = micro_batches([r.num_tokens for r in batch], 16)

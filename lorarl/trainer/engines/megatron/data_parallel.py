@@ -10,15 +10,17 @@ shape (`lockstep_steps`, `pad_ids`; the allgather dispatcher needs equal token c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from lorarl.trainer.engines.api import TrajectoryRecord
 from lorarl.trainer.engines.distributed import shard_by_group
+from lorarl.trainer.rl.step import BatchTotals
 
 
 class MegatronDataParallel:
@@ -100,3 +102,28 @@ class MegatronDataParallel:
             return ids
         b, s = (int(v) for v in self.all_reduce([float(ids.shape[0]), float(ids.shape[1])], dist.ReduceOp.MAX))
         return F.pad(ids, (0, s - ids.shape[1], 0, b - ids.shape[0]))
+
+
+class MegatronReducer:
+    """The RL step's GradientReducer for the Megatron engine: totals and metrics summed over the data-parallel
+    group, gradients by the adapters' own groups (``sync``: MegatronLora.sync_gradients), and the idle
+    micro-steps that keep expert-parallel ranks in lockstep."""
+
+    def __init__(self, dp: MegatronDataParallel, sync: Callable[[], None]) -> None:
+        self.dp = dp
+        self._sync = sync
+
+    def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
+        sequences, tokens, loss_tokens = self.dp.all_reduce([totals.sequences, totals.tokens, totals.loss_tokens])
+        (norm,) = self.dp.all_reduce([float(totals.norm_tokens)], dist.ReduceOp.MAX)
+        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
+
+    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = sorted(sums)  # each value is weighted by its global share: the DP sum is the full-batch metric
+        return dict(zip(keys, self.dp.all_reduce([sums[k] for k in keys]), strict=True))
+
+    def sync_gradients(self, params: Sequence[nn.Parameter]) -> None:
+        self._sync()
+
+    def idle_micro_steps(self, planned: int) -> int:
+        return self.dp.lockstep_steps(planned) - planned

@@ -1,9 +1,10 @@
 """The Megatron trainer engine: a frozen megatron-core GPTModel (TP/PP/EP sharded) plus parallel LoRA.
 
-Trains with exactly the torch engine's step (lorarl.trainer.engines.policy_engine: advantages,
-micro-batches, loss shares, AdamW, schedule, checkpoints); only the model differs: logits come from
-megatron's GPTModel, the reference policy switches the hooked adapters off, parameters are named by
-their full-model megatron names, and exports are converted to HF / PEFT names.
+Trains with exactly the torch engine's step (lorarl.trainer.rl.step: advantages, micro-batches, loss
+shares; lorarl.trainer.engines.policy_engine: AdamW, schedule, checkpoints); it is the step's model
+backend: logits come from megatron's GPTModel, the reference policy switches the hooked adapters off,
+parameters are named by their full-model megatron names, and exports are converted to HF / PEFT
+names. Its ranks combine the step through a `MegatronReducer`.
 
 Multi-rank (world = tp * pp * dp; megatron carves expert parallelism out of dp, world % (tp*ep*pp) == 0):
 every rank makes the same calls with the same FULL batch. The engine takes its data-parallel share
@@ -32,23 +33,15 @@ from safetensors import safe_open
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines import checkpoint as ckpt
 from lorarl.trainer.engines.api import CheckpointInfo, JobSpec, Metrics, TrajectoryRecord
-from lorarl.trainer.engines.batching import PackedBatch, micro_batches, pack
-from lorarl.trainer.engines.megatron.data_parallel import MegatronDataParallel
+from lorarl.trainer.engines.megatron.data_parallel import MegatronDataParallel, MegatronReducer
 from lorarl.trainer.engines.megatron.export import iter_hf_weights, peft_tensors, save_merged, save_peft
 from lorarl.trainer.engines.megatron.lora import inject_megatron_lora
 from lorarl.trainer.engines.megatron.model import build_gpt_model, compute_logits, pipeline_backward
 from lorarl.trainer.engines.megatron.parallel import ParallelSettings
-from lorarl.trainer.engines.policy_engine import (
-    TORCH_DTYPES,
-    BatchTotals,
-    LossFn,
-    PolicyEngine,
-    device_for,
-    empty_batch,
-    seed_everything,
-    token_logprobs,
-)
+from lorarl.trainer.engines.policy_engine import TORCH_DTYPES, PolicyEngine, device_for, seed_everything, token_logprobs
+from lorarl.trainer.rl.batching import PackedBatch, micro_batches, pack
 from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.step import LossFn, empty_batch
 
 
 def parallel_settings(spec: JobSpec) -> ParallelSettings:
@@ -86,7 +79,7 @@ class MegatronEngine(PolicyEngine):
         self._base_elements = _checkpoint_elements(spec.base_model_path)
         # Checkpointing wraps this rank's TransformerLayers (its pipeline stage's share of the model).
         self._init_memory(self.model, built.hf_config, len(self.model.decoder.layers))
-        self._init_training(self.lora.named_parameters())
+        self._init_training(self.lora.named_parameters(), MegatronReducer(self.dp, self.lora.sync_gradients))
 
     @classmethod
     def create(cls, spec: JobSpec) -> MegatronEngine:
@@ -110,12 +103,12 @@ class MegatronEngine(PolicyEngine):
     def vocab_size(self) -> int:
         return self.layout.vocab_size
 
-    # ------------------------------------------------------------ model hooks of PolicyEngine
+    # ------------------------------------------------------------ the RL step's model backend
 
     def _logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Logits [B, S, vocab] (None on a pipeline stage other than the last); padded in lockstep."""
         if self.settings.pp > 1 and torch.is_grad_enabled():
-            raise RuntimeError("with pipeline parallelism gradients flow only through _loss_backward's schedule")
+            raise RuntimeError("with pipeline parallelism gradients flow only through loss_backward's schedule")
         logits = compute_logits(self.model, self.dp.pad_ids(input_ids), self.layout.vocab_size)
         return None if logits is None else logits[: input_ids.shape[0], : input_ids.shape[1]]
 
@@ -125,8 +118,8 @@ class MegatronEngine(PolicyEngine):
         index = batch.target_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         return token_logprobs(logits.gather(1, index), batch.completion_ids, entropy_grad)
 
-    def _completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
         # Right padding is harmless under a causal mask, so the padded rows need no attention mask.
         logits = self._logits(batch.input_ids)
         if logits is None:  # not the last pipeline stage: placeholders, the loss lives on the last stage
@@ -134,9 +127,9 @@ class MegatronEngine(PolicyEngine):
             return zeros, zeros
         return self._target_logprobs(logits, batch, entropy_grad)
 
-    def _loss_backward(self, batch: PackedBatch, entropy_grad: bool, loss_fn: LossFn) -> dict[str, float]:
+    def loss_backward(self, batch: PackedBatch, entropy_grad: bool, loss_fn: LossFn) -> dict[str, float]:
         if self.settings.pp == 1:
-            return super()._loss_backward(batch, entropy_grad, loss_fn)
+            return super().loss_backward(batch, entropy_grad, loss_fn)
         metrics: list[dict[str, float]] = []
         b, s = batch.input_ids.shape
 
@@ -149,18 +142,6 @@ class MegatronEngine(PolicyEngine):
         return self.dp.from_last_stage(metrics[0] if metrics else None)
 
     # ------------------------------------------------------------ data parallelism (every rank: the full batch)
-
-    def _reduce_totals(self, totals: BatchTotals) -> BatchTotals:
-        sequences, tokens, loss_tokens = self.dp.all_reduce([totals.sequences, totals.tokens, totals.loss_tokens])
-        (norm,) = self.dp.all_reduce([float(totals.norm_tokens)], dist.ReduceOp.MAX)
-        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
-
-    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        keys = sorted(sums)  # each value is weighted by its global share: the DP sum is the full-batch metric
-        return dict(zip(keys, self.dp.all_reduce([sums[k] for k in keys]), strict=True))
-
-    def _idle_micro_steps(self, planned: int) -> int:
-        return self.dp.lockstep_steps(planned) - planned
 
     def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
         """PolicyEngine.forward_backward on this data-parallel rank's share of the full ``batch``."""
@@ -178,23 +159,20 @@ class MegatronEngine(PolicyEngine):
         for step in range(self.dp.lockstep_steps(len(plan))):
             idx = [mine[j] for j in plan[step]] if step < len(plan) else []
             micro = pack([records[i] for i in idx]).to(self.device) if idx else empty_batch(self.device)
-            logp = self._logprobs_no_grad(micro, reference=reference).cpu()
+            logp = self.rl.logprobs_no_grad(micro, reference=reference).cpu()
             for row, i in enumerate(idx):
                 local[i] = logp[row, : len(records[i].completion_token_ids)].tolist()
         merged = self.dp.merge(self.dp.from_last_stage(local))
         return [merged[i] for i in range(len(records))]
 
-    def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
+    def adapters_off(self) -> contextlib.AbstractContextManager[None]:
         return self.lora.disabled()
 
-    def _set_training(self, training: bool) -> None:
+    def set_training(self, training: bool) -> None:
         # Only LoRA dropout depends on the mode: the base is frozen with zero dropout, and megatron's MoE
         # layer refuses training mode under TP without sequence parallelism, so the base stays in eval.
         for adapter in self.lora.adapters:
             adapter.train(training)
-
-    def _sync_gradients(self) -> None:
-        self.lora.sync_gradients()
 
     def _clip_gradients(self, max_norm: float) -> float:
         """torch.nn.utils.clip_grad_norm_'s rule on the norm of the whole (all ranks') adapter gradient."""

@@ -99,15 +99,15 @@ def run(engine: MegatronEngine, out: Path, name: str) -> None:
 
 
 def count_idle(engine: MegatronEngine) -> list[int]:
-    """Records every idle micro-step count the engine decides (see PolicyEngine._idle_micro_steps)."""
+    """Records every idle micro-step count the engine decides (see GradientReducer.idle_micro_steps)."""
     counts: list[int] = []
-    decide = engine._idle_micro_steps
+    decide = engine.rl.reducer.idle_micro_steps
 
     def counted(planned: int) -> int:
         counts.append(decide(planned))
         return counts[-1]
 
-    engine._idle_micro_steps = counted  # type: ignore[method-assign]
+    engine.rl.reducer.idle_micro_steps = counted  # type: ignore[method-assign]
     return counts
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from lorarl.trainer.engines.api import TrajectoryRecord
 from lorarl.trainer.rl.losses import LossSettings, group_advantages, overlong_penalty
+from lorarl.trainer.rl.trajectory import TrajectoryRecord
 
 
 @dataclass

@@ -1,0 +1,255 @@
+"""One RL step on a batch of trajectories, over any model backend and any gradient reducer.
+
+The algorithm on one page; engines only say how to run the model (a `ModelBackend`) and how ranks
+combine their parts (a `GradientReducer`):
+
+    totals     = reduce(counts of sequences, tokens, fresh tokens, Dr.GRPO length)   # whole batch
+    advantages = group_advantages(shaped rewards)                                    # before splitting
+    for micro in split(batch, micro_batch_tokens):
+        proximal = logprobs(policy)          if decoupled PPO (and dropout on)       # no_grad, before any update
+        ref      = logprobs(adapters off)    if kl_coef > 0                          # no second model copy
+        logp, entropy = logprobs(policy)                                             # with grad
+        (policy_loss(...) * share(micro)).backward()                                 # share: tokens or sequences
+    for the reducer's idle micro-steps: the same passes on an empty batch            # ranks in lockstep
+
+``share`` makes the accumulated gradient equal to the gradient of the full-batch loss: token-mean
+losses weigh a micro-batch by its share of loss tokens, per-sequence losses (GRPO's seq-mean,
+Dr.GRPO's constant-normalised sums) by its share of sequences; Dr.GRPO's constant is
+``loss.max_response_tokens`` when set, else the longest completion of the whole batch. Data-parallel
+ranks use the same rule with global totals (the reducer's), so the SUM of their gradients is the
+full-batch gradient. Tokens too old for ``loss.max_staleness`` (lorarl.contract.staleness) count in
+neither the loss nor its shares. The optimiser step, the schedule and the version stay with the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from lorarl.contract import staleness
+from lorarl.trainer.rl.batching import PackedBatch, compute_advantages, micro_batches, pack
+from lorarl.trainer.rl.losses import AGGREGATION, LossInputs, LossSettings, policy_loss
+from lorarl.trainer.rl.trajectory import TrajectoryRecord
+
+Metrics = dict[str, float]
+# Metrics averaged over loss weight (the micro-batch's share of the loss) vs over its share of tokens.
+LOSS_WEIGHTED = ("loss", "pg_loss", "kl", "entropy")
+TOKEN_WEIGHTED = ("clip_fraction", "ratio_mean", "importance_weight_mean", "behavior_logprob_abs_diff")
+# (logp, entropy) of a micro-batch -> (its loss share to backpropagate, the loss metrics)
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+class EngineStateError(RuntimeError):
+    """The call is valid but not now (e.g. optim_step with no accumulated gradients)."""
+
+
+@dataclass
+class BatchTotals:
+    """Whole-batch counts every micro-batch's loss share is measured against (global under DP)."""
+
+    sequences: float
+    tokens: float  # completion tokens
+    loss_tokens: float  # completion tokens that count in the loss (not masked as stale)
+    norm_tokens: int  # Dr.GRPO's constant length normaliser
+
+
+class ModelBackend(Protocol):
+    """How a model computes what the RL step needs; the torch and Megatron engines are backends."""
+
+    device: torch.device
+
+    def completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs [B, T] of the completion tokens and the entropy [B, T] at each of them."""
+
+    def adapters_off(self) -> contextlib.AbstractContextManager[None]:
+        """Every adapter switched off: the reference policy."""
+
+    def set_training(self, training: bool) -> None:
+        """train() / eval() on the model (dropout on only while computing the loss)."""
+
+    def loss_backward(self, batch: PackedBatch, entropy_grad: bool, loss_fn: LossFn) -> dict[str, float]:
+        """Forward with grad, ``loss_fn(logp, entropy)``, backward; the loss metrics (pipelines run their
+        own schedule: the loss exists on the last stage only)."""
+
+    def before_micro_batch(self, batch: PackedBatch) -> None:
+        """Readies the model for this micro-batch's with-grad pass (e.g. activation checkpointing on or off)."""
+
+    def dropout_free(self) -> bool:
+        """Whether a training-mode forward equals an eval-mode one (no LoRA or model dropout)."""
+
+
+class GradientReducer(Protocol):
+    """How the ranks that share one step combine their parts: counts, metrics, gradients, micro-steps."""
+
+    def reduce_totals(self, totals: BatchTotals) -> BatchTotals: ...
+
+    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
+
+    def sync_gradients(self, params: Sequence[nn.Parameter]) -> None: ...
+
+    def idle_micro_steps(self, planned: int) -> int:
+        """How many idle micro-steps follow this rank's ``planned`` ones, so that ranks whose forward
+        passes are collectives (expert parallelism) run as many."""
+
+
+class LocalReducer:
+    """One process: nothing to combine."""
+
+    def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
+        return totals
+
+    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return sums
+
+    def sync_gradients(self, params: Sequence[nn.Parameter]) -> None:
+        return None
+
+    def idle_micro_steps(self, planned: int) -> int:
+        return 0
+
+
+def loss_mask(batch: PackedBatch, settings: LossSettings, version: int) -> torch.Tensor:
+    """The completion mask after staleness masking, exactly as policy_loss applies it."""
+    if settings.max_staleness is None:
+        return batch.mask
+    return batch.mask * staleness.fresh(version, batch.token_versions, settings.max_staleness).float()
+
+
+def batch_totals(records: Sequence[TrajectoryRecord], settings: LossSettings, version: int) -> BatchTotals:
+    """This process's counts of ``records`` (before any reduction)."""
+    tokens = sum(len(r.completion_token_ids) for r in records)
+    loss_tokens = tokens
+    if settings.max_staleness is not None:
+        loss_tokens = sum(1 for r in records for v in r.token_versions
+                          if staleness.fresh(version, v, settings.max_staleness))
+    norm = settings.max_response_tokens or max((len(r.completion_token_ids) for r in records), default=0)
+    return BatchTotals(float(len(records)), float(tokens), float(loss_tokens), int(norm))
+
+
+def empty_batch(device: torch.device) -> PackedBatch:
+    """A batch of no sequences (shapes [0, 1]): what an idle micro-step feeds the model."""
+    ids = torch.zeros(0, 1, dtype=torch.long, device=device)
+    zeros = torch.zeros(0, 1, device=device)
+    return PackedBatch(input_ids=ids, attention_mask=ids, target_positions=ids, completion_ids=ids, mask=zeros,
+                       behavior_logp=zeros, token_versions=ids, advantages=torch.zeros(0, device=device),
+                       completion_lengths=torch.zeros(0, dtype=torch.long, device=device))
+
+
+class RLStep:
+    """Accumulates one batch's policy-gradient into the backend's trainable parameters."""
+
+    def __init__(self, backend: ModelBackend, reducer: GradientReducer, *, micro_batch_tokens: int,
+                 decoupled: Callable[[LossSettings], bool], has_reference: bool) -> None:
+        self.backend = backend
+        self.reducer = reducer
+        self.micro_batch_tokens = micro_batch_tokens
+        self._decoupled = decoupled  # whether decoupled PPO applies under these loss settings
+        self.has_reference = has_reference  # adapters to switch off (a full fine-tune has none)
+
+    # ------------------------------------------------------------ passes without gradient
+
+    @torch.no_grad()
+    def logprobs_no_grad(self, batch: PackedBatch, reference: bool = False) -> torch.Tensor:
+        self.backend.set_training(False)
+        if reference:
+            if not self.has_reference:
+                raise EngineStateError("reference logprobs need adapters; a full fine-tune has no frozen reference")
+            with self.backend.adapters_off():
+                return self.backend.completion_logprobs(batch)[0]
+        return self.backend.completion_logprobs(batch)[0]
+
+    def compute_logprobs(self, records: Sequence[TrajectoryRecord], reference: bool = False) -> list[list[float]]:
+        """Per completion token logprobs of ``records`` under the policy, or the reference."""
+        out: list[list[float]] = [[] for _ in records]
+        for idx in micro_batches([r.num_tokens for r in records], self.micro_batch_tokens):
+            micro = pack([records[i] for i in idx]).to(self.backend.device)
+            logp = self.logprobs_no_grad(micro, reference=reference).cpu()
+            for row, i in enumerate(idx):
+                out[i] = logp[row, : len(records[i].completion_token_ids)].tolist()
+        return out
+
+    def needs_proximal_pass(self, settings: LossSettings) -> bool:
+        """Whether decoupled PPO's proximal logprobs need a no-grad pass of their own (else they are read
+        off the with-grad forward); a micro-step and an idle micro-step must run the same passes."""
+        return self._decoupled(settings) and not self.backend.dropout_free()
+
+    # ------------------------------------------------------------ the step
+
+    def forward_backward(self, records: Sequence[TrajectoryRecord], settings: LossSettings, version: int
+                         ) -> Metrics:
+        """Accumulates gradients; metrics are full-batch values: loss, pg_loss, entropy, clip_fraction,
+        ratio_mean, importance_weight_mean, stale_token_fraction, kl (only when kl_coef > 0, the only
+        case the reference pass runs), tokens, loss_tokens, sequences, version, time_s."""
+        start = time.perf_counter()
+        records = list(records)
+        if settings.kl_coef and not self.has_reference:
+            raise ValueError("loss.kl_coef must be 0 with full_finetune (no frozen reference policy)")
+        totals = self.reducer.reduce_totals(batch_totals(records, settings, version))
+        if not totals.tokens:
+            raise ValueError("trajectories must hold at least one completion token")
+        advantages = compute_advantages(records, settings)
+        # A fixed key set, so data-parallel ranks (even one with an empty shard) reduce alike.
+        keys = [*LOSS_WEIGHTED, *TOKEN_WEIGHTED, "stale_token_fraction"]
+        sums = {k: 0.0 for k in keys if k != "kl" or settings.kl_coef}
+        plan = micro_batches([r.num_tokens for r in records], self.micro_batch_tokens)
+        idle = self.reducer.idle_micro_steps(len(plan))
+        for idx in plan:
+            micro = pack([records[i] for i in idx], advantages[idx]).to(self.backend.device)
+            for key, value in self._micro_step(micro, settings, totals, version).items():
+                sums[key] += value
+        for _ in range(idle):
+            self._idle_micro_step(settings)
+        metrics = self.reducer.reduce_metrics(sums)
+        metrics.update(tokens=totals.tokens, loss_tokens=totals.loss_tokens, sequences=totals.sequences,
+                       version=float(version), time_s=time.perf_counter() - start)
+        return metrics
+
+    def _micro_step(self, batch: PackedBatch, settings: LossSettings, totals: BatchTotals, version: int
+                    ) -> dict[str, float]:
+        """Forward + backward of one micro-batch, its loss scaled by its share of the whole batch."""
+        mask = loss_mask(batch, settings, version)
+        token_share = float(mask.sum()) / totals.loss_tokens if totals.loss_tokens else 0.0
+        share = token_share if AGGREGATION[settings.name] == "token-mean" else batch.size / totals.sequences
+        raw_token_share = float(batch.mask.sum()) / totals.tokens if totals.tokens else 0.0
+        # Decoupled PPO's proximal policy is the policy before this update: with no dropout anywhere the
+        # with-grad forward below computes exactly its logprobs, so they are read off it (detached)
+        # instead of costing a forward pass of their own.
+        separate_proximal = self.needs_proximal_pass(settings)
+        reuse_proximal = self._decoupled(settings) and not separate_proximal
+        proximal = self.logprobs_no_grad(batch) if separate_proximal else None
+        ref = self.logprobs_no_grad(batch, reference=True) if settings.kl_coef else None
+
+        def scaled_loss(logp: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages,
+                                behavior_logp=batch.behavior_logp,
+                                proximal_logp=logp.detach() if reuse_proximal else proximal, ref_logp=ref,
+                                entropy=entropy, token_versions=batch.token_versions, current_version=version)
+            loss, metrics = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
+            return loss * share, metrics
+
+        self.backend.set_training(True)
+        self.backend.before_micro_batch(batch)
+        m = self.backend.loss_backward(batch, bool(settings.entropy_coef), scaled_loss)
+        self.backend.set_training(False)
+        out = {k: m[k] * share for k in LOSS_WEIGHTED if k in m}
+        out.update({k: m[k] * token_share for k in TOKEN_WEIGHTED})
+        out["stale_token_fraction"] = m["stale_token_fraction"] * raw_token_share
+        return out
+
+    def _idle_micro_step(self, settings: LossSettings) -> None:
+        """`_micro_step`'s forward and backward passes on a batch of no sequences, with a zero loss."""
+        empty = empty_batch(self.backend.device)
+        if self.needs_proximal_pass(settings):
+            self.logprobs_no_grad(empty)
+        if settings.kl_coef:
+            self.logprobs_no_grad(empty, reference=True)
+        self.backend.set_training(True)
+        self.backend.loss_backward(empty, bool(settings.entropy_coef), lambda logp, entropy: (logp.sum() * 0.0, {}))
+        self.backend.set_training(False)
