@@ -22,16 +22,12 @@ from lorarl.client.datasets import Example, TrainStream
 from lorarl.client.job_config import JobFileConfig, serving_length
 from lorarl.client.rewards import RewardFn
 from lorarl.contract import staleness
+from lorarl.contract.enums import LOSS_TYPES, SYNC_MODES
 from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 from lorarl.weightsync.client.activation import await_outcome
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = {"grpo": trainer_pb2.LOSS_TYPE_GRPO, "dr_grpo": trainer_pb2.LOSS_TYPE_DR_GRPO,
-              "dapo": trainer_pb2.LOSS_TYPE_DAPO, "rloo": trainer_pb2.LOSS_TYPE_RLOO,
-              "gspo": trainer_pb2.LOSS_TYPE_GSPO, "ppo": trainer_pb2.LOSS_TYPE_PPO}
-SYNC_MODES = {"adapter": common_pb2.SYNC_MODE_ADAPTER, "merged": common_pb2.SYNC_MODE_MERGED,
-              "auto": common_pb2.SYNC_MODE_AUTO}
 EVAL_CHUNK = 64
 #: The trainer's own default limit on prompt + completion tokens (lorarl.trainer.engines.api.Limits).
 DEFAULT_MAX_SEQUENCE_TOKENS = 4096

@@ -168,7 +168,12 @@ SINGLE_DEFINITIONS = {
     "LoRA merge": (re.compile(r"\.float\(\)\s*@\s*.*\.float\(\)"), "lorarl.contract.merge"),
     "PEFT config": (re.compile(r"""["']lora_alpha["']\s*:"""), "lorarl.contract.lora"),
     # the staleness rule: a version difference compared against a bound
-    "staleness rule": (re.compile(r"version\s*-\s*[\w.]+\)?\s*<=\s*[\w.]*(staleness|bound)"), "lorarl.contract.staleness"),
+    "staleness rule": (re.compile(r"version\s*-\s*[\w.]+\)?\s*<=\s*[\w.]*(staleness|bound)"),
+                       "lorarl.contract.staleness"),
+    # the enum maps the client and the services share: names <-> proto enums
+    "loss type map": (re.compile(r"LOSS_TYPE_[A-Z_]+\s*:|[\"']\w+[\"']\s*:\s*trainer_pb2\.LOSS_TYPE"),
+                      "lorarl.contract.enums"),
+    "sync mode map": (re.compile(r"[\"']\w+[\"']\s*:\s*common_pb2\.SYNC_MODE"), "lorarl.contract.enums"),
     # the RL step: the one caller of the policy loss and of group advantages
     "policy loss call": (re.compile(r"(?<!def )\bpolicy_loss\("), "lorarl.trainer.rl.step"),
     "advantages call": (re.compile(r"(?<!def )\bcompute_advantages\("), "lorarl.trainer.rl.step"),

@@ -257,7 +257,8 @@ def write_state(out: Path, state: dict[str, Any]) -> None:
 
 async def create_or_resume(cfg, trainer, out: Path):
     """A new job, or the job restored from the run directory's last checkpoint (and re-published)."""
-    from lorarl.client.loop import SYNC_MODES, LoopState, job_config_proto
+    from lorarl.client.loop import LoopState, job_config_proto
+    from lorarl.contract.enums import SYNC_MODES
     from lorarl.v1 import trainer_pb2
 
     model_path = str(Path(cfg.model.path).resolve())

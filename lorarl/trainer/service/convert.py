@@ -10,6 +10,7 @@ Invalid values surface as InvalidArgumentError naming the request field.
 from __future__ import annotations
 
 from lorarl.common.errors import InvalidArgumentError
+from lorarl.contract.enums import KL_ESTIMATORS, KL_NAMES, LOSS_NAMES, LOSS_TYPES
 from lorarl.trainer.engines.api import (
     JobSpec,
     Limits,
@@ -23,22 +24,6 @@ from lorarl.trainer.rl.lora import LoraConfig
 from lorarl.trainer.rl.losses import LossSettings
 from lorarl.v1 import common_pb2, trainer_pb2
 
-LOSS_NAMES = {
-    trainer_pb2.LOSS_TYPE_UNSPECIFIED: "grpo",
-    trainer_pb2.LOSS_TYPE_GRPO: "grpo",
-    trainer_pb2.LOSS_TYPE_DR_GRPO: "dr_grpo",
-    trainer_pb2.LOSS_TYPE_DAPO: "dapo",
-    trainer_pb2.LOSS_TYPE_RLOO: "rloo",
-    trainer_pb2.LOSS_TYPE_GSPO: "gspo",
-    trainer_pb2.LOSS_TYPE_PPO: "ppo",
-}
-LOSS_TYPES = {name: enum for enum, name in LOSS_NAMES.items() if enum != trainer_pb2.LOSS_TYPE_UNSPECIFIED}
-KL_NAMES = {
-    trainer_pb2.KL_ESTIMATOR_UNSPECIFIED: "k3",
-    trainer_pb2.KL_ESTIMATOR_K1: "k1",
-    trainer_pb2.KL_ESTIMATOR_K2: "k2",
-    trainer_pb2.KL_ESTIMATOR_K3: "k3",
-}
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "",
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -138,7 +123,7 @@ def job_config(spec: JobSpec) -> trainer_pb2.JobConfig:
         loss=trainer_pb2.LossConfig(
             type=LOSS_TYPES[loss.name], clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high,
             dual_clip=loss.dual_clip, kl_coef=loss.kl_coef,
-            kl_estimator={v: k for k, v in KL_NAMES.items() if k}[loss.kl_estimator],
+            kl_estimator=KL_ESTIMATORS[loss.kl_estimator],
             behavior_weight_cap=loss.behavior_weight_cap, max_staleness=loss.max_staleness,
             overlong_buffer=loss.overlong_buffer, overlong_penalty=loss.overlong_penalty,
             max_response_tokens=loss.max_response_tokens, entropy_coef=loss.entropy_coef),
