@@ -220,3 +220,22 @@ def test_the_rollouts_client_helpers_import_no_rollout_internals() -> None:
     deps = import_graph()["lorarl.rollout.client"]
     assert deps and all(_under(d, "lorarl.weightsync.wire") or _under(d, "lorarl.contract")
                         or _under(d, "lorarl.common") for d in deps), deps
+
+
+#: Request messages a core may take whole: documents it stores and relays as they are.
+WIRE_DOCUMENTS = {"lorarl.weightsync.service.core": {"register_job", "subscribe"}}
+
+
+@pytest.mark.parametrize("core", ["lorarl.trainer.service.jobs", "lorarl.rollout.core",
+                                  "lorarl.weightsync.service.core"])
+def test_the_cores_take_and_return_plain_data(core: str) -> None:
+    """The servicers translate: no core method takes or returns a request or response message."""
+    tree = ast.parse(modules()[core].read_text())
+    offenders = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+            annotations = [a.annotation for a in node.args.args if a.annotation is not None] + [node.returns]
+            text = " ".join(ast.unparse(a) for a in annotations if a is not None)
+            if re.search(r"_pb2\.\w+(Request|Response)\b", text) and node.name not in WIRE_DOCUMENTS.get(core, ()):
+                offenders.append(f"{node.name}: {text}")
+    assert offenders == []

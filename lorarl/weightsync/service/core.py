@@ -1,5 +1,9 @@
 """The weight-sync service's behaviour behind the gRPC servicer, as one object on one event loop.
 
+Plain arguments in, plain results out (lorarl.weightsync.service.results), except the documents of the
+wire format it stores and relays verbatim: a job's registration (with its catalog), manifests, a
+replica's subscription, chunks.
+
 It wires the plain parts together: the VersionRegistry (numbers, validation, durability), the
 ReplicaDirectory (who is subscribed, with what), the planner (who gets which bytes how) and the
 ActivationCoordinator (two-phase rounds). Every method runs on the server's event loop, so the
@@ -27,6 +31,13 @@ from lorarl.weightsync.service.modes import choose_mode
 from lorarl.weightsync.service.planning import fingerprint_blocker, inline_transport, plan_catch_up, plan_publish
 from lorarl.weightsync.service.registry import JobRecord, VersionRecord, VersionRegistry
 from lorarl.weightsync.service.replicas import Replica, ReplicaDirectory
+from lorarl.weightsync.service.results import (
+    ActivationResult,
+    JobSyncStatus,
+    Published,
+    RegisteredJob,
+    ReplicaSyncStatus,
+)
 from lorarl.weightsync.service.rounds import ACTIVE, FAILED, ActivationCoordinator, Round
 from lorarl.weightsync.service.store import DurableStore
 from lorarl.weightsync.wire.inline import BucketAssembler, iter_chunks
@@ -90,33 +101,34 @@ class WeightSyncCore:
 
     # ---------------------------------------------------------------------------------- jobs
 
-    def register_job(self, request: weightsync_pb2.RegisterJobRequest) -> weightsync_pb2.RegisterJobResponse:
+    def register_job(self, request: weightsync_pb2.RegisterJobRequest) -> RegisteredJob:
         self.registry.check_registration(request)
         caps = {r.replica_id: r.capabilities for r in self.directory.subscribers(request.job_id)}
         job, new = self.registry.register(request, choose_mode(request.mode, request.lora, caps))
         if new:
             logger.info("registered job %s: %s", job.job_id, job.reason,
                         extra={"job_id": job.job_id, "mode": common_pb2.SyncMode.Name(job.mode)})
-        return weightsync_pb2.RegisterJobResponse(mode=job.mode, reason=job.reason, latest_version=job.latest_version)
+        return RegisteredJob(job.mode, job.reason, job.latest_version)
 
     # ------------------------------------------------------------------------------ versions
 
-    def publish(self, request: weightsync_pb2.PublishManifestRequest) -> weightsync_pb2.PublishManifestResponse:
-        adapter = request.adapter if request.HasField("adapter") else None
-        record, duplicate = self.registry.accept(request.manifest, adapter)
+    def publish(self, manifest: common_pb2.WeightManifest, adapter: common_pb2.WeightManifest | None,
+                sender_host: str, sender_port: int) -> Published:
+        """Accepts a version (``adapter``: its adapter form, for durability, when ``manifest`` is merged) and
+        starts its round; the trainer sends by the returned manifest."""
+        record, duplicate = self.registry.accept(manifest, adapter)
         job = self.registry.job(record.manifest.job_id)
         key = (job.job_id, record.version)
         if duplicate:
-            manifest = self._trainer_manifests.get(key, record.manifest)
-            return weightsync_pb2.PublishManifestResponse(manifest=manifest, sender_rank=0, duplicate=True)
+            return Published(self._trainer_manifests.get(key, record.manifest), duplicate=True)
         members = [r for r in self.directory.subscribers(job.job_id) if self._eligible(r, job)]
-        plan = plan_publish(self.settings, job, record, members, request.sender_host, request.sender_port)
+        plan = plan_publish(self.settings, job, record, members, sender_host, sender_port)
         self._remember(key, plan.round, plan.trainer_manifest)
         self.coordinator.submit(plan.round, self.clock())
         logger.info("accepted %s v%d (%s, %d bytes) for %d replicas", job.job_id, record.version,
                     common_pb2.SyncMode.Name(record.manifest.mode), record.manifest.total_bytes, len(members),
                     extra={"job_id": job.job_id, "version": record.version})
-        return weightsync_pb2.PublishManifestResponse(manifest=plan.trainer_manifest, sender_rank=0)
+        return Published(plan.trainer_manifest)
 
     def _eligible(self, replica: Replica, job: JobRecord) -> bool:
         why = fingerprint_blocker(replica, job)
@@ -134,23 +146,16 @@ class WeightSyncCore:
             for table in (self._rounds, self._trainer_manifests, self._resolved):
                 table.pop(old, None)
 
-    async def upload(self, requests: AsyncIterator[weightsync_pb2.UploadWeightsRequest]
-                     ) -> weightsync_pb2.UploadWeightsResponse:
-        """Stores a version's adapter bytes durably (verified), then lets its round commit."""
-        first = await anext(requests, None)
-        if first is None or first.WhichOneof("payload") != "job_id":
-            raise InvalidArgumentError("job_id", "the first UploadWeights message must name the job")
-        if first.version < 1:
+    async def upload(self, job_id: str, version: int, chunks: AsyncIterator[common_pb2.WeightChunk]) -> int:
+        """Stores a version's adapter bytes durably (verified), then lets its round commit; the bytes received."""
+        if version < 1:
             raise InvalidArgumentError("version", "must be >= 1")
-        record = self.registry.version(first.job_id, first.version)
+        record = self.registry.version(job_id, version)
         assembler = BucketAssembler(record.adapter)
         verifier = PayloadVerifier(record.adapter)  # checks each chunk as it lands: no second pass at the end
         buffers: list[torch.Tensor] | None = None
         try:
-            async for request in requests:
-                if request.WhichOneof("payload") != "chunk":
-                    raise InvalidArgumentError("chunk", "only chunks may follow the first message")
-                chunk = request.chunk
+            async for chunk in chunks:
                 assembler.add(chunk)
                 verifier.feed(chunk.bucket, assembler.buffers[chunk.bucket], chunk.offset,
                               chunk.offset + len(chunk.data))
@@ -162,10 +167,10 @@ class WeightSyncCore:
             raise InvalidArgumentError("chunk", str(exc)) from None
         if buffers is not None and not record.durable:
             record.durable = True
-            self._cache((first.job_id, first.version), buffers)
-            self.coordinator.set_durable(first.job_id, first.version, self.clock())
-            self._reconcile(first.job_id)
-        return weightsync_pb2.UploadWeightsResponse(bytes_received=assembler.received)
+            self._cache((job_id, version), buffers)
+            self.coordinator.set_durable(job_id, version, self.clock())
+            self._reconcile(job_id)
+        return assembler.received
 
     def _cache(self, key: tuple[str, int], buffers: list[torch.Tensor]) -> None:
         self._payloads[key] = buffers
@@ -184,46 +189,44 @@ class WeightSyncCore:
             self._cache(key, buffers)
         return buffers
 
-    async def fetch(self, request: weightsync_pb2.FetchWeightsRequest
-                    ) -> AsyncIterator[weightsync_pb2.FetchWeightsResponse]:
+    async def fetch(self, job_id: str, version: int, chunk_bytes: int = 0
+                    ) -> AsyncIterator[common_pb2.WeightManifest | common_pb2.WeightChunk]:
         """The durable adapter of a version (0: the active one): its manifest, then its chunks."""
-        record = self.registry.version(request.job_id, request.version)
+        record = self.registry.version(job_id, version)
         if not record.durable:
-            raise FailedPreconditionError(f"the bytes of {request.job_id} v{record.version} are not uploaded yet")
+            raise FailedPreconditionError(f"the bytes of {job_id} v{record.version} are not uploaded yet")
         buffers = await self._adapter_buffers(record)
-        chunk_bytes = min(request.chunk_bytes or self.settings.chunk_bytes, 64 << 20)
+        chunk_bytes = min(chunk_bytes or self.settings.chunk_bytes, 64 << 20)
         manifest = common_pb2.WeightManifest()
         manifest.CopyFrom(record.adapter)
         manifest.transport.CopyFrom(inline_transport(self.settings))
         manifest.transport.inline.chunk_bytes = chunk_bytes
-        yield weightsync_pb2.FetchWeightsResponse(manifest=manifest)
+        yield manifest
         for chunk in iter_chunks(enumerate(buffers), chunk_bytes):
-            yield weightsync_pb2.FetchWeightsResponse(chunk=chunk)
+            yield chunk
 
-    def get_manifest(self, request: weightsync_pb2.GetManifestRequest) -> weightsync_pb2.GetManifestResponse:
+    def get_manifest(self, job_id: str, version: int) -> common_pb2.WeightManifest:
         """The manifest as published (0: the active version)."""
-        return weightsync_pb2.GetManifestResponse(manifest=self.registry.version(request.job_id,
-                                                                                 request.version).manifest)
+        return self.registry.version(job_id, version).manifest
 
-    async def await_activation(self, request: weightsync_pb2.AwaitActivationRequest
-                               ) -> weightsync_pb2.AwaitActivationResponse:
-        job = self.registry.job(request.job_id)
-        key = (job.job_id, request.version)
+    async def await_activation(self, job_id: str, version: int, timeout_s: float) -> ActivationResult:
+        """The version's outcome once resolved, or where it stands after ``timeout_s`` (0: at once)."""
+        job = self.registry.job(job_id)
+        key = (job.job_id, version)
         round_ = self._rounds.get(key)
         if round_ is None:
-            if not 1 <= request.version <= job.latest_version:
-                raise NotFoundError(f"job {job.job_id} has no version {request.version} "
+            if not 1 <= version <= job.latest_version:
+                raise NotFoundError(f"job {job.job_id} has no version {version} "
                                     f"(latest {job.latest_version})", field="version")
-            if request.version <= job.active_version:
-                return weightsync_pb2.AwaitActivationResponse(job_id=job.job_id, version=request.version,
-                                                              outcome=ACTIVE)
-            return weightsync_pb2.AwaitActivationResponse(
-                job_id=job.job_id, version=request.version, outcome=FAILED,
+            if version <= job.active_version:
+                return ActivationResult(job.job_id, version, ACTIVE)
+            return ActivationResult(
+                job.job_id, version, FAILED,
                 error="not activated before the weight-sync service restarted; publish the next version")
-        if request.timeout_seconds > 0:
+        if timeout_s > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._resolved[key].wait(), request.timeout_seconds)
-        return round_.response()
+                await asyncio.wait_for(self._resolved[key].wait(), timeout_s)
+        return round_.result()
 
     # ------------------------------------------------------------------------------ replicas
 
@@ -246,15 +249,14 @@ class WeightSyncCore:
             logger.info("replica %s disconnected", replica_id, extra={"replica_id": replica_id})
             self.coordinator.disconnected(replica_id, self.clock())
 
-    def report_staged(self, request: weightsync_pb2.ReportStagedRequest) -> None:
-        if not request.ok:
-            logger.warning("replica %s failed to stage %s v%d: %s", request.replica_id, request.job_id,
-                           request.version, request.error, extra={"replica_id": request.replica_id})
-        self.coordinator.staged(request.replica_id, request.job_id, request.version, request.ok, request.error,
-                                self.clock())
+    def report_staged(self, replica_id: str, job_id: str, version: int, ok: bool, error: str = "") -> None:
+        if not ok:
+            logger.warning("replica %s failed to stage %s v%d: %s", replica_id, job_id, version, error,
+                           extra={"replica_id": replica_id})
+        self.coordinator.staged(replica_id, job_id, version, ok, error, self.clock())
 
-    def report_active(self, request: weightsync_pb2.ReportActiveRequest) -> None:
-        self.coordinator.activated(request.replica_id, request.job_id, request.version, self.clock())
+    def report_active(self, replica_id: str, job_id: str, version: int) -> None:
+        self.coordinator.activated(replica_id, job_id, version, self.clock())
 
     def _reconcile(self, job_id: str) -> None:
         """Starts a catch-up round for every idle subscriber behind the job's active version."""
@@ -289,18 +291,16 @@ class WeightSyncCore:
 
     # -------------------------------------------------------------------------------- status
 
-    def status(self, request: weightsync_pb2.GetSyncStatusRequest) -> weightsync_pb2.GetSyncStatusResponse:
-        if request.job_id:
-            jobs = [self.registry.job(request.job_id)]
-        else:
-            jobs = [self.registry.jobs[j] for j in sorted(self.registry.jobs)]
-        response = weightsync_pb2.GetSyncStatusResponse()
+    def status(self, job_id: str = "") -> list[JobSyncStatus]:
+        """Every job's versions and replicas ("": all jobs)."""
+        jobs = [self.registry.job(job_id)] if job_id else [self.registry.jobs[j] for j in sorted(self.registry.jobs)]
+        out = []
         for job in jobs:
-            entry = response.jobs.add(job_id=job.job_id, latest_version=job.latest_version, mode=job.mode,
-                                      active_version=job.active_version, mode_reason=job.reason)
+            replicas = []
             for replica in self.directory.subscribers(job.job_id, connected_only=False):
                 state = replica.state(job.job_id)
-                entry.replicas.add(replica_id=replica.replica_id, active_version=state.active_version,
-                                   staged_version=state.staged_version, connected=replica.connected,
-                                   last_error=state.last_error)
-        return response
+                replicas.append(ReplicaSyncStatus(replica.replica_id, state.active_version, state.staged_version,
+                                                  replica.connected, state.last_error))
+            out.append(JobSyncStatus(job.job_id, job.latest_version, job.active_version, job.mode, job.reason,
+                                     replicas))
+        return out

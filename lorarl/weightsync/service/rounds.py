@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from lorarl.v1 import weightsync_pb2
 from lorarl.weightsync.service.replicas import ReplicaDirectory
+from lorarl.weightsync.service.results import ActivationResult, ReplicaOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,8 @@ class Member:
     lost_at: float | None = None
     failed_at: float | None = None
 
-    def report(self) -> weightsync_pb2.ReplicaActivation:
-        return weightsync_pb2.ReplicaActivation(replica_id=self.replica_id, staged=self.staged, active=self.active,
-                                                error=self.error, transport=self.transport)
+    def report(self) -> ReplicaOutcome:
+        return ReplicaOutcome(self.replica_id, self.staged, self.active, self.error, self.transport)
 
 
 @dataclass
@@ -72,10 +72,9 @@ class Round:
     failed: list[str] = field(default_factory=list)
     deadline: float = 0.0
 
-    def response(self) -> weightsync_pb2.AwaitActivationResponse:
-        return weightsync_pb2.AwaitActivationResponse(
-            job_id=self.job_id, version=self.version, outcome=self.outcome, error=self.error,
-            failed_replicas=self.failed, replicas=[m.report() for _, m in sorted(self.members.items())])
+    def result(self) -> ActivationResult:
+        return ActivationResult(self.job_id, self.version, self.outcome, self.error, list(self.failed),
+                                [m.report() for _, m in sorted(self.members.items())])
 
 
 class ActivationCoordinator:

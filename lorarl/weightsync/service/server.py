@@ -1,6 +1,6 @@
 """WeightSyncService over gRPC: a thin servicer plugged into the shared bootstrap.
 
-Servicer methods translate protobuf messages into calls on WeightSyncCore and back; the
+Servicer methods translate protobuf messages into calls on WeightSyncCore and back (convert.py); the
 bootstrap turns exceptions from lorarl.common.errors into statuses. Heavy libraries (torch)
 are imported by the modules that need them when the servicer is built, not by `lorarl --help`.
 Version 0 in FetchWeights and GetManifest means the active version (what a late joiner gets).
@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from lorarl.common.errors import InvalidArgumentError
 from lorarl.common.server import Register, RunningServer, serve, start_server
-from lorarl.v1 import weightsync_pb2, weightsync_pb2_grpc
+from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
+from lorarl.weightsync.service import convert
 from lorarl.weightsync.service.config import WeightSyncServiceConfig, WeightSyncSettings
 
 if TYPE_CHECKING:
@@ -38,15 +40,28 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
 
     async def RegisterJob(self, request: weightsync_pb2.RegisterJobRequest, context: Context
                           ) -> weightsync_pb2.RegisterJobResponse:
-        return self.core.register_job(request)
+        return convert.registered(self.core.register_job(request))
 
     async def PublishManifest(self, request: weightsync_pb2.PublishManifestRequest, context: Context
                               ) -> weightsync_pb2.PublishManifestResponse:
-        return self.core.publish(request)
+        adapter = request.adapter if request.HasField("adapter") else None
+        return convert.published(self.core.publish(request.manifest, adapter, request.sender_host,
+                                                   request.sender_port))
 
     async def UploadWeights(self, request_iterator: AsyncIterator[weightsync_pb2.UploadWeightsRequest],
                             context: Context) -> weightsync_pb2.UploadWeightsResponse:
-        return await self.core.upload(request_iterator)
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("payload") != "job_id":
+            raise InvalidArgumentError("job_id", "the first UploadWeights message must name the job")
+
+        async def chunks() -> AsyncIterator[common_pb2.WeightChunk]:
+            async for request in request_iterator:
+                if request.WhichOneof("payload") != "chunk":
+                    raise InvalidArgumentError("chunk", "only chunks may follow the first message")
+                yield request.chunk
+
+        received = await self.core.upload(first.job_id, first.version, chunks())
+        return weightsync_pb2.UploadWeightsResponse(bytes_received=received)
 
     async def Subscribe(self, request: weightsync_pb2.SubscribeRequest, context: Context
                         ) -> AsyncIterator[weightsync_pb2.SubscribeResponse]:
@@ -62,30 +77,34 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
 
     async def ReportStaged(self, request: weightsync_pb2.ReportStagedRequest, context: Context
                            ) -> weightsync_pb2.ReportStagedResponse:
-        self.core.report_staged(request)
+        self.core.report_staged(request.replica_id, request.job_id, request.version, request.ok, request.error)
         return weightsync_pb2.ReportStagedResponse()
 
     async def ReportActive(self, request: weightsync_pb2.ReportActiveRequest, context: Context
                            ) -> weightsync_pb2.ReportActiveResponse:
-        self.core.report_active(request)
+        self.core.report_active(request.replica_id, request.job_id, request.version)
         return weightsync_pb2.ReportActiveResponse()
 
     async def FetchWeights(self, request: weightsync_pb2.FetchWeightsRequest, context: Context
                            ) -> AsyncIterator[weightsync_pb2.FetchWeightsResponse]:
-        async for response in self.core.fetch(request):
-            yield response
+        async for part in self.core.fetch(request.job_id, request.version, request.chunk_bytes):
+            if isinstance(part, common_pb2.WeightManifest):
+                yield weightsync_pb2.FetchWeightsResponse(manifest=part)
+            else:
+                yield weightsync_pb2.FetchWeightsResponse(chunk=part)
 
     async def GetManifest(self, request: weightsync_pb2.GetManifestRequest, context: Context
                           ) -> weightsync_pb2.GetManifestResponse:
-        return self.core.get_manifest(request)
+        return weightsync_pb2.GetManifestResponse(manifest=self.core.get_manifest(request.job_id, request.version))
 
     async def GetSyncStatus(self, request: weightsync_pb2.GetSyncStatusRequest, context: Context
                             ) -> weightsync_pb2.GetSyncStatusResponse:
-        return self.core.status(request)
+        return convert.sync_status(self.core.status(request.job_id))
 
     async def AwaitActivation(self, request: weightsync_pb2.AwaitActivationRequest, context: Context
                               ) -> weightsync_pb2.AwaitActivationResponse:
-        return await self.core.await_activation(request)
+        return convert.activation(await self.core.await_activation(request.job_id, request.version,
+                                                                   request.timeout_seconds))
 
 
 def registration(servicer: WeightSyncServicer) -> Register:

@@ -15,7 +15,6 @@ import torch
 
 from lorarl.contract.lora import LoraSpec
 from lorarl.contract.merge import merge_lora
-from lorarl.v1 import common_pb2
 from lorarl.weightsync.wire.catalog import adapter_module
 
 
@@ -30,10 +29,10 @@ def adapter_pairs(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.
     return {module: (h["A"], h["B"]) for module, h in halves.items()}
 
 
-def merged_from_adapter(adapter: Mapping[str, torch.Tensor], lora: LoraSpec | common_pb2.LoraSpec,
+def merged_from_adapter(adapter: Mapping[str, torch.Tensor], lora: LoraSpec,
                         base_weight: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, merged weight) for every adapted module; `base_weight(name)` returns the pristine base."""
-    scale = (lora if isinstance(lora, LoraSpec) else LoraSpec.from_proto(lora)).scale
+    scale = lora.scale
     for module, (a, b) in adapter_pairs(adapter).items():
         name = f"{module}.weight"
         yield name, merge_lora(base_weight(name), a, b, scale)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from lorarl.contract.lora import LoraSpec
 from lorarl.trainer.rl.lora import (
     LoraConfig,
     inject_lora,
@@ -99,7 +100,8 @@ class ModelSink:
             inject_lora(model, LoraConfig(rank=lora.rank, alpha=lora.alpha))
             load_peft_state_dict(model, update.tensors)
         elif update.local_merge:
-            merged = dict(merged_from_adapter(update.tensors, update.manifest.lora, self.base.__getitem__))
+            merged = dict(merged_from_adapter(update.tensors, LoraSpec.from_proto(update.manifest.lora),
+                                              self.base.__getitem__))
             model.load_state_dict(merged, strict=False)
         else:
             missing = model.load_state_dict(update.tensors, strict=False)

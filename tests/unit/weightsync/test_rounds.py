@@ -93,7 +93,7 @@ def test_a_peer_that_dropped_out_is_blamed_not_the_replicas_it_broke() -> None:
     assert "dropped its subscription" in r.error and "as a consequence: survivor: RuntimeError" in r.error
     assert h.directory.state("survivor", "j").last_error == ""
     assert "dropped its subscription" in h.directory.state("doomed", "j").last_error
-    reports = {m.replica_id: m.error for m in r.response().replicas}
+    reports = {m.replica_id: m.error for m in r.result().replicas}
     assert reports["survivor"].startswith("collateral of doomed: RuntimeError")
 
 
