@@ -35,6 +35,8 @@ class DataConfig:
     test_path: str = setting("", doc="Held-out file for jsonl/gsm8k.")
     reward: str = setting("exact", doc="Reward by name ('exact', 'exact_format', 'format', 'gsm8k') or "
                                        "'module:function'.")
+    reward_errors: str = setting("zero", doc="A reward that raises or returns NaN/inf: 'zero' scores the sample 0 "
+                                             "(counted in rollout/reward_errors), 'fail' ends the run.")
     chat_template: bool = setting(True, doc="Render prompts with the model's chat template.")
     eval_size: int = setting(0, check=in_range(0), doc="Held-out problems evaluated (0: all).")
     max_prompt_tokens: int = setting(256, check=in_range(1), doc="Longest prompt in tokens: the --dry-run plan's "
@@ -42,6 +44,8 @@ class DataConfig:
     seed: int = setting(0, check=in_range(0), doc="Shuffle seed of the train stream.")
 
     def validate(self) -> None:
+        if self.reward_errors not in ("zero", "fail"):
+            raise ConfigError("reward_errors", f"expected 'zero' or 'fail', got {self.reward_errors!r}")
         if self.source not in ("tasks", "jsonl", "gsm8k"):
             raise ConfigError("source", f"expected 'tasks', 'jsonl' or 'gsm8k', got {self.source!r}")
         if self.source != "tasks" and not (self.train_path and self.test_path):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from lorarl.client.datasets import Example, TrainStream
 from lorarl.client.job_config import JobFileConfig, serving_length
-from lorarl.client.rewards import RewardFn
+from lorarl.client.rewards import GuardedReward, RewardFn
 from lorarl.contract import staleness
 from lorarl.contract.enums import LOSS_TYPES, SYNC_MODES
 from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
@@ -77,6 +77,7 @@ class Batch:
     generate_s: float
     tokens: int
     min_version: int
+    reward_errors: int = 0  # samples scored 0 because the reward function failed on them
 
 
 @dataclass
@@ -96,7 +97,8 @@ class RLLoop:
     def __init__(self, cfg: JobFileConfig, trainer, rollout, reward: RewardFn, train: list[Example],
                  test: list[Example], on_metrics: MetricSink, state: LoopState | None = None,
                  on_checkpoint: Callable[[LoopState], Awaitable[None]] | None = None, weightsync=None) -> None:
-        self.cfg, self.trainer, self.rollout, self.reward = cfg, trainer, rollout, reward
+        self.cfg, self.trainer, self.rollout = cfg, trainer, rollout
+        self.reward = GuardedReward(reward, cfg.data.reward_errors, cfg.data.reward)
         # With the weight-sync stub, the async loop trains the next batch while a version activates.
         self.weightsync = weightsync
         self._activating: asyncio.Task[None] | None = None
@@ -130,6 +132,7 @@ class RLLoop:
         elapsed = time.perf_counter() - started
         trajectories, rewards = [], []
         tokens, min_version = 0, 1 << 62
+        errors_before = self.reward.errors  # no await while scoring: the count is this batch's
         for p, (example, result) in enumerate(zip(examples, response.results, strict=True)):
             for c, completion in enumerate(result.completions):
                 reward = float(self.reward(completion.text, example.answer))
@@ -146,7 +149,7 @@ class RLLoop:
                     reward=reward, finish_reason=completion.finish_reason))
         accuracy = sum(1.0 for x in rewards if x >= 1.0) / max(len(rewards), 1)
         return Batch(index, trajectories, rewards, accuracy, elapsed, tokens,
-                     min_version if min_version < 1 << 62 else 0)
+                     min_version if min_version < 1 << 62 else 0, self.reward.errors - errors_before)
 
     async def evaluate(self) -> dict[str, float]:
         """Greedy accuracy and mean reward on the held-out split, with the current policy."""
@@ -160,9 +163,11 @@ class RLLoop:
             return [float(self.reward(r.completions[0].text, e.answer)) for e, r in zip(chunk, response.results,
                                                                                         strict=True)]
 
+        errors_before = self.reward.errors
         scores = [s for part in await asyncio.gather(*(run(c) for c in chunks)) for s in part]
         return {"eval/accuracy": sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1),
-                "eval/mean_reward": sum(scores) / max(len(scores), 1)}
+                "eval/mean_reward": sum(scores) / max(len(scores), 1),
+                "eval/reward_errors": float(self.reward.errors - errors_before)}
 
     # ------------------------------------------------------------------ trainer
 
@@ -236,6 +241,7 @@ class RLLoop:
                    "rollout/accuracy": batch.accuracy, "rollout/seconds": batch.generate_s,
                    "rollout/tokens": float(batch.tokens),
                    "rollout/tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9),
+                   "rollout/reward_errors": float(batch.reward_errors),
                    "policy/version_lag": float(version_before - batch.min_version), **train, **sync}
         self.state.history.append(metrics)
         self.on_metrics(metrics)

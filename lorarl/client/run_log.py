@@ -4,12 +4,18 @@ and at the end a PNG of reward and held-out accuracy over steps plus a short tex
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from lorarl.client.progress import ProgressBar
+
+
+def finite(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with NaN and infinities as None: metrics.jsonl stays JSON that any parser reads."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
 class RunLog:
@@ -44,12 +50,12 @@ class RunLog:
     def __call__(self, metrics: dict[str, float]) -> None:
         row = {"wall_time": time.time(), **metrics}
         self.rows.append(row)
-        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.write(json.dumps(finite(row), allow_nan=False) + "\n")
         self._jsonl.flush()
         step = int(metrics.get("step", 0))
         if self._tb is not None:
             for key, value in metrics.items():
-                if key != "step" and isinstance(value, int | float):
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
         if self._wandb is not None:
