@@ -134,11 +134,12 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _rejection(method: str, problem: str, like: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of the same arity as `like` that answers UNAUTHENTICATED."""
+    """A handler of the same arity as `like` that answers UNAUTHENTICATED without parsing the body: an
+    unauthenticated caller learns nothing of the message types from parse errors."""
     kind = handler_kind(like) if like is not None else "unary_unary"
 
     async def reject(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         logger.warning("rejected unauthenticated call", extra={"method": method, "peer": context.peer()})
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
-    return rpc_method_handler(kind, reject, like)
+    return rpc_method_handler(kind, reject, like, parse=False)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from lorarl.common.handlers import wrap_method_handler
+from lorarl.common.handlers import parsing_in_call, wrap_method_handler
 
 logger = logging.getLogger(__name__)
 
@@ -179,4 +179,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def around(context: grpc.aio.ServicerContext) -> AbstractAsyncContextManager[None]:
             return translating_errors(context, method)
 
-        return wrap_method_handler(handler, around)
+        return wrap_method_handler(parsing_in_call(handler, unparsable_body), around)
+
+
+def unparsable_body(type_name: str, exc: Exception) -> InvalidArgumentError:
+    """A request body that is not the message it should be; the parser's words, cut short."""
+    return InvalidArgumentError("request", f"the request body is not a valid {type_name}: {str(exc)[:200]}")

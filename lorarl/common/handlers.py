@@ -60,12 +60,14 @@ def wrap_method_handler(handler: grpc.RpcMethodHandler, around: Around) -> grpc.
     )
 
 
-def rpc_method_handler(kind: str, behaviour: Callable[..., Any], like: grpc.RpcMethodHandler | None) -> Any:
-    """A handler of the given kind, with the (de)serializers of `like` when given."""
+def rpc_method_handler(kind: str, behaviour: Callable[..., Any], like: grpc.RpcMethodHandler | None,
+                       parse: bool = True) -> Any:
+    """A handler of the given kind, with the (de)serializers of `like` when given (``parse=False``: the
+    behaviour gets the request bodies as bytes)."""
     factory = dict(_FACTORIES.values())[kind]
     return factory(
         behaviour,
-        request_deserializer=like.request_deserializer if like else None,
+        request_deserializer=like.request_deserializer if like and parse else None,
         response_serializer=like.response_serializer if like else None,
     )
 
@@ -105,3 +107,49 @@ def _wrap_streaming(behaviour: Callable[..., Any], around: Around) -> Callable[.
                     await context.write(response)
 
     return write
+
+
+def parsing_in_call(handler: grpc.RpcMethodHandler, refuse: Callable[[str, Exception], Exception]
+                    ) -> grpc.RpcMethodHandler:
+    """The same RPC with its request bodies parsed inside the behaviour instead of by grpc beforehand.
+
+    grpc answers a body its deserializer cannot parse with UNKNOWN, before any interceptor's code runs;
+    parsed here, a bad body raises ``refuse(type name, error)`` where the caller's error translation sees
+    it (INVALID_ARGUMENT). Interceptors further out receive unparsed bytes, so nothing is parsed before
+    they have authenticated the call."""
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+    owner = getattr(parse, "__self__", None)
+    type_name = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "request message")
+
+    def parsed(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:  # protobuf's DecodeError, or any deserializer's own error
+            raise refuse(type_name, exc) from None
+
+    kind, factory = _FACTORIES[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    behaviour = getattr(handler, kind)
+    if handler.request_streaming:
+
+        async def messages(raw_iterator: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+            async for raw in raw_iterator:
+                yield parsed(raw)
+
+        def with_parsed(raw_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            return behaviour(messages(raw_iterator), context)
+    else:
+
+        def with_parsed(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            return behaviour(parsed(raw), context)
+
+    if inspect.isasyncgenfunction(behaviour):
+        inner = with_parsed
+
+        async def with_parsed_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in inner(request, context):
+                yield response
+
+        with_parsed = with_parsed_stream  # type: ignore[assignment]
+    return factory(with_parsed, request_deserializer=None, response_serializer=handler.response_serializer)

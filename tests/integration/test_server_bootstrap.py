@@ -361,3 +361,36 @@ def test_sigterm_right_after_the_ready_file_stops_cleanly(tmp_path: Path) -> Non
     assert done.stdout.strip() == "returned"
     assert "received SIGTERM" in done.stderr
     assert not ready.exists()
+
+
+GARBAGE = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, a length far past the end: no protobuf parser accepts it
+
+
+def test_a_body_that_does_not_parse_is_invalid_argument_and_only_after_authentication() -> None:
+    async def scenario() -> None:
+        running = await start_server("trainer", server_config(), registration(ProbeServicer()))
+        try:
+            async with aio_channel(running.address, token=TOKEN) as channel:
+                get_job = channel.unary_unary(f"/{SERVICE}/GetJob")  # no serializer: the bytes go as they are
+                with pytest.raises(grpc.aio.AioRpcError) as unary:
+                    await get_job(GARBAGE, timeout=5)
+                assert unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "not a valid lorarl.v1.GetJobRequest" in unary.value.details()
+                push = channel.stream_stream(f"/{SERVICE}/PushTrajectories")
+                with pytest.raises(grpc.aio.AioRpcError) as streamed:
+                    async for _ in push(iter([GARBAGE]), timeout=5):
+                        pass
+                assert streamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "not a valid lorarl.v1.PushTrajectoriesRequest" in streamed.value.details()
+                # a well-formed body still reaches the handler
+                ok = await get_job(trainer_pb2.GetJobRequest(job_id="j").SerializeToString(), timeout=5)
+                assert trainer_pb2.GetJobResponse.FromString(ok).job.job_id == "j"
+            async with aio_channel(running.address) as anonymous:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await anonymous.unary_unary(f"/{SERVICE}/GetJob")(GARBAGE, timeout=5)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED  # not a parse error: nothing leaks
+                assert "GetJobRequest" not in refused.value.details()
+        finally:
+            await running.stop(0)
+
+    run(scenario)
