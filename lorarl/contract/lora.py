@@ -30,6 +30,9 @@ ExpertMode = Literal["none", "per_expert", "shared"]
 #: The defaults of every entry point (job file, gRPC JobConfig, Python API): rank 16, alpha twice the rank.
 DEFAULT_RANK = 16
 ALPHA_PER_RANK = 2.0
+#: Bounds on what a spec may ask for (vLLM serves ranks up to 512; a rank past this is a typo, not a plan).
+MAX_RANK = 1024
+MAX_TARGETS = 64
 
 EXPERT_MODE_NAMES: dict[int, ExpertMode] = {
     common_pb2.EXPERT_ADAPTER_MODE_UNSPECIFIED: "per_expert",
@@ -67,10 +70,12 @@ class LoraSpec:
     use_rslora: bool = False
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"lora.rank must be in 1..{MAX_RANK}, got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora.alpha must be a finite number > 0, got {self.alpha}")
+        if len(self.target_modules) > MAX_TARGETS or any(len(t) > 128 for t in self.target_modules):
+            raise ValueError(f"lora.target_modules: at most {MAX_TARGETS} names of at most 128 characters")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         if self.expert_mode not in EXPERT_MODE_ENUMS:

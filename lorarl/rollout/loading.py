@@ -12,9 +12,10 @@ from lorarl.weightsync.wire.inline import BucketAssembler
 from lorarl.weightsync.wire.payload import PayloadError, unpack_bucket, validate_manifest
 
 
-async def receive(stream: AsyncIterator[rollout_pb2.LoadWeightsRequest]
+async def receive(stream: AsyncIterator[rollout_pb2.LoadWeightsRequest], max_bytes: int | None = None
                   ) -> tuple[common_pb2.WeightManifest, dict[str, torch.Tensor]]:
-    """The manifest and its verified tensors (views into the received buffers: copy what must outlive them)."""
+    """The manifest and its verified tensors (views into the received buffers: copy what must outlive them).
+    A manifest declaring more than ``max_bytes`` is refused before any memory is taken for it."""
     first = await anext(aiter(stream), None)
     if first is None or first.WhichOneof("payload") != "manifest":
         raise InvalidArgumentError("manifest", "the first LoadWeights message must carry the manifest")
@@ -23,7 +24,10 @@ async def receive(stream: AsyncIterator[rollout_pb2.LoadWeightsRequest]
         validate_manifest(manifest)
     except PayloadError as exc:
         raise InvalidArgumentError("manifest", str(exc)) from None
-    assembler = BucketAssembler(manifest)
+    try:
+        assembler = BucketAssembler(manifest, max_bytes)
+    except PayloadError as exc:
+        raise InvalidArgumentError("manifest", str(exc)) from None
     index = 0
     async for message in stream:
         index += 1

@@ -8,6 +8,7 @@ names and shapes are checked against their headers before anything reaches the e
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterator
 from functools import cached_property
@@ -81,6 +82,11 @@ class ModelFiles:
                 if name != "__metadata__":
                     index[name] = (file, info)
         return index
+
+    def payload_limit(self) -> int:
+        """The most bytes a weight payload for this model may declare: every weight in fp32, plus 64 MiB
+        for manifests of adapters on top (a LoadWeights stream is refused above it before any allocation)."""
+        return sum(4 * math.prod(info["shape"]) for _, info in self._index.values()) + (64 << 20)
 
     def weight_names(self) -> list[str]:
         return sorted(self._index)

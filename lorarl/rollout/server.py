@@ -71,7 +71,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def LoadWeights(self, request_iterator: AsyncIterator[rollout_pb2.LoadWeightsRequest],
                           context: grpc.aio.ServicerContext) -> rollout_pb2.LoadWeightsResponse:
         core = self.core
-        manifest, tensors = await receive(request_iterator)
+        manifest, tensors = await receive(request_iterator, core.files.payload_limit())
         await core.load(convert.policy_payload(manifest, tensors))
         return rollout_pb2.LoadWeightsResponse(job_id=manifest.job_id, version=manifest.version)
 

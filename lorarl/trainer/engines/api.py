@@ -10,6 +10,7 @@ servicer can map the ValueError to INVALID_ARGUMENT.
 from __future__ import annotations
 
 import abc
+import math
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -53,6 +54,9 @@ class OptimizerSettings:
     micro_batch_tokens: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("learning_rate", "weight_decay", "beta1", "beta2", "eps", "max_grad_norm"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"optimizer.{name} must be a finite number, got {getattr(self, name)}")
         if not self.learning_rate > 0:
             raise ValueError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
         if self.weight_decay < 0:

@@ -11,6 +11,7 @@ Decoupled PPO (asynchronous RL): the clipped ratio is taken against the *proxima
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,6 +42,10 @@ class LossSettings:
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "behavior_weight_cap",
+                     "overlong_penalty", "entropy_coef"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"loss.{name} must be a finite number, got {getattr(self, name)}")
         if self.name not in LOSS_NAMES:
             raise ValueError(f"loss.type must be one of {list(LOSS_NAMES)}, got {self.name!r}")
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:

@@ -12,7 +12,6 @@ import asyncio
 import functools
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from lorarl.common.errors import (
     UnavailableError,
 )
 from lorarl.common.gc_heap import freeze_long_lived
+from lorarl.common.validation import check_id
 from lorarl.trainer.engines.api import JobSpec, Metrics, TrainEngine, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.service.validation import (
@@ -50,7 +50,6 @@ def lower_thread_priority(nice: int) -> None:
         logger.warning("could not lower the priority of the engine threads", exc_info=True)
 
 T = TypeVar("T")
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 EngineFactory = Callable[[JobSpec], TrainEngine]
 
 
@@ -63,9 +62,33 @@ class Job:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+def _check_device(device: str) -> None:
+    """The job's device exists in this process: FAILED_PRECONDITION for a missing accelerator kind,
+    INVALID_ARGUMENT for an index past the devices present (instead of torch's AssertionError later)."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return
+    import torch
+
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    else:
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError:
+            count = 0
+        else:
+            count = torch.npu.device_count()
+    if count == 0:
+        raise FailedPreconditionError(f"this trainer has no {kind} device (torch {torch.__version__}); "
+                                      "use device 'cpu' or a trainer on an accelerator")
+    if index and int(index) >= count:
+        raise InvalidArgumentError("config.device", f"{device}: this trainer has {count} {kind} device(s), "
+                                                    f"{kind}:0..{kind}:{count - 1}")
+
+
 def check_job_id(job_id: str) -> None:
-    if not JOB_ID.fullmatch(job_id or ""):
-        raise InvalidArgumentError("job_id", f"{job_id!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+    check_id("job_id", job_id)
 
 
 def resolve_under(path: str, roots: Sequence[Path], field_name: str, default: Path) -> Path:
@@ -130,6 +153,7 @@ class JobManager:
         if len(self._jobs) + len(self._creating) >= self.max_jobs:
             raise ResourceExhaustedError(f"this trainer holds at most {self.max_jobs} jobs; delete one first")
         self._check_model_path(spec)
+        _check_device(spec.device)
         self._creating.add(job_id)
         try:
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from lorarl.common.config import ConfigError
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.common.log import configure_logging
 from lorarl.common.server import Register, RunningServer, StartupError, serve
+from lorarl.common.validation import check_path
 from lorarl.trainer.service import convert
 from lorarl.trainer.service.config import TrainerServiceConfig, TrainerSettings
 from lorarl.trainer.service.jobs import Job, JobManager, resolve_under
@@ -80,6 +82,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             await self._publisher.close()
 
     def _path(self, path: str, root: str, field: str, default_name: str) -> Path:
+        check_path(field, path)
         base = Path(root)
         return resolve_under(path, [base], field, base / default_name)
 
@@ -121,8 +124,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.ForwardBackwardResponse(metrics=convert.step_metrics(metrics))
 
     async def OptimStep(self, request, context):
-        if request.learning_rate < 0:
-            raise InvalidArgumentError("learning_rate", "must be >= 0 (0 keeps the schedule)")
+        if not (math.isfinite(request.learning_rate) and request.learning_rate >= 0):
+            raise InvalidArgumentError("learning_rate", f"must be a finite number >= 0 (0 keeps the schedule), "
+                                                        f"got {request.learning_rate}")
         metrics, version, step = await self.jobs.optim_step(request.job_id, request.learning_rate or None)
         return trainer_pb2.OptimStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
 

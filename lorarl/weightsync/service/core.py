@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, ServiceError
+from lorarl.common.validation import check_id
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.config import WeightSyncSettings
 from lorarl.weightsync.service.modes import choose_mode
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 CACHED_PAYLOADS = 4
 ROUNDS_KEPT = 64
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 60.0
+MAX_SUBSCRIBED_JOBS = 1024
 
 
 class DataLossError(ServiceError):
@@ -232,8 +234,12 @@ class WeightSyncCore:
 
     def subscribe(self, request: weightsync_pb2.SubscribeRequest) -> Replica:
         """Registers the replica (a new stream replaces its old one) and catches it up."""
-        if not request.replica_id:
-            raise InvalidArgumentError("replica_id", "is empty")
+        check_id("replica_id", request.replica_id)
+        if len(request.job_ids) > MAX_SUBSCRIBED_JOBS:
+            raise InvalidArgumentError("job_ids", f"{len(request.job_ids)} jobs; a replica follows at most "
+                                                  f"{MAX_SUBSCRIBED_JOBS}")
+        for job_id in request.job_ids:
+            check_id("job_ids", job_id)
         replica = self.directory.connect(request)
         logger.info("replica %s subscribed (%s, host %s, active %s)", replica.replica_id,
                     replica.capabilities.engine or "engine?", replica.host or "?", dict(request.active_versions),

@@ -10,7 +10,6 @@ caller writes adapter bytes through the store and then calls `set_durable`.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 
 import xxhash
@@ -21,6 +20,8 @@ from lorarl.common.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
+from lorarl.common.validation import check_id, check_version
+from lorarl.contract.lora import LoraSpec
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.modes import ADAPTER, AUTO, MERGED, ModeChoice
 from lorarl.weightsync.service.store import DurableStore
@@ -29,7 +30,6 @@ from lorarl.weightsync.wire.payload import PayloadError, manifest_digest, valida
 
 logger = logging.getLogger(__name__)
 
-JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass
@@ -123,12 +123,16 @@ class VersionRegistry:
 
     @staticmethod
     def check_registration(request: weightsync_pb2.RegisterJobRequest) -> None:
-        if not JOB_ID.match(request.job_id):
-            raise InvalidArgumentError("job_id", "must match [A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+        check_id("job_id", request.job_id)
+        check_version("start_version", request.start_version)
         if not request.base_model_fingerprint:
             raise InvalidArgumentError("base_model_fingerprint", "is empty")
         if request.lora.rank < 1:
             raise InvalidArgumentError("lora.rank", "must be >= 1 (merged jobs also keep the adapter)")
+        try:
+            LoraSpec.from_proto(request.lora)
+        except ValueError as exc:
+            raise InvalidArgumentError("lora", str(exc)) from None
         if request.mode not in (ADAPTER, MERGED, AUTO):
             raise InvalidArgumentError("mode", "must be ADAPTER, MERGED or AUTO")
         if not request.catalog.tensors:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import grpc
@@ -188,5 +189,48 @@ def test_checkpoint_resume_and_export_over_grpc(tmp_path: Path, model_dir: Path)
         await stub.DeleteJob(trainer_pb2.DeleteJobRequest(job_id="job1"))
         listed = await stub.ListJobs(trainer_pb2.ListJobsRequest())
         assert list(listed.jobs) == []
+
+    asyncio.run(with_stub(tmp_path, body))
+
+
+def test_out_of_range_and_non_finite_inputs_are_invalid_argument(tmp_path: Path, model_dir: Path) -> None:
+    """What a fuzz of the trainer's RPCs found answered with INTERNAL or accepted: each is now refused by name."""
+    async def body(stub) -> None:
+        async def refused(call, request) -> tuple[grpc.StatusCode, str]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(request)
+            return err.value.code(), err.value.details()
+
+        def with_config(**changes) -> trainer_pb2.CreateJobRequest:
+            request = job_request(model_dir)
+            for path, value in changes.items():
+                target = request.config
+                *parents, leaf = path.split("__")
+                for parent in parents:
+                    target = getattr(target, parent)
+                setattr(target, leaf, value)
+            return request
+
+        for field, value in [("lora__alpha", math.nan), ("lora__alpha", math.inf), ("lora__rank", 2**32 - 1),
+                             ("lora__rank", 100_000), ("optimizer__learning_rate", math.nan),
+                             ("loss__clip_eps_low", math.nan), ("loss__kl_coef", math.inf)]:
+            code, msg = await refused(stub.CreateJob, with_config(**{field: value}))
+            name = field.split("__")[-1]
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and name in msg, (field, value, code, msg)
+        code, msg = await refused(stub.CreateJob, with_config(device="cuda:99"))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "no cuda device" in msg  # this machine has none
+        code, msg = await refused(stub.CreateJob, job_request(model_dir, job_id="evil\nid"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "job_id" in msg
+        code, msg = await refused(stub.CreateJob, job_request(model_dir, job_id="x" * 10_000))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and len(msg) < 400  # the id is quoted, cut short
+
+        await stub.CreateJob(job_request(model_dir, job_id="ok"))
+        for path in ("ckpt\x00evil", "a" * 5000):
+            code, msg = await refused(stub.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(job_id="ok", path=path))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "path" in msg and len(msg) < 400
+        await stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+            job_id="ok", trajectories=[trajectory([5, 6], 1.0), trajectory([7, 8], 0.0)]))
+        code, msg = await refused(stub.OptimStep, trainer_pb2.OptimStepRequest(job_id="ok", learning_rate=math.nan))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "learning_rate" in msg
 
     asyncio.run(with_stub(tmp_path, body))

@@ -29,7 +29,7 @@ def test_local_merge_is_bit_identical_to_the_trainers() -> None:
                 p.normal_(0, 0.5)
         spec = common_pb2.LoraSpec(rank=4, alpha=8.0, use_rslora=rslora)
         assert LoraSpec.from_proto(spec).scale == lora.scale
-        local = dict(merged_from_adapter(peft_state_dict(model), spec, base.__getitem__))
+        local = dict(merged_from_adapter(peft_state_dict(model), LoraSpec.from_proto(spec), base.__getitem__))
         trainer = dict(iter_merged_weights(model))
         assert len(local) == 7 * 2
         for name, tensor in local.items():

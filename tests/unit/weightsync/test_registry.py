@@ -42,7 +42,12 @@ def test_registration_is_validated_and_idempotent() -> None:
                           ("base_model_fingerprint", lambda r: setattr(r, "base_model_fingerprint", "")),
                           ("lora.rank", lambda r: setattr(r.lora, "rank", 0)),
                           ("mode", lambda r: setattr(r, "mode", 0)),
-                          ("catalog.tensors", lambda r: r.catalog.ClearField("tensors"))]:
+                          ("catalog.tensors", lambda r: r.catalog.ClearField("tensors")),
+                          # what a fuzz found accepted: a newline in an id (it names a directory), a version
+                          # past what JSON keeps exact, a non-finite alpha
+                          ("job_id", lambda r: setattr(r, "job_id", "job\nid")),
+                          ("start_version", lambda r: setattr(r, "start_version", 2**64 - 1)),
+                          ("lora", lambda r: setattr(r.lora, "alpha", float("nan")))]:
         request = register_request()
         mutate(request)
         with pytest.raises(InvalidArgumentError) as info:
