@@ -243,7 +243,11 @@ class JobManager:
                     raise InvalidArgumentError(f"trajectories[{i}].{name}", f"token id {bad} outside [0, {vocab})")
             if rec.num_tokens > job.spec.limits.max_sequence_tokens:
                 raise InvalidArgumentError(f"trajectories[{i}]", "longer than max_sequence_tokens")
-        return await self._run(job, job.engine.compute_logprobs, list(records), reference)
+        # Only the token ids matter here: whatever else a trajectory carries (behaviour logprobs, versions,
+        # reward) is not read, so it cannot be malformed either.
+        ids_only = [TrajectoryRecord(r.prompt_token_ids, r.completion_token_ids, [0.0] * len(r.completion_token_ids),
+                                     [0] * len(r.completion_token_ids), 0.0) for r in records]
+        return await self._run(job, job.engine.compute_logprobs, ids_only, reference)
 
     async def save_checkpoint(self, job_id: str, path: Path, data_cursor: Any = None):
         job = self.get(job_id)
