@@ -235,7 +235,7 @@ def test_chat_template_is_stored_in_tokenizer_config():
 
 def test_importing_assets_stays_cheap():
     """Services import the paths and task helpers; that must not drag in torch or transformers."""
-    code = "import sys, assets; assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)"
+    code = "import sys, lorarl.assets; assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

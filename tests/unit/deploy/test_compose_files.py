@@ -133,7 +133,7 @@ def test_schema_rejects_an_unknown_key(project: dict[str, Any]) -> None:
 def test_missing_depends_on_target_is_reported(project: dict[str, Any]) -> None:
     problems = problems_after(project, lambda p: p["services"]["rollout"]["depends_on"].update(
         cache={"condition": "service_healthy"}))
-    assert problems == ["lorarl.rollout.depends_on: no service 'cache'"]
+    assert problems == ["services.rollout.depends_on: no service 'cache'"]
 
 
 def test_unknown_setting_in_environment_is_reported(project: dict[str, Any]) -> None:
@@ -146,7 +146,7 @@ def test_setting_for_another_section_is_reported(project: dict[str, Any]) -> Non
     # load_config leaves such variables alone (they may belong to a sibling service); here that is a typo.
     problems = problems_after(project, lambda p: p["services"]["rollout"]["environment"].update(
         LORARL_TRAINER__DEVICE="cpu"))
-    assert problems == ["lorarl.rollout.environment.LORARL_TRAINER__DEVICE: rollout has no config section "
+    assert problems == ["services.rollout.environment.LORARL_TRAINER__DEVICE: rollout has no config section "
                         "'trainer'"]
 
 
@@ -172,20 +172,20 @@ def test_command_that_lorarl_cannot_parse_is_reported(project: dict[str, Any]) -
 def test_missing_config_file_is_reported(project: dict[str, Any]) -> None:
     problems = problems_after(project, lambda p: p["services"]["weightsync"].update(
         command=["serve", "weightsync", "--config", "/app/deploy/config/nope.yaml"]))
-    assert problems == ["lorarl.weightsync.command: config file /app/deploy/config/nope.yaml is not in the "
+    assert problems == ["services.weightsync.command: config file /app/deploy/config/nope.yaml is not in the "
                         "repository"]
 
 
 def test_server_bound_to_loopback_is_reported(project: dict[str, Any]) -> None:
     problems = problems_after(project, lambda p: p["services"]["rollout"]["environment"].update(
         LORARL_SERVER__HOST="127.0.0.1"))
-    assert problems == ["lorarl.rollout: server.host '127.0.0.1' is unreachable from other containers"]
+    assert problems == ["services.rollout: server.host '127.0.0.1' is unreachable from other containers"]
 
 
 def test_collective_host_must_be_the_service_name(project: dict[str, Any]) -> None:
     problems = problems_after(project, lambda p: p["services"]["rollout"]["environment"].update(
         LORARL_ROLLOUT__SYNC_HOST="127.0.0.1"))
-    assert problems == ["lorarl.rollout: rollout.sync_host '127.0.0.1' is not this service's name ('rollout')"]
+    assert problems == ["services.rollout: rollout.sync_host '127.0.0.1' is not this service's name ('rollout')"]
 
 
 def test_run_directory_off_the_volume_is_reported(project: dict[str, Any]) -> None:
