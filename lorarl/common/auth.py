@@ -8,6 +8,7 @@ for health checks, which load balancers and supervisors must reach without crede
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -55,18 +56,35 @@ def resolve_token(
     return None
 
 
-def server_token(auth: AuthConfig, env: Mapping[str, str] | None = None) -> str | None:
-    """The token a server checks, or None for no authentication (refused when auth.required)."""
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name a server binds) reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def server_token(auth: AuthConfig, env: Mapping[str, str] | None = None, host: str = "127.0.0.1") -> str | None:
+    """The token a server checks. Fails closed: without a token the server does not start, unless
+    ``auth.required`` is false and it binds a loopback ``host`` (then None: no authentication)."""
     try:
         token = resolve_token(token=auth.token, token_file=auth.token_file, token_env=auth.token_env, env=env)
     except ConfigError as exc:
         raise exc.under("server.auth") from None
-    if token is None and auth.required:
-        sources = ["server.auth.token", "server.auth.token_file"]
-        if auth.token_env:
-            sources.append(f"${auth.token_env}")
-        raise ConfigError("server.auth.required", f"is true but no token was found in {', '.join(sources)}")
-    return token
+    if token is not None:
+        return token
+    sources = ["server.auth.token", "server.auth.token_file"]
+    if auth.token_env:
+        sources.append(f"${auth.token_env}")
+    if auth.required:
+        raise ConfigError("server.auth.required", f"no token was found in {', '.join(sources)}; set one "
+                                                  "(or server.auth.required: false on a loopback host, for a test)")
+    if not is_loopback(host):
+        raise ConfigError("server.auth.required", f"false is allowed on a loopback host only, and server.host is "
+                                                  f"{host!r}: give the service a token ({', '.join(sources)})")
+    return None
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str]]:

@@ -179,13 +179,13 @@ async def start_server(
 
     Raises ConfigError (bad or missing token) or StartupError (cannot bind) before serving.
     """
-    token = server_token(config.auth)
+    token = server_token(config.auth, host=config.host)
     metrics = metrics if metrics is not None else RpcMetrics()
     chain: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(metrics)]
     if token is not None:
         chain.append(BearerAuthInterceptor(token, token_hint=_token_hint(config)))
     else:
-        logger.warning("authentication disabled: no token in server.auth or $%s", config.auth.token_env)
+        logger.warning("authentication disabled (server.auth.required: false, loopback host %s)", config.host)
     chain += [ErrorInterceptor(), *interceptors]
 
     if config.ready_file:

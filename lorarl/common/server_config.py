@@ -26,7 +26,8 @@ class AuthConfig:
     token: str | None = setting(None, doc="The token itself (prefer token_file or token_env).")
     token_file: str | None = setting(None, check=existing_file, doc="File whose stripped content is the token.")
     token_env: str | None = setting(DEFAULT_TOKEN_ENV, doc="Environment variable holding the token.")
-    required: bool = setting(False, doc="Refuse to start when no token is found (else: no auth).")
+    required: bool = setting(True, doc="Refuse to start without a token; false runs without authentication, "
+                                       "on a loopback host only.")
 
     def validate(self) -> None:
         if self.token is not None and not self.token.strip():

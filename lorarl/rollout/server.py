@@ -126,8 +126,9 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
         from lorarl.common.auth import server_token
         from lorarl.rollout.sync import start_sync_agent, wait_connected
 
+        token = server_token(config.server.auth, host=config.server.host)
         agent = start_sync_agent(core, target=config.rollout.weightsync_address, replica_id=servicer.replica_id,
-                                 token=server_token(config.server.auth), backends=config.rollout.collective_backends,
+                                 token=token, backends=config.rollout.collective_backends,
                                  host=config.rollout.sync_host, device=config.rollout.device)
         await wait_connected(agent, 60.0)
 

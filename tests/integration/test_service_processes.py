@@ -291,6 +291,9 @@ def test_server_cpus_pins_every_thread_of_the_service(launch) -> None:
         (["--set", "trainer.device=gpu"], "trainer.device"),
         (["--set", "server.tls.cert_file=/no/such/cert.pem"], "server.tls.cert_file"),
         (["--set", "server.auth.required=true"], "server.auth.required"),
+        # fail closed: no token and no opt-out, or the opt-out on a host other machines reach
+        ([], "server.auth.required"),
+        (["--set", "server.auth.required=false", "--set", "server.host=0.0.0.0"], "server.auth.required"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_key(args: list[str], key: str, tmp_path: Path) -> None:
@@ -310,7 +313,7 @@ def test_bad_configuration_exits_2_naming_the_key(args: list[str], key: str, tmp
 def test_port_in_use_exits_1(busy_port: int, tmp_path: Path) -> None:
     result = subprocess.run(
         [*lorarl_command(), "serve", "weightsync", "--port", str(busy_port)],
-        env=child_env(),
+        env=child_env(LORARL_AUTH_TOKEN=TOKEN),
         capture_output=True,
         text=True,
         timeout=30,

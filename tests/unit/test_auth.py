@@ -90,12 +90,24 @@ def test_token_file_problems(tmp_path: Path) -> None:
 
 
 def test_required_token_must_exist() -> None:
-    assert server_token(AuthConfig(), env={}) is None
     assert server_token(AuthConfig(required=True), env={"LORARL_AUTH_TOKEN": "t"}) == "t"
     with pytest.raises(ConfigError) as info:
         server_token(AuthConfig(required=True), env={})
     assert info.value.key == "server.auth.required"
     assert "$LORARL_AUTH_TOKEN" in str(info.value)
+
+
+def test_a_service_fails_closed_without_a_token() -> None:
+    """No token, no start; the explicit opt-out holds on a loopback host only."""
+    with pytest.raises(ConfigError, match="no token was found"):
+        server_token(AuthConfig(), env={})  # required is the default
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.7"):
+        assert server_token(AuthConfig(required=False), env={}, host=host) is None
+    for host in ("0.0.0.0", "::", "10.1.2.3", "trainer"):
+        with pytest.raises(ConfigError, match="loopback host only") as info:
+            server_token(AuthConfig(required=False), env={}, host=host)
+        assert info.value.key == "server.auth.required"
+    assert server_token(AuthConfig(required=False), env={"LORARL_AUTH_TOKEN": "t"}, host="0.0.0.0") == "t"
 
 
 def test_bearer_metadata() -> None:

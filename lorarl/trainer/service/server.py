@@ -193,7 +193,7 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
     settings, server = config.trainer, config.server
     world = RankWorld.discover(settings.ranks)
     if world.world_size == 1:
-        servicer = TrainerServicer(settings, token=server_token(server.auth))
+        servicer = TrainerServicer(settings, token=server_token(server.auth, host=server.host))
         await serve(NAME, server, registration(servicer), on_shutdown=servicer.close)
         return
     if ":" in settings.device:
@@ -216,7 +216,7 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
         raise StartupError(f"trainer ranks did not start: {e}") from None
     jobs = JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots, engine_factory=group.create_engine,
                       compute_nice=settings.compute_nice)
-    servicer = TrainerServicer(settings, jobs=jobs, token=server_token(server.auth))
+    servicer = TrainerServicer(settings, jobs=jobs, token=server_token(server.auth, host=server.host))
 
     def started(running: RunningServer) -> None:
         loop = asyncio.get_running_loop()
