@@ -226,10 +226,11 @@ async def start_server(
     if config.metrics_enabled:
         assert config.metrics_port is not None
         try:
-            running.metrics_endpoint = start_metrics_endpoint(config.host, config.metrics_port, metrics.registry)
+            running.metrics_endpoint = start_metrics_endpoint(config.metrics_host, config.metrics_port,
+                                                              metrics.registry)
         except OSError as exc:
             await server.stop(0)
-            where = format_address(config.host, config.metrics_port)
+            where = format_address(config.metrics_host, config.metrics_port)
             raise StartupError(f"cannot serve metrics on {where}: {exc}") from None
     await running.set_serving(True)
     if config.ready_file:

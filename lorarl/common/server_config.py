@@ -82,6 +82,10 @@ class ServerConfig:
         check=port_number(allow_disabled=True),
         doc="Prometheus HTTP port; 0 picks a free one; -1 or null disables.",
     )
+    metrics_host: str = setting(
+        "127.0.0.1", doc="Address the metrics endpoint binds. It has no authentication: loopback unless a "
+        "scraper on another machine needs it (then e.g. 0.0.0.0 behind a network you trust)."
+    )
     cpu_nice: int = setting(
         0, check=in_range(0, 19), doc="Niceness added to the whole process at start, gRPC threads included "
         "(0: none). For a trainer sharing CPUs with generation prefer trainer.compute_nice (`lorarl run` "

@@ -343,7 +343,8 @@ from lorarl.common.config import from_dict
 from lorarl.common.server import serve
 from lorarl.common.server_config import ServerConfig
 
-config = from_dict(ServerConfig, {"port": 0, "ready_file": sys.argv[1], "shutdown_grace_s": 1})
+config = from_dict(ServerConfig, {"port": 0, "ready_file": sys.argv[1], "shutdown_grace_s": 1,
+                                 "auth": {"required": False}})
 # SIGTERM the moment the server is up and its ready file written, before serve() goes on.
 terminate_self = lambda running: os.kill(os.getpid(), signal.SIGTERM)
 asyncio.run(serve("trainer", config, lambda server: [], on_started=terminate_self))
@@ -392,5 +393,34 @@ def test_a_body_that_does_not_parse_is_invalid_argument_and_only_after_authentic
                 assert "GetJobRequest" not in refused.value.details()
         finally:
             await running.stop(0)
+
+    run(scenario)
+
+
+def listening(ports: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of this process's listening TCP sockets on ``ports``."""
+    import psutil
+
+    return {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)  # an IPv4-mapped address is the IPv4 one
+            for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
+
+
+def test_no_listener_on_an_interface_the_configuration_did_not_name() -> None:
+    """The gRPC port and the (unauthenticated) metrics port bind the configured hosts only."""
+    async def scenario() -> None:
+        running = await start_server("trainer", server_config(metrics_port=0), registration(ProbeServicer()))
+        try:
+            ports = {running.port, running.metrics_port}
+            assert listening(ports) == {("127.0.0.1", running.port), ("127.0.0.1", running.metrics_port)}
+        finally:
+            await running.stop(0)
+        wide = await start_server("trainer", server_config(metrics_port=0, metrics_host="0.0.0.0"),
+                                  registration(ProbeServicer()))
+        try:
+            assert ("0.0.0.0", wide.metrics_port) in listening({wide.metrics_port})  # only when asked for
+            assert listening({wide.port}) == {("127.0.0.1", wide.port)}
+        finally:
+            await wide.stop(0)
 
     run(scenario)
