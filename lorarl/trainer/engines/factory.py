@@ -3,11 +3,39 @@ interface stays below the engines, and only this factory sits above them (no imp
 
 from __future__ import annotations
 
+from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.trainer.engines.api import JobSpec, TrainEngine
+
+
+def check_device(device: str) -> None:
+    """The job's device exists in this process: FAILED_PRECONDITION for a missing accelerator kind,
+    INVALID_ARGUMENT for an index past the devices present (instead of torch's AssertionError later).
+    A multi-rank trainer checks the job against its ranks first (lorarl.trainer.ranks.rank_engines)."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return
+    import torch
+
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    else:
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError:
+            count = 0
+        else:
+            count = torch.npu.device_count()
+    if count == 0:
+        raise FailedPreconditionError(f"this trainer has no {kind} device (torch {torch.__version__}); "
+                                      "use device 'cpu' or a trainer on an accelerator")
+    if index and int(index) >= count:
+        raise InvalidArgumentError("config.device", f"{device}: this trainer has {count} {kind} device(s), "
+                                                    f"{kind}:0..{kind}:{count - 1}")
 
 
 def create_engine(spec: JobSpec) -> TrainEngine:
     """The engine named by ``spec.engine``, imported lazily (torch is heavy, Megatron optional)."""
+    check_device(spec.device)
     if spec.engine == "torch":
         from lorarl.trainer.engines.torch_engine import TorchEngine
 

@@ -62,31 +62,6 @@ class Job:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-def _check_device(device: str) -> None:
-    """The job's device exists in this process: FAILED_PRECONDITION for a missing accelerator kind,
-    INVALID_ARGUMENT for an index past the devices present (instead of torch's AssertionError later)."""
-    kind, _, index = device.partition(":")
-    if kind == "cpu":
-        return
-    import torch
-
-    if kind == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    else:
-        try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
-        except ImportError:
-            count = 0
-        else:
-            count = torch.npu.device_count()
-    if count == 0:
-        raise FailedPreconditionError(f"this trainer has no {kind} device (torch {torch.__version__}); "
-                                      "use device 'cpu' or a trainer on an accelerator")
-    if index and int(index) >= count:
-        raise InvalidArgumentError("config.device", f"{device}: this trainer has {count} {kind} device(s), "
-                                                    f"{kind}:0..{kind}:{count - 1}")
-
-
 def check_job_id(job_id: str) -> None:
     check_id("job_id", job_id)
 
@@ -153,7 +128,6 @@ class JobManager:
         if len(self._jobs) + len(self._creating) >= self.max_jobs:
             raise ResourceExhaustedError(f"this trainer holds at most {self.max_jobs} jobs; delete one first")
         self._check_model_path(spec)
-        _check_device(spec.device)
         self._creating.add(job_id)
         try:
             try:
