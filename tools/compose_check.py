@@ -184,8 +184,11 @@ def _server_problems(where: str, name: str, service: Mapping[str, Any], args: ar
     problems = [f"{where}.environment.{key}: {args.service} has no config section {_section(key)!r}"
                 for key in env if _section(key) is not None and _section(key) not in sections]
     auth = config.server.auth
-    if auth.required and auth.token is None and auth.token_file is None and not env.get(auth.token_env or ""):
-        problems.append(f"{where}.environment: server.auth.required but ${auth.token_env} is not set")
+    has_token = auth.token is not None or auth.token_file is not None or bool(env.get(auth.token_env or ""))
+    if not has_token:
+        # the service fails closed: no token, no start (auth.required: false holds on loopback only)
+        source = f"${auth.token_env}" if auth.token_env else "server.auth.token_file"
+        problems.append(f"{where}.environment: no token for the service ({source} is not set)")
     if config.server.host not in WILDCARD_HOSTS:
         problems.append(f"{where}: server.host {config.server.host!r} is unreachable from other containers")
     for key, value in _advertised_hosts(config).items():

@@ -157,17 +157,20 @@ class RLLoop:
         chunks = [self.test[i: i + EVAL_CHUNK] for i in range(0, len(self.test), EVAL_CHUNK)]
         policy = self._policy()
 
-        async def run(chunk: list[Example]) -> list[float]:
+        async def run(chunk: list[Example]) -> tuple[list[float], int]:
             response = await self.rollout.Generate(rollout_pb2.GenerateRequest(
                 prompts=[self._prompt(e) for e in chunk], sampling=sampling, policy=policy))
-            return [float(self.reward(r.completions[0].text, e.answer)) for e, r in zip(chunk, response.results,
-                                                                                        strict=True)]
+            # no await while scoring: batches decoding meanwhile (async loops) cannot add to this count
+            errors_before = self.reward.errors
+            scores = [float(self.reward(r.completions[0].text, e.answer))
+                      for e, r in zip(chunk, response.results, strict=True)]
+            return scores, self.reward.errors - errors_before
 
-        errors_before = self.reward.errors
-        scores = [s for part in await asyncio.gather(*(run(c) for c in chunks)) for s in part]
+        parts = await asyncio.gather(*(run(c) for c in chunks))
+        scores = [s for part, _ in parts for s in part]
         return {"eval/accuracy": sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1),
                 "eval/mean_reward": sum(scores) / max(len(scores), 1),
-                "eval/reward_errors": float(self.reward.errors - errors_before)}
+                "eval/reward_errors": float(sum(errors for _, errors in parts))}
 
     # ------------------------------------------------------------------ trainer
 

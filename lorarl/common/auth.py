@@ -66,7 +66,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def server_token(auth: AuthConfig, env: Mapping[str, str] | None = None, host: str = "127.0.0.1") -> str | None:
+def server_token(auth: AuthConfig, env: Mapping[str, str] | None = None, *, host: str) -> str | None:
     """The token a server checks. Fails closed: without a token the server does not start, unless
     ``auth.required`` is false and it binds a loopback ``host`` (then None: no authentication)."""
     try:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from lorarl.common.errors import InvalidArgumentError
+from lorarl.common.validation import check_id, check_version
 from lorarl.v1 import common_pb2, rollout_pb2
 from lorarl.weightsync.wire.inline import BucketAssembler
 from lorarl.weightsync.wire.payload import PayloadError, unpack_bucket, validate_manifest
@@ -24,6 +25,8 @@ async def receive(stream: AsyncIterator[rollout_pb2.LoadWeightsRequest], max_byt
         validate_manifest(manifest)
     except PayloadError as exc:
         raise InvalidArgumentError("manifest", str(exc)) from None
+    check_id("manifest.job_id", manifest.job_id)  # it names adapters and their files
+    check_version("manifest.version", manifest.version, minimum=1)
     try:
         assembler = BucketAssembler(manifest, max_bytes)
     except PayloadError as exc:

@@ -85,14 +85,14 @@ def test_token_file_problems(tmp_path: Path) -> None:
         resolve_token(token_file=empty, env={})
     assert info.value.key == "token_file" and "empty" in info.value.problem
     with pytest.raises(ConfigError) as info:
-        server_token(AuthConfig(token_file=str(tmp_path / "missing")), env={})
+        server_token(AuthConfig(token_file=str(tmp_path / "missing")), env={}, host="127.0.0.1")
     assert info.value.key == "server.auth.token_file"
 
 
 def test_required_token_must_exist() -> None:
-    assert server_token(AuthConfig(required=True), env={"LORARL_AUTH_TOKEN": "t"}) == "t"
+    assert server_token(AuthConfig(required=True), env={"LORARL_AUTH_TOKEN": "t"}, host="127.0.0.1") == "t"
     with pytest.raises(ConfigError) as info:
-        server_token(AuthConfig(required=True), env={})
+        server_token(AuthConfig(required=True), env={}, host="127.0.0.1")
     assert info.value.key == "server.auth.required"
     assert "$LORARL_AUTH_TOKEN" in str(info.value)
 
@@ -100,7 +100,7 @@ def test_required_token_must_exist() -> None:
 def test_a_service_fails_closed_without_a_token() -> None:
     """No token, no start; the explicit opt-out holds on a loopback host only."""
     with pytest.raises(ConfigError, match="no token was found"):
-        server_token(AuthConfig(), env={})  # required is the default
+        server_token(AuthConfig(), env={}, host="127.0.0.1")  # required is the default
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.7"):
         assert server_token(AuthConfig(required=False), env={}, host=host) is None
     for host in ("0.0.0.0", "::", "10.1.2.3", "trainer"):

@@ -80,3 +80,22 @@ def test_a_transfer_reserves_memory_only_as_bytes_arrive_and_up_to_a_limit() -> 
     small = BucketAssembler(manifest)
     small.add(common_pb2.WeightChunk(bucket=1, offset=0, data=b"\1" * 8))
     assert small.buffers[0] is None and small.buffers[1] is not None  # the bucket that got bytes, only
+
+
+@pytest.mark.parametrize(("job_id", "version"), [("../../x", 1), ("/tmp/x", 1), ("job\nid", 1), ("ok", 0)])
+def test_load_weights_refuses_a_job_id_or_version_that_could_name_a_file_badly(job_id: str, version: int) -> None:
+    """The rollout names adapters (and their shm files) after the manifest's job and version."""
+    import asyncio
+
+    from lorarl.rollout.loading import receive
+    from lorarl.v1 import rollout_pb2
+
+    manifest, _ = manifest_of(adapter(), job_id="ok")
+    manifest.job_id, manifest.version = job_id, version
+
+    async def stream():
+        yield rollout_pb2.LoadWeightsRequest(manifest=manifest)
+
+    with pytest.raises(InvalidArgumentError) as raised:
+        asyncio.run(receive(stream()))
+    assert raised.value.field in ("manifest.job_id", "manifest.version", "manifest")

@@ -81,11 +81,14 @@ def test_the_loop_counts_each_steps_failed_samples_and_carries_on() -> None:
                           ["loop.steps=3", "loop.prompts_per_step=2", "rollout.group_size=2", "loop.mode=sync"])
     examples = [Example(f"q{i}", "boom" if i % 2 else "1") for i in range(8)]
     stub = Recorder(generate_s=0.0, train_s=0.0)
+    rows: list[dict] = []
     loop = RLLoop(cfg, trainer=stub, rollout=stub, reward=flaky, train=examples, test=examples[:2],
-                  on_metrics=lambda row: None)
+                  on_metrics=rows.append)
     asyncio.run(asyncio.wait_for(loop.run(), timeout=20))
     history = [row for row in loop.state.history if "rollout/reward_errors" in row]
     assert len(history) == 3
     # every step holds one 'boom' prompt of two, with two completions each
     assert [row["rollout/reward_errors"] for row in history] == [2.0, 2.0, 2.0]
     assert all(row["rollout/reward_mean"] == 0.5 for row in history)
+    evals = [row for row in rows if "eval/reward_errors" in row]
+    assert evals and all(row["eval/reward_errors"] == 1.0 for row in evals)  # one 'boom' of the two held out
