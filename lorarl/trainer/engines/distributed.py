@@ -59,25 +59,34 @@ def all_reduce_floats(values: list[float], op: dist.ReduceOp, device: torch.devi
     return t.tolist()
 
 
-class DataParallelReducer:
+class SummedShares:
+    """The totals and metrics half of a GradientReducer whose ranks each hold a share of the batch: counts
+    are summed (Dr.GRPO's length: the max), and every metric, already weighted by its rank's global
+    share, is summed into the full-batch value. Subclasses say which group reduces (`_all_reduce`)."""
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
+        raise NotImplementedError
+
+    def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
+        sequences, tokens, loss_tokens = self._all_reduce(
+            [totals.sequences, totals.tokens, totals.loss_tokens], dist.ReduceOp.SUM)
+        (norm,) = self._all_reduce([float(totals.norm_tokens)], dist.ReduceOp.MAX)
+        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
+
+    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = sorted(sums)  # every rank reports the same keys (same loss settings)
+        return dict(zip(keys, self._all_reduce([sums[k] for k in keys], dist.ReduceOp.SUM), strict=True))
+
+
+class DataParallelReducer(SummedShares):
     """The RL step's GradientReducer over the default process group: global totals, summed metrics and
     gradients (lorarl.trainer.rl.step). Every rank runs its own micro-batches: no idle ones."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
-        sequences, tokens, loss_tokens = all_reduce_floats(
-            [totals.sequences, totals.tokens, totals.loss_tokens], dist.ReduceOp.SUM, self.device)
-        (norm,) = all_reduce_floats([float(totals.norm_tokens)], dist.ReduceOp.MAX, self.device)
-        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
-
-    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        # Every rank reports the same keys (same loss settings); each value is already weighted by
-        # its global share, so the sum over ranks is the full-batch metric.
-        keys = sorted(sums)
-        return dict(zip(keys, all_reduce_floats([sums[k] for k in keys], dist.ReduceOp.SUM, self.device),
-                        strict=True))
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
+        return all_reduce_floats(values, op, self.device)
 
     def sync_gradients(self, params: Sequence[nn.Parameter]) -> None:
         """One flat SUM all-reduce of every trainable gradient (they are full-batch shares already)."""

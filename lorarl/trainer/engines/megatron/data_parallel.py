@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorarl.trainer.engines.api import TrajectoryRecord
-from lorarl.trainer.engines.distributed import shard_by_group
-from lorarl.trainer.rl.step import BatchTotals
+from lorarl.trainer.engines.distributed import SummedShares, all_reduce_floats, shard_by_group
 
 
 class MegatronDataParallel:
@@ -65,11 +64,7 @@ class MegatronDataParallel:
     # ------------------------------------------------------------ reductions
 
     def all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
-        if self.size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op, group=self.group)
-        return t.tolist()
+        return list(values) if self.size == 1 else all_reduce_floats(values, op, self.device, self.group)
 
     def merge(self, local: dict[int, Any]) -> dict[int, Any]:
         """The union of every data-parallel rank's ``{record index: value}``."""
@@ -104,7 +99,7 @@ class MegatronDataParallel:
         return F.pad(ids, (0, s - ids.shape[1], 0, b - ids.shape[0]))
 
 
-class MegatronReducer:
+class MegatronReducer(SummedShares):
     """The RL step's GradientReducer for the Megatron engine: totals and metrics summed over the data-parallel
     group, gradients by the adapters' own groups (``sync``: MegatronLora.sync_gradients), and the idle
     micro-steps that keep expert-parallel ranks in lockstep."""
@@ -113,14 +108,8 @@ class MegatronReducer:
         self.dp = dp
         self._sync = sync
 
-    def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
-        sequences, tokens, loss_tokens = self.dp.all_reduce([totals.sequences, totals.tokens, totals.loss_tokens])
-        (norm,) = self.dp.all_reduce([float(totals.norm_tokens)], dist.ReduceOp.MAX)
-        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
-
-    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        keys = sorted(sums)  # each value is weighted by its global share: the DP sum is the full-batch metric
-        return dict(zip(keys, self.dp.all_reduce([sums[k] for k in keys]), strict=True))
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
+        return self.dp.all_reduce(values, op)
 
     def sync_gradients(self, params: Sequence[nn.Parameter]) -> None:
         self._sync()
