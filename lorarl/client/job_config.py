@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from lorarl.client.rewards import REWARD_ERRORS
 from lorarl.common.config import ConfigError, all_of, in_range, multiple_of, setting
 from lorarl.contract.lora import ALL_LINEAR, DEFAULT_RANK, ExpertMode, LoraSpec, default_alpha
 
@@ -44,8 +45,8 @@ class DataConfig:
     seed: int = setting(0, check=in_range(0), doc="Shuffle seed of the train stream.")
 
     def validate(self) -> None:
-        if self.reward_errors not in ("zero", "fail"):
-            raise ConfigError("reward_errors", f"expected 'zero' or 'fail', got {self.reward_errors!r}")
+        if self.reward_errors not in REWARD_ERRORS:
+            raise ConfigError("reward_errors", f"expected one of {list(REWARD_ERRORS)}, got {self.reward_errors!r}")
         if self.source not in ("tasks", "jsonl", "gsm8k"):
             raise ConfigError("source", f"expected 'tasks', 'jsonl' or 'gsm8k', got {self.source!r}")
         if self.source != "tasks" and not (self.train_path and self.test_path):
