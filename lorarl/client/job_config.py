@@ -164,6 +164,21 @@ class LoopSection:
 
 
 @dataclass
+class RecoverySection:
+    """How a run rides through a service that dies or restarts (lorarl.client.recovery)."""
+
+    enabled: bool = setting(True, doc="Wait out a service's restart and carry on from the last resume point "
+                                      "(False: the first failed call ends the run).")
+    resume_every: int = setting(1, check=in_range(1), doc="Save a resume point (adapter + optimiser state) every "
+                                "K steps: a fault redoes at most K steps.")
+    max_recoveries: int = setting(10, check=in_range(0, 1000), doc="Faults the run survives before it gives up.")
+    wait_s: float = setting(300.0, check=in_range(1.0), doc="How long to wait for the services to answer again "
+                            "after a fault.")
+    restarts: int = setting(5, check=in_range(0, 1000), doc="`lorarl run`: times each service is restarted "
+                            "after it exits (with backoff) before the run fails.")
+
+
+@dataclass
 class SyncSection:
     mode: SyncModeName = setting("auto", doc="'adapter', 'merged' or 'auto' (adapter if every replica can).")
     collective: bool = setting(True, doc="Bytes over a gloo/nccl/hccl group (False: inline gRPC).")
@@ -205,6 +220,7 @@ class JobFileConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     loop: LoopSection = field(default_factory=LoopSection)
+    recovery: RecoverySection = field(default_factory=RecoverySection)
     sync: SyncSection = field(default_factory=SyncSection)
     output: OutputSection = field(default_factory=OutputSection)
     placement: PlacementSection = field(default_factory=PlacementSection)

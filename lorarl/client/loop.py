@@ -6,7 +6,9 @@
             decoupled loss corrects for the lag. Every token's policy version travels with it.
 
 The loop talks to the three services only through their gRPC stubs, so the same code drives the
-local stack of `lorarl run` and services running elsewhere (`lorarl train`).
+local stack of `lorarl run` and services running elsewhere (`lorarl train`). When a call fails in a
+way worth waiting out (lorarl.client.recovery), the loop drops its in-flight work, lets ``recover``
+bring the job back to its last resume point, and carries on from there.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from lorarl.client.datasets import Example, TrainStream
 from lorarl.client.job_config import JobFileConfig, serving_length
+from lorarl.client.recovery import ActivationFailedError, RecoveryBudget, recoverable
 from lorarl.client.rewards import GuardedReward, RewardFn
 from lorarl.contract import staleness
 from lorarl.contract.enums import LOSS_TYPES, SYNC_MODES
@@ -27,6 +31,7 @@ from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 from lorarl.weightsync.client.activation import await_outcome
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVAL_CHUNK = 64
 #: The trainer's own default limit on prompt + completion tokens (lorarl.trainer.engines.api.Limits).
@@ -86,9 +91,19 @@ class LoopState:
     version: int = 0  # last version published and serving
     cursor: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    #: The trainer's version minus its step: 0 until a resume continues above weight sync's numbers.
+    version_base: int = 0
+
+    def trains_at(self, batch_index: int) -> int:
+        """The trainer version batch ``batch_index`` trains (its step, shifted past reused numbers)."""
+        return batch_index + self.version_base
 
 
 MetricSink = Callable[[dict[str, float]], None]
+#: Saves the job under a checkpoint name ("resume", "step-000010") and records it as the resume point.
+Checkpoint = Callable[[LoopState, str], Awaitable[None]]
+#: Brings the job back to its last resume point after a fault; the state to carry on from.
+Recover = Callable[[], Awaitable[LoopState]]
 
 
 class RLLoop:
@@ -96,17 +111,21 @@ class RLLoop:
 
     def __init__(self, cfg: JobFileConfig, trainer, rollout, reward: RewardFn, train: list[Example],
                  test: list[Example], on_metrics: MetricSink, state: LoopState | None = None,
-                 on_checkpoint: Callable[[LoopState], Awaitable[None]] | None = None, weightsync=None) -> None:
+                 on_checkpoint: Checkpoint | None = None, weightsync=None, recover: Recover | None = None,
+                 on_rewind: Callable[[int], None] | None = None) -> None:
         self.cfg, self.trainer, self.rollout = cfg, trainer, rollout
         self.reward = GuardedReward(reward, cfg.data.reward_errors, cfg.data.reward)
         # With the weight-sync stub, the async loop trains the next batch while a version activates.
         self.weightsync = weightsync
         self._activating: asyncio.Task[None] | None = None
         self.state = state or LoopState()
+        self.examples = train
         self.stream = TrainStream(train, cfg.data.seed, self.state.cursor)
         self.test = test[: cfg.data.eval_size] if cfg.data.eval_size else test
         self.on_metrics = on_metrics
         self.on_checkpoint = on_checkpoint
+        self.recover, self.on_rewind = recover, on_rewind
+        self.budget = RecoveryBudget(cfg.recovery.max_recoveries, cfg.recovery.wait_s)
         self.started = time.perf_counter()
         self._published = asyncio.Event()
 
@@ -193,6 +212,7 @@ class RLLoop:
         result = await self.trainer.TrainStep(trainer_pb2.TrainStepRequest(job_id=job))
         metrics = {f"train/{k}": v for k, v in result.metrics.values.items()}
         metrics["train/version"] = result.version
+        self.state.version_base = result.version - batch.index - 1  # moves when the trainer renumbered
         return metrics
 
     async def publish(self, overlap: bool = False) -> dict[str, float]:
@@ -208,8 +228,8 @@ class RLLoop:
         if overlap and not response.error:
             self._activating = asyncio.create_task(self._await_activation(response.version))
         elif not response.activated:
-            raise RuntimeError(f"version {response.version} was not activated: {response.error} "
-                               f"(failed replicas: {list(response.failed_replicas)})")
+            raise ActivationFailedError(f"version {response.version} was not activated: {response.error} "
+                                   f"(failed replicas: {list(response.failed_replicas)})")
         else:
             self._serving(response.version)
         return {"sync/seconds": response.seconds, "sync/bytes": float(response.payload_bytes),
@@ -226,7 +246,7 @@ class RLLoop:
     async def _await_activation(self, version: int, timeout_s: float = 600.0) -> None:
         response = await await_outcome(self.weightsync, self.cfg.job_id, version, timeout_s)
         if response.outcome != weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE:
-            raise RuntimeError(f"version {version} was not activated: "
+            raise ActivationFailedError(f"version {version} was not activated: "
                                f"{response.error or weightsync_pb2.ActivationOutcome.Name(response.outcome)} "
                                f"(failed replicas: {list(response.failed_replicas)})")
         self._serving(version)
@@ -259,24 +279,59 @@ class RLLoop:
                              **await self.evaluate()})
         if self.on_checkpoint and loop.checkpoint_every and step % loop.checkpoint_every == 0:
             await self.settled()
-            await self.on_checkpoint(self.state)
+            await self.on_checkpoint(self.state, f"step-{step:06d}")
+        elif self.on_checkpoint and self.recover and step % self.cfg.recovery.resume_every == 0:
+            # What a fault rewinds to. The version may still be activating: a restore publishes anew.
+            await self.on_checkpoint(self.state, "resume")
 
     def _out_of_time(self) -> bool:
         limit = self.cfg.loop.time_limit_s
         return bool(limit) and time.perf_counter() - self.started > limit
 
     async def run(self) -> LoopState:
-        first = await self.evaluate()
-        self.on_metrics({"step": float(self.state.step), "time_s": 0.0, **first})
-        if self.cfg.loop.mode == "sync":
-            await self._run_sync()
-        else:
-            await self._run_async()
-        final = await self.evaluate()
+        if self.state.step == 0:  # a resumed run logged its evaluation at this step already
+            first = await self._recovering(self.evaluate)
+            self.on_metrics({"step": float(self.state.step), "time_s": 0.0, **first})
+        await self._recovering(self._run_sync if self.cfg.loop.mode == "sync" else self._run_async)
+        final = await self._recovering(self.evaluate)
         self.on_metrics({"step": float(self.state.step), "time_s": time.perf_counter() - self.started, **final})
         if self.on_checkpoint:
-            await self.on_checkpoint(self.state)
+            await self._recovering(lambda: self.on_checkpoint(self.state, f"step-{self.state.step:06d}"))
         return self.state
+
+    # ------------------------------------------------------------------ faults
+
+    async def _recovering(self, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()``; after a failure worth waiting out, the job is restored and ``work`` runs again."""
+        while True:
+            try:
+                return await work()
+            except Exception as error:
+                if self.recover is None or not self.cfg.recovery.enabled or not recoverable(error):
+                    raise
+                await self._restore(error)
+
+    async def _restore(self, error: BaseException) -> None:
+        """Waits out the fault and rewinds the loop to the job's resume point; raises once the budget is spent."""
+        while True:
+            delay = self.budget.spend(error)
+            logger.warning("step %d: %s; recovering (fault %d of at most %d) in %.0f s", self.state.step, error,
+                           self.budget.used, self.budget.max_recoveries, delay)
+            await asyncio.sleep(delay)
+            try:
+                state = await self.recover()
+                break
+            except Exception as again:
+                if not recoverable(again):
+                    raise
+                error = again
+        logger.warning("recovered: carrying on from step %d (version %d)", state.step, state.version)
+        self.state = state
+        self.stream = TrainStream(self.examples, self.cfg.data.seed, state.cursor)
+        self._activating = None
+        self._published = asyncio.Event()
+        if self.on_rewind is not None:
+            self.on_rewind(state.step)
 
     async def _run_sync(self) -> None:
         while self.state.step < self.cfg.loop.steps and not self._out_of_time():
@@ -302,9 +357,10 @@ class RLLoop:
         async def producer() -> None:
             index = first = self.state.step
             while index < self.cfg.loop.steps and not stop.is_set():
-                # Admission: batch `index` is trained at trainer version `index`; its tokens must come
-                # from a policy at most `bound` versions older.
-                while not staleness.admits(self.state.version, index, bound) and not stop.is_set():
+                # Admission: batch `index` is trained at trainer version `trains_at(index)`; its tokens
+                # must come from a policy at most `bound` versions older.
+                while not staleness.admits(self.state.version, self.state.trains_at(index), bound) \
+                        and not stop.is_set():
                     self._published.clear()
                     await self._published.wait()
                 if stop.is_set():

@@ -63,6 +63,25 @@ class RunLog:
         if self.progress is not None:
             self.progress.update(metrics)
 
+    def rewind(self, step: int) -> None:
+        """Forgets every row past ``step`` (a run carrying on from a resume point redoes those steps), in
+        metrics.jsonl too, which then holds this run's rows from its first invocation on, each step once."""
+        kept = []
+        if self.jsonl_path.exists():
+            for line in self.jsonl_path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash
+                    continue
+                if isinstance(row, dict) and row.get("step", 0) <= step:
+                    kept.append({k: math.nan if v is None else v for k, v in row.items()})
+        self._jsonl.close()
+        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(finite(row), allow_nan=False) + "\n" for row in kept))
+        tmp.replace(self.jsonl_path)
+        self._jsonl = self.jsonl_path.open("a")
+        self.rows = kept
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.close()

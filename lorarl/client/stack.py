@@ -4,15 +4,22 @@ Each service is started exactly as a user (or the compose stack) would start it:
 <service> --config FILE`, here with free ports, a generated bearer token and a ready file that
 reports the bound port. The stack stops every process it started, on success, failure or Ctrl-C:
 SIGTERM first (services drain in-flight RPCs), SIGKILL after a bound.
+
+``supervise`` watches them: a service that exits is restarted on the same port, with the same
+config (the same storage, the same replica id), after a growing pause, a bounded number of times.
+Whatever it left behind (a vLLM engine core, trainer ranks: its process group) is killed first, so
+no child outlives its service. The loop meanwhile waits the restart out (lorarl.client.recovery).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +44,16 @@ class ServiceProcess:
     address: str
     log_path: Path
     service: str = ""
+    section: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+
+
+class ServiceFailedError(RuntimeError):
+    """A supervised service kept exiting: restarts used up, or it did not come back."""
+
+
+RESTART_PAUSE_MIN_S, RESTART_PAUSE_MAX_S = 1.0, 30.0
+WATCH_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -56,6 +73,12 @@ class LocalStack:
     process_env: dict[str, dict[str, str]] = field(default_factory=dict)
     #: Extra `server:` settings per process name, e.g. {"trainer": {"cpus": "1"}}.
     server_sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Set by the supervisor when a service cannot be kept up; the loop's recovery reads it.
+    failure: ServiceFailedError | None = None
+    #: (process name, exit code, seconds from exit to serving again) per restart, for reports and benchmarks.
+    restart_log: list[tuple[str, int, float]] = field(default_factory=list)
+    _watcher: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> LocalStack:
         try:
@@ -102,10 +125,10 @@ class LocalStack:
                 continue
             self.processes[name] = self._launch(name, section)
 
-    def _launch(self, name: str, section: dict[str, Any], service: str = "") -> ServiceProcess:
+    def _launch(self, name: str, section: dict[str, Any], service: str = "", port: int = 0) -> ServiceProcess:
         service = service or name
         config = {
-            "server": {"host": "127.0.0.1", "port": 0, "metrics_port": -1, "log_format": "text",
+            "server": {"host": "127.0.0.1", "port": port, "metrics_port": -1, "log_format": "text",
                        "shutdown_grace_s": 5, "auth": {"token_env": "LORARL_AUTH_TOKEN", "required": True},
                        **self.server_sections.get(name, {})},
             service: section,
@@ -126,10 +149,60 @@ class LocalStack:
             process.kill()
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{name} service did not start: {e}\n--- {log_path} ---\n{tail}") from None
-        return ServiceProcess(name, process, info["address"], log_path, service)
+        return ServiceProcess(name, process, info["address"], log_path, service, section)
+
+    # ------------------------------------------------------------------ supervision
+
+    def supervise(self, restarts: int) -> None:
+        """Restarts any service that exits, at most ``restarts`` times each (0: a dead service fails the run)."""
+        self._watcher = threading.Thread(target=self._watch, args=(restarts,), name="lorarl-supervisor",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, restarts: int) -> None:
+        while not self._stopping.wait(WATCH_INTERVAL_S):
+            for name, svc in list(self.processes.items()):
+                code = svc.process.poll()
+                if code is None or self._stopping.is_set():
+                    continue
+                died = time.monotonic()
+                _kill_group(svc.process.pid)  # its engine core, its ranks
+                if svc.restarts >= restarts:
+                    self.failure = ServiceFailedError(
+                        f"the {name} service exited with code {code} and was restarted {svc.restarts} times "
+                        f"already (recovery.restarts); see {svc.log_path}")
+                    print(f"lorarl: {self.failure}", file=sys.stderr, flush=True)
+                    return
+                pause = min(RESTART_PAUSE_MAX_S, RESTART_PAUSE_MIN_S * 2 ** svc.restarts)
+                print(f"lorarl: the {name} service exited with code {code}; restarting it on {svc.address} "
+                      f"({svc.restarts + 1} of {restarts}) in {pause:.0f} s", file=sys.stderr, flush=True)
+                if self._stopping.wait(pause):
+                    return
+                try:
+                    fresh = self._launch(name, svc.section, svc.service, port=int(svc.address.rsplit(":", 1)[1]))
+                except RuntimeError as e:  # did not come up: counts as another exit
+                    svc.restarts += 1
+                    print(f"lorarl: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+                    continue
+                if self._stopping.is_set():  # the stack stopped while this one started
+                    _kill_group(fresh.process.pid)
+                    fresh.process.wait(timeout=10)
+                    return
+                fresh.restarts = svc.restarts + 1
+                self.processes[name] = fresh
+                self.restart_log.append((name, code, time.monotonic() - died))
+                print(f"lorarl: the {name} service is back ({time.monotonic() - died:.1f} s after it exited)",
+                      file=sys.stderr, flush=True)
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
 
     def stop(self) -> None:
         """SIGTERM everything (reverse start order), then SIGKILL whatever outlives the bound."""
+        self._stopping.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=self.start_timeout_s + 5)
         for name in reversed(list(self.processes)):
             proc = self.processes[name].process
             if proc.poll() is None:
@@ -142,6 +215,7 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 os.killpg(svc.process.pid, signal.SIGKILL)
                 svc.process.wait(timeout=10)
+            _kill_group(svc.process.pid)  # nothing it started outlives it
         self.processes.clear()
 
     def check_alive(self) -> None:
@@ -149,3 +223,9 @@ class LocalStack:
             if svc.process.poll() is not None:
                 tail = svc.log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{svc.name} service exited with code {svc.process.returncode}\n{tail}")
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILLs what is left of a service's process group (it leads its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -51,6 +51,10 @@ class StartupError(RuntimeError):
     """The server could not start (e.g. its port is taken); nothing is left running."""
 
 
+class ServiceDiedError(RuntimeError):
+    """What the service serves with died under it (e.g. vLLM's engine core): it stopped and must be restarted."""
+
+
 def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
     """Channel arguments for the server: message limits, keepalive, exclusive port binding."""
     return [
@@ -264,10 +268,14 @@ async def serve(
     *,
     metrics: RpcMetrics | None = None,
     on_started: Callable[[RunningServer], Awaitable[None] | None] | None = None,
+    watch: Callable[[], Awaitable[str]] | None = None,
 ) -> None:
     """Runs service `name` until SIGTERM or SIGINT, then shuts down gracefully and returns.
 
     ``on_started(running)`` lets the service reach its running server (e.g. to report NOT_SERVING later).
+    ``watch()`` returns (with the reason) once the service can no longer serve: health turns NOT_SERVING,
+    the server stops and ServiceDiedError is raised, so the process exits non-zero and whatever supervises
+    it (lorarl run, compose, Kubernetes) restarts it, instead of answering every call with an error.
     """
     configure_logging(name, level=config.log_level, fmt=config.log_format)
     # What start-up built (imports, a started engine) stays for the process's life: no collection should
@@ -300,9 +308,18 @@ async def serve(
             asyncio.ensure_future(stop_requested.wait()),
             asyncio.ensure_future(running.wait_for_termination()),
         }
+        died = asyncio.ensure_future(watch()) if watch is not None else None
+        if died is not None:
+            waiters.add(died)
         _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for waiter in pending:
             waiter.cancel()
+        if died is not None and died.done() and not died.cancelled():
+            reason = died.result()
+            logger.error("cannot serve any more: %s; stopping", reason)
+            await running.set_serving(False)
+            await running.stop(grace=min(1.0, config.shutdown_grace_s))  # what is in flight fails anyway
+            raise ServiceDiedError(reason)
         await running.stop()
     finally:
         for signum in signals:

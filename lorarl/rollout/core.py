@@ -68,6 +68,9 @@ class RolloutCore:
         self.runner.close()
         await self.engine.close()
 
+    async def wait_dead(self) -> str:
+        return await self.engine.wait_dead()
+
     # ------------------------------------------------------------ generation (segments.py)
 
     async def generate(self, request: GenerateInput) -> list[PromptResult]:

@@ -30,6 +30,11 @@ class GenerationEngine(Protocol):
 
     async def close(self) -> None: ...
 
+    async def wait_dead(self) -> str:
+        """Returns (why) once the engine cannot serve any more, e.g. vLLM's engine core died; never for
+        an engine that lives in this process."""
+        ...
+
     async def submit(self, spec: SegmentSpec) -> AsyncIterator[SegmentEvent]:
         """Queues one segment; the request is in the engine when this returns.
 

@@ -119,6 +119,10 @@ class HfEngine:
     async def close(self) -> None:
         self.model = None
 
+    async def wait_dead(self) -> str:
+        await asyncio.Event().wait()  # it runs in this process: it dies with it
+        return ""
+
     # ---------------------------------------------------------------------------- requests
 
     async def submit(self, spec: SegmentSpec) -> AsyncIterator[SegmentEvent]:

@@ -117,7 +117,10 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
     """Starts the engine (if a model is configured), then runs the rollout service until SIGTERM/SIGINT."""
     core = None
     if config.rollout.model_path is not None:
+        from lorarl.common.parent_watch import mark
         from lorarl.rollout.factory import start_core
+
+        mark()  # vLLM's engine core exits when this process dies, even by SIGKILL
 
         core = await start_core(config.rollout)
     servicer = RolloutServicer(config.rollout, core)
@@ -138,4 +141,6 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
         if core is not None:
             await core.close()
 
-    await serve(NAME, config.server, registration(servicer), on_shutdown=shutdown)
+    # The engine's death ends the service (NOT_SERVING, exit 1): its supervisor restarts it whole.
+    await serve(NAME, config.server, registration(servicer), on_shutdown=shutdown,
+                watch=core.wait_dead if core is not None else None)

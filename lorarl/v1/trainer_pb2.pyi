@@ -166,18 +166,22 @@ class JobStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., buffered_trajectories: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., trainable_parameters: _Optional[int] = ..., total_parameters: _Optional[int] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
-    __slots__ = ("job_id", "config")
+    __slots__ = ("job_id", "config", "attach")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     config: JobConfig
-    def __init__(self, job_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+    attach: bool
+    def __init__(self, job_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., attach: _Optional[bool] = ...) -> None: ...
 
 class CreateJobResponse(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "attached")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     job: JobStatus
-    def __init__(self, job: _Optional[_Union[JobStatus, _Mapping]] = ...) -> None: ...
+    attached: bool
+    def __init__(self, job: _Optional[_Union[JobStatus, _Mapping]] = ..., attached: _Optional[bool] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -424,3 +424,38 @@ def test_no_listener_on_an_interface_the_configuration_did_not_name() -> None:
             await wide.stop(0)
 
     run(scenario)
+
+
+def test_a_service_whose_engine_dies_stops_and_raises_instead_of_serving_errors() -> None:
+    """serve(watch=...): once the watch returns, the server stops and ServiceDiedError ends the process
+    (`lorarl serve` exits 1), so a supervisor restarts it instead of it answering every call with an error."""
+    from lorarl.common.server import ServiceDiedError, serve
+
+    config = from_dict(ServerConfig, {"port": 0, "shutdown_grace_s": 5, "auth": {"required": False}})
+    seen: dict[str, Any] = {}
+    engine_dead = asyncio.Event()
+
+    async def on_started(running: RunningServer) -> None:
+        seen["address"] = running.address
+
+        async def probe_then_kill() -> None:
+            seen["before"] = await health_code(running.address, None)
+            engine_dead.set()
+
+        seen["probe"] = asyncio.ensure_future(probe_then_kill())
+
+    async def watch() -> str:
+        await engine_dead.wait()
+        return "the engine core died"
+
+    async def scenario() -> None:
+        started = time.monotonic()
+        with pytest.raises(ServiceDiedError, match="the engine core died"):
+            await serve("rollout", config, lambda server: [], on_started=on_started, watch=watch)
+        seen["stop_s"] = time.monotonic() - started
+        seen["after"] = await health_code(seen["address"], None)
+
+    asyncio.run(scenario())
+    assert seen["before"] == grpc.StatusCode.OK
+    assert seen["after"] == grpc.StatusCode.UNAVAILABLE  # nothing listens any more
+    assert seen["stop_s"] < 4  # not the whole 5 s grace: what is in flight fails anyway

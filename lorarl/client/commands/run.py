@@ -16,19 +16,25 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lorarl.client.calls import ServiceCallError
 from lorarl.client.job_config import serving_length
+from lorarl.client.recovery import ActivationFailedError, RecoveryExhaustedError
+from lorarl.client.stack import ServiceFailedError
 from lorarl.common.config import ConfigError, to_dict
 from lorarl.contract import staleness
+
+#: What ends a run with a one-line message instead of a traceback (anything else is a bug: traceback).
+RUN_ENDING_ERRORS = (ServiceCallError, RecoveryExhaustedError, ActivationFailedError, RuntimeError, ServiceFailedError)
 
 
 def add_parsers(subparsers: Any) -> None:
     run = subparsers.add_parser("run", help="start the services on loopback and run a job", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(run)
-    run.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in the output dir")
     run.set_defaults(handler=run_command)
     train = subparsers.add_parser("train", help="run a job against services already running", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,6 +51,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="job YAML file (see examples/)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. loop.steps=10")
     parser.add_argument("--dry-run", action="store_true", help="validate the config, print the plan, and exit")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start the job over: ignore the output dir's resume point (train: delete the job)")
 
 
 def load(args: argparse.Namespace):
@@ -147,8 +155,6 @@ def run_command(args: argparse.Namespace) -> int:
         return print_plan(cfg)
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
-    if args.fresh:
-        (out / "state.json").unlink(missing_ok=True)
     if cfg.placement.nodes > 1:
         print("lorarl: bad config: placement.nodes: `lorarl run` starts every service on this host; for several "
               "nodes start `lorarl serve` on each and run `lorarl train` (see examples/models/README.md)",
@@ -160,11 +166,14 @@ def run_command(args: argparse.Namespace) -> int:
             rollouts = stack.addresses("rollout")
             print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {', '.join(rollouts)}, "
                   f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
+            stack.supervise(cfg.recovery.restarts if cfg.recovery.enabled else 0)
             return asyncio.run(drive(cfg, stack.address("trainer"), rollouts, stack.token, out,
-                                     stack.address("weightsync")))
+                                     stack.address("weightsync"), fresh=args.fresh, give_up=stack.raise_if_failed))
     except KeyboardInterrupt:
         print("lorarl: interrupted; services stopped. Run the same command again to resume.", file=sys.stderr)
         return 130
+    except RUN_ENDING_ERRORS as e:
+        return report(e, out, stack)
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -178,10 +187,24 @@ def train_command(args: argparse.Namespace) -> int:
     token = os.environ.get("LORARL_AUTH_TOKEN")
     out = Path(cfg.output.dir)
     rollouts = [a.strip() for a in args.rollout.split(",") if a.strip()]
+    out.mkdir(parents=True, exist_ok=True)
     try:
-        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync))
+        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync, fresh=args.fresh))
     except KeyboardInterrupt:
+        print("lorarl: interrupted. Run the same command again to resume.", file=sys.stderr)
         return 130
+    except RUN_ENDING_ERRORS as e:
+        return report(e, out)
+
+
+def report(error: BaseException, out: Path, stack=None) -> int:
+    """Ends a run on ``error`` with one line that names the service, the call and what to do."""
+    failed = stack.failure if stack is not None else None
+    if isinstance(failed, ServiceFailedError):  # the root cause: a service that kept dying
+        error = failed
+    resume = " The run can resume: run the same command again." if (out / "state.json").exists() else ""
+    print(f"lorarl: run failed: {error}.{resume}", file=sys.stderr)
+    return 1
 
 
 def visible_devices(cfg) -> dict[str, dict[str, str]]:
@@ -200,46 +223,57 @@ def visible_devices(cfg) -> dict[str, dict[str, str]]:
 
 
 async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], token: str | None,
-                out: Path, weightsync_address: str | None = None) -> int:
-    """Creates (or resumes) the job, runs the loop, and writes the plot and summary."""
+                out: Path, weightsync_address: str | None = None, fresh: bool = False,
+                give_up: Callable[[], None] | None = None) -> int:
+    """Creates (or resumes, or re-attaches to) the job, runs the loop, and writes the plot and summary."""
+    from lorarl.client.calls import NamedStub
     from lorarl.client.datasets import load_examples
     from lorarl.client.loop import RLLoop
+    from lorarl.client.recovery import wait_serving
     from lorarl.client.rewards import load_reward
     from lorarl.client.rollout_pool import RolloutPool
     from lorarl.client.run_log import RunLog
+    from lorarl.client.session import JobSession
     from lorarl.common.channel import aio_channel
-    from lorarl.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
+    from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
     reward = load_reward(cfg.data.reward)
     train = load_examples(cfg.data.source, "train", cfg.data.train_path)
     test = load_examples(cfg.data.source, "test", cfg.data.test_path)
-    log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
-                 progress=cfg.output.progress, config=to_dict(cfg))
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     if isinstance(rollout_addresses, str):
         rollout_addresses = [rollout_addresses]
-    async with contextlib.AsyncExitStack() as channels:
-        tch = await channels.enter_async_context(aio_channel(trainer_address, token=token))
-        trainer = trainer_pb2_grpc.TrainerServiceStub(tch)
-        rollout = RolloutPool([rollout_pb2_grpc.RolloutServiceStub(
-            await channels.enter_async_context(aio_channel(address, token=token))) for address in rollout_addresses])
-        weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(await channels.enter_async_context(
-            aio_channel(weightsync_address, token=token))) if weightsync_address else None
-        state = await create_or_resume(cfg, trainer, out)
+    async with contextlib.AsyncExitStack() as stack:
+        channels = {}  # service name -> channel, for the health checks after a fault (same TLS, same token)
 
-        async def checkpoint(s) -> None:
-            saved = await trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(
-                job_id=cfg.job_id, path=f"{cfg.job_id}/step-{s.step:06d}"))
-            write_state(out, {"step": s.step, "version": s.version, "cursor": s.cursor, "checkpoint": saved.path})
+        async def channel(service: str, address: str):
+            channels[f"{service} at {address}"] = await stack.enter_async_context(aio_channel(address, token=token))
+            return channels[f"{service} at {address}"]
 
-        loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=checkpoint,
-                      weightsync=weightsync)
+        trainer = NamedStub(trainer_pb2_grpc.TrainerServiceStub(await channel("trainer", trainer_address)),
+                            "trainer", trainer_address)
+        rollout = RolloutPool([NamedStub(rollout_pb2_grpc.RolloutServiceStub(await channel("rollout", a)),
+                                         "rollout", a) for a in rollout_addresses])
+        weightsync = None
+        if weightsync_address:
+            weightsync = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(
+                await channel("weightsync", weightsync_address)), "weightsync", weightsync_address)
+        session = JobSession(cfg, trainer, out)
+        state = await session.start(fresh=fresh)
+        log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
+                     progress=cfg.output.progress, config=to_dict(cfg))
+        log.rewind(state.step if state.step else -1)  # rows past the resume point are redone; a fresh run starts clean
+
+        async def recover():
+            await wait_serving(channels, cfg.recovery.wait_s, give_up)
+            return await session.recover()
+
+        loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=session.save,
+                      weightsync=weightsync, recover=recover, on_rewind=log.rewind)
         try:
             await loop.run()
         finally:
             log.close()
-        from lorarl.v1 import common_pb2
-
         exported = await trainer.Export(trainer_pb2.ExportRequest(job_id=cfg.job_id, mode=common_pb2.SYNC_MODE_ADAPTER,
                                                                   path=f"{cfg.job_id}/final-adapter"))
     plot = log.plot()
@@ -247,32 +281,3 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
     (out / "summary.txt").write_text(summary + "\n")
     print("\n" + summary + f"\nplot: {plot}\nmetrics: {log.jsonl_path}\nadapter (PEFT): {exported.path}", flush=True)
     return 0
-
-
-def write_state(out: Path, state: dict[str, Any]) -> None:
-    tmp = out / "state.json.tmp"
-    tmp.write_text(json.dumps(state))
-    tmp.replace(out / "state.json")
-
-
-async def create_or_resume(cfg, trainer, out: Path):
-    """A new job, or the job restored from the run directory's last checkpoint (and re-published)."""
-    from lorarl.client.loop import LoopState, job_config_proto
-    from lorarl.contract.enums import SYNC_MODES
-    from lorarl.v1 import trainer_pb2
-
-    model_path = str(Path(cfg.model.path).resolve())
-    await trainer.CreateJob(trainer_pb2.CreateJobRequest(job_id=cfg.job_id, config=job_config_proto(cfg, model_path)))
-    state_file = out / "state.json"
-    if not state_file.exists():
-        return LoopState()
-    saved = json.loads(state_file.read_text())
-    loaded = await trainer.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(job_id=cfg.job_id,
-                                                                           path=saved["checkpoint"]))
-    print(f"lorarl: resumed from {saved['checkpoint']} (step {loaded.step}, version {loaded.version})", flush=True)
-    if loaded.version > 0:
-        published = await trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
-            job_id=cfg.job_id, mode=SYNC_MODES[cfg.sync.mode], wait_for_activation=True, timeout_seconds=600))
-        if not published.activated:
-            raise RuntimeError(f"could not re-publish the resumed policy: {published.error}")
-    return LoopState(step=int(saved["step"]), version=int(loaded.version), cursor=int(saved["cursor"]))

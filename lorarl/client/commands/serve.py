@@ -81,7 +81,7 @@ def lower_priority(nice: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lorarl.common.server import StartupError
+    from lorarl.common.server import ServiceDiedError, StartupError
 
     module: ModuleType = importlib.import_module(SERVICES[args.service])
     prefix = f"lorarl serve {args.service}"
@@ -110,5 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except StartupError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
+        return 1
+    except ServiceDiedError as exc:
+        print(f"{prefix}: stopped: {exc}; restart the service", file=sys.stderr)
         return 1
     return 0

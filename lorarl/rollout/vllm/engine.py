@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lorarl.common.cpu_affinity import format_cpu_list, parse_cpu_list
+from lorarl.common.errors import UnavailableError
 from lorarl.contract.lora import LoraSpec
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.model_files import ModelFiles
@@ -172,6 +173,12 @@ class VllmEngine:
         if self._shm_root is not None:
             shutil.rmtree(self._shm_root, ignore_errors=True)
 
+    async def wait_dead(self, poll_s: float = 1.0) -> str:
+        """vLLM's engine core is a child process: its death leaves the frontend answering EngineDeadError."""
+        while self._llm is None or not self._llm.errored:
+            await asyncio.sleep(poll_s)
+        return "vLLM's engine core died (EngineDeadError); its log is above"
+
     @property
     def llm(self) -> Any:
         """The AsyncLLM itself, for benchmarks (raw-engine baselines) and diagnostics."""
@@ -201,20 +208,29 @@ class VllmEngine:
         if spec.adapter is not None and lora is None:
             raise RuntimeError(f"adapter {spec.adapter.name} is not loaded in the engine")
         from vllm.inputs.engine import tokens_input
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         # Already-tokenized ids as a rendered input: vLLM skips its executor hop for tokenization (our
         # validation has checked the ids against the vocabulary), which adds up over a batch's requests.
-        queue = await self._llm.add_request(spec.request_id, tokens_input(list(spec.prompt_token_ids)),
-                                            self._params(spec), lora_request=lora)
+        try:
+            queue = await self._llm.add_request(spec.request_id, tokens_input(list(spec.prompt_token_ids)),
+                                                self._params(spec), lora_request=lora)
+        except EngineDeadError:
+            raise _engine_dead() from None
         return self._events(spec.request_id, queue, spec.sampling.logprobs)
 
     async def _events(self, request_id: str, queue: Any, top_n: int) -> AsyncIterator[SegmentEvent]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         finished = False
         self._live += 1  # counted while consumed, so a generator never started cannot leak a count
         self._peak = max(self._peak, min(self._live, self.settings.max_num_seqs))
         try:
             while not finished:
-                out = queue.get_nowait() or await queue.get()
+                try:
+                    out = queue.get_nowait() or await queue.get()
+                except EngineDeadError:
+                    raise _engine_dead() from None
                 finished = out.finished
                 completion = out.outputs[0]
                 token_ids = list(completion.token_ids)
@@ -223,8 +239,8 @@ class VllmEngine:
                 yield SegmentEvent(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish=finish)
         finally:
             self._live -= 1
-            if not finished and self._llm is not None:  # consumer gone: vLLM's id for this request
-                await self._llm.abort(queue.request_id, internal=True)
+            if not finished and self._llm is not None and not self._llm.errored:  # consumer gone
+                await self._llm.abort(queue.request_id, internal=True)  # (vLLM's id for this request)
             queue.close()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
@@ -321,3 +337,8 @@ def _logprobs(token_ids: list[int], entries: Any, top_n: int) -> tuple[list[floa
     top = [{int(t): float(lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n}
            for entry in entries]
     return sampled, top
+
+
+def _engine_dead() -> UnavailableError:
+    """What a request that met a dead engine core answers: this replica restarts (see wait_dead)."""
+    return UnavailableError("vLLM's engine core died; this rollout replica is stopping to be restarted")

@@ -17,8 +17,13 @@ CPU_KERNEL_BLOCK_ALIGNMENT = 16
 
 
 def register() -> None:
-    """Idempotent (vLLM may call it more than once per process); a no-op off CPU."""
+    """Idempotent (vLLM may call it more than once per process). In every process a rollout starts, a
+    watch on its parent (lorarl.common.parent_watch); on CPU, the block-size widening."""
     from vllm.platforms import current_platform
+
+    from lorarl.common.parent_watch import watch_if_marked
+
+    watch_if_marked()
 
     if not current_platform.is_cpu():
         return

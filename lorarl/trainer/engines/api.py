@@ -232,6 +232,11 @@ class TrainEngine(abc.ABC):
     def load_checkpoint(self, path: str | Path) -> CheckpointInfo: ...
 
     @abc.abstractmethod
+    def renumber(self, version: int) -> None:
+        """Moves the version counter up to ``version`` (weights unchanged): a resumed job continues above
+        every number weight sync already holds, so one number never names two sets of weights."""
+
+    @abc.abstractmethod
     def export_adapter(self, path: str | Path) -> Path:
         """The adapter as a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
 

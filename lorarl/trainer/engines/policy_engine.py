@@ -321,3 +321,8 @@ class PolicyEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self._pending_grads = False
         return CheckpointInfo(Path(path), state.step, state.version, state.data_cursor)
+
+    def renumber(self, version: int) -> None:
+        if version < self._version:
+            raise ValueError(f"version {version} is below the current version {self._version}")
+        self._version = version

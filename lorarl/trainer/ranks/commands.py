@@ -38,6 +38,7 @@ CALLS: dict[str, tuple[str, ...]] = {
     "compute_logprobs": ("batch", "reference"),
     "save_checkpoint": ("path", "data_cursor"),
     "load_checkpoint": ("path",),
+    "renumber": ("version",),
     "export_adapter": ("path",),
     "export_merged": ("path",),
 }
@@ -133,6 +134,7 @@ _ENCODERS: dict[str, Any] = {
     "lr": lambda v: None if v is None else float(v),
     "reference": bool,
     "path": str,
+    "version": int,
     "data_cursor": lambda v: v,
     "spec": spec_to_json,
 }
@@ -155,6 +157,10 @@ def _decode_value(name: str, raw: Any) -> Any:
         if not isinstance(raw, str) or not raw:
             raise CommandError(f"path must be a non-empty string, got {raw!r}")
         return Path(raw)
+    if name == "version":
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+            raise CommandError(f"version must be a non-negative integer, got {raw!r}")
+        return raw
     if name == "spec":
         return spec_from_json(raw)
     return raw  # data_cursor: the caller's opaque JSON value

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 #: Calls whose failure on some ranks only leaves the ranks' engines in different states.
-STATEFUL = ("forward_backward", "optim_step", "train_step", "load_checkpoint")
+STATEFUL = ("forward_backward", "optim_step", "train_step", "load_checkpoint", "renumber")
 
 
 def status_of(error: BaseException | None) -> str:
@@ -274,6 +274,9 @@ class LockstepEngine(TrainEngine):
 
     def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
         return self._call("load_checkpoint", path=path)
+
+    def renumber(self, version: int) -> None:
+        self._call("renumber", version=version)
 
     def export_adapter(self, path: str | Path) -> Path:
         return self._call("export_adapter", path=path)

@@ -60,6 +60,9 @@ class Job:
     engine: TrainEngine
     buffer: TrajectoryBuffer
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: The next publish registers with weight sync again and learns its latest version: a new or
+    #: rewound job (restarted trainer, loaded checkpoint) must not reuse a number weight sync holds.
+    sync_unchecked: bool = True
 
 
 def check_job_id(job_id: str) -> None:
@@ -121,10 +124,19 @@ class JobManager:
                                        f"{spec.base_model_path!r} is not a Hugging Face model directory "
                                        "(no config.json)")
 
-    async def create(self, job_id: str, spec: JobSpec) -> Job:
+    async def create(self, job_id: str, spec: JobSpec, attach: bool = False) -> tuple[Job, bool]:
+        """A new job, or with ``attach`` the existing one of the same configuration; True when attached."""
         check_job_id(job_id)
-        if job_id in self._jobs or job_id in self._creating:
-            raise AlreadyExistsError(f"job {job_id!r} already exists; delete it or pick another id")
+        if job_id in self._creating:
+            raise UnavailableError(f"job {job_id!r} is being created by another call; retry in a few seconds")
+        existing = self._jobs.get(job_id)
+        if existing is not None:
+            if not attach:
+                raise AlreadyExistsError(f"job {job_id!r} already exists; delete it or pick another id")
+            if existing.spec != spec:
+                raise AlreadyExistsError(f"job {job_id!r} already exists with a different configuration; delete "
+                                         "it (DeleteJob) or pick another job id")
+            return existing, True
         if len(self._jobs) + len(self._creating) >= self.max_jobs:
             raise ResourceExhaustedError(f"this trainer holds at most {self.max_jobs} jobs; delete one first")
         self._check_model_path(spec)
@@ -141,7 +153,7 @@ class JobManager:
             freeze_long_lived()  # the model lives as long as the job: keep full collections off it
             job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits))
             self._jobs[job_id] = job
-            return job
+            return job, False
         finally:
             self._creating.discard(job_id)
 
@@ -234,7 +246,9 @@ class JobManager:
         from lorarl.trainer.engines.checkpoint import CheckpointError
 
         try:
-            return await self._run(job, job.engine.load_checkpoint, path)
+            info = await self._run(job, job.engine.load_checkpoint, path)
+            job.sync_unchecked = True
+            return info
         except CheckpointError as e:
             raise FailedPreconditionError(f"checkpoint {str(path)!r} refused: {e}") from None
 
@@ -260,16 +274,24 @@ class JobManager:
         engine = job.engine
         try:
             async with job.lock:
-                version = engine.version
-                if version == 0:
+                if engine.version == 0:
                     raise FailedPreconditionError(
                         f"job {job_id!r} is at version 0 (the base model every replica already serves); "
                         "train a step before publishing")
-                if job_id not in publisher.jobs:
+                if job_id not in publisher.jobs or job.sync_unchecked:
                     catalog = await self._in_engine_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
-                    await publisher.register_job(job_id, base_model_fingerprint=engine.base_model_fingerprint,
-                                                 lora=job.spec.lora.to_proto(), catalog=catalog, mode=mode,
-                                                 start_version=version - 1)
+                    registration = await publisher.register_job(
+                        job_id, base_model_fingerprint=engine.base_model_fingerprint, lora=job.spec.lora.to_proto(),
+                        catalog=catalog, mode=mode, start_version=engine.version - 1)
+                    if registration.latest_version >= engine.version:
+                        # Weight sync holds this number (and maybe more) from before a restart or rewind:
+                        # these weights continue above them.
+                        logger.info("job %s: version %d continues as %d, above weight sync's latest",
+                                    job_id, engine.version, registration.latest_version + 1,
+                                    extra={"job_id": job_id})
+                        await self._in_engine_thread(engine.renumber, registration.latest_version + 1)
+                    job.sync_unchecked = False
+                version = engine.version
                 result = await publisher.publish(
                     job_id, version, wait=False,
                     adapter=lambda: [(n, t.detach().clone()) for n, t in engine.iter_adapter_tensors()],
@@ -285,6 +307,8 @@ class JobManager:
                 outcome.failed_replicas = list(activation.failed_replicas)
             return outcome
         except PublishError as e:
+            if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise UnavailableError(f"weight-sync service unreachable: {e}") from None
             raise FailedPreconditionError(f"weight sync refused version: {e}") from None
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -88,10 +88,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     async def CreateJob(self, request, context):
         spec = convert.job_spec(request.config, self.settings.device)
-        job = await self.jobs.create(request.job_id, spec)
+        job, attached = await self.jobs.create(request.job_id, spec, attach=request.attach)
         if self.settings.weightsync_address:
             self.publisher().connect()  # the first publish should not pay for the import and the handshake
-        return trainer_pb2.CreateJobResponse(job=job_status(job))
+        return trainer_pb2.CreateJobResponse(job=job_status(job), attached=attached)
 
     async def GetJob(self, request, context):
         return trainer_pb2.GetJobResponse(job=job_status(self.jobs.get(request.job_id)))

@@ -46,7 +46,12 @@ ACTIVE = weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE
 
 
 class PublishError(RuntimeError):
-    """A version could not be published (refused, or its bytes could not be delivered)."""
+    """Weight sync refused a publish, or its bytes could not be delivered; ``code`` is the grpc status
+    behind it, if any (UNAVAILABLE: weight sync was unreachable or restarting, worth retrying)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ class WeightPublisher:
         try:
             response = await self.stub.PublishManifest(request, timeout=60)
         except grpc.aio.AioRpcError as exc:
-            raise PublishError(f"{job_id} v{version} refused: {exc.code().name}: {exc.details()}") from exc
+            raise PublishError(f"{job_id} v{version} refused: {exc.code().name}: {exc.details()}", exc.code()) from exc
         timings["publish_rpc_s"] = time.perf_counter() - started - timings["pack_s"]
         accepted = response.manifest
         is_collective = accepted.transport.WhichOneof("kind") == "collective"
@@ -267,7 +272,8 @@ class WeightPublisher:
         if isinstance(uploaded, BaseException):
             detail = (f"{uploaded.code().name}: {uploaded.details()}" if isinstance(uploaded, grpc.aio.AioRpcError)
                       else repr(uploaded))
-            raise PublishError(f"upload of {accepted.job_id} v{accepted.version} failed: {detail}") from uploaded
+            code = uploaded.code() if isinstance(uploaded, grpc.aio.AioRpcError) else None
+            raise PublishError(f"upload of {accepted.job_id} v{accepted.version} failed: {detail}", code) from uploaded
 
     def _broadcast(self, accepted: common_pb2.WeightManifest, sender_rank: int, payload: _Payload) -> int:
         c = accepted.transport.collective

@@ -62,6 +62,10 @@ class FakeEngine:
     async def close(self) -> None:
         pass
 
+    async def wait_dead(self) -> str:
+        await asyncio.Event().wait()
+        return ""
+
     async def submit(self, spec: SegmentSpec) -> AsyncIterator[SegmentEvent]:
         if spec.adapter is not None and spec.adapter.lora_int_id not in self.adapters:
             raise RuntimeError(f"{spec.adapter.name} not loaded")

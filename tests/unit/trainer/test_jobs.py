@@ -66,7 +66,7 @@ def test_engine_work_runs_on_threads_at_compute_nice_and_rpcs_keep_their_priorit
 def test_a_failed_warm_up_still_creates_the_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     calls: list[tuple[str, int, int]] = []
     manager = JobManager(engine_factory=lambda s: RecordingEngine(calls, fail_warm_up=True))
-    job = asyncio.run(manager.create("job", spec(tmp_path)))
+    job, _ = asyncio.run(manager.create("job", spec(tmp_path)))
     assert manager.get("job") is job and [c[0] for c in calls] == ["create", "warm_up"]
     assert "warm-up failed" in caplog.text
 
@@ -74,7 +74,7 @@ def test_a_failed_warm_up_still_creates_the_job(tmp_path: Path, caplog: pytest.L
 def test_a_created_job_is_kept_out_of_full_collections(tmp_path: Path) -> None:
     manager = JobManager(engine_factory=lambda s: RecordingEngine([]))
     try:
-        job = asyncio.run(manager.create("job", spec(tmp_path)))
+        job, _ = asyncio.run(manager.create("job", spec(tmp_path)))
         assert not any(o is job.engine.calls for o in gc.get_objects())  # frozen with the engine
     finally:
         gc.unfreeze()

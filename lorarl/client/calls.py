@@ -1,0 +1,71 @@
+"""Service stubs whose failures say which service, which call and what to do, in one line.
+
+A raw grpc error names neither the service nor the call ("UNAVAILABLE: Connection reset by peer").
+``NamedStub`` wraps a generated stub: every call that fails raises ``ServiceCallError``, which keeps
+the status code (the recovery rule reads it) and prints as
+``trainer at 127.0.0.1:5001: TrainStep failed with UNAVAILABLE (...); <hint>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from lorarl.common.validation import quote
+
+#: What a person can do about each code, after the call failed with it.
+HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "is the service running and reachable? (it may be restarting)",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the service did not answer in time; check its log for a stuck step",
+    grpc.StatusCode.UNAUTHENTICATED: "the token differs from the services' (set $LORARL_AUTH_TOKEN to theirs)",
+    grpc.StatusCode.PERMISSION_DENIED: "the token differs from the services' (set $LORARL_AUTH_TOKEN to theirs)",
+    grpc.StatusCode.INVALID_ARGUMENT: "fix the job config field the message names",
+    grpc.StatusCode.FAILED_PRECONDITION: "the service's state does not allow this call; see the message",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the service is out of room (memory, jobs or buffer); see the message",
+    grpc.StatusCode.ALREADY_EXISTS: "delete the existing job or pick another job_id",
+    grpc.StatusCode.NOT_FOUND: "the service does not hold what the call names (was it restarted?)",
+    grpc.StatusCode.INTERNAL: "a bug in the service: its log has the traceback",
+    grpc.StatusCode.UNKNOWN: "a bug in the service: its log has the traceback",
+}
+
+
+class ServiceCallError(Exception):
+    """A call to one service failed; ``code`` is the grpc status code."""
+
+    def __init__(self, service: str, address: str, method: str, code: grpc.StatusCode, details: str) -> None:
+        self.service, self.address, self.method, self.code, self.details = service, address, method, code, details
+        hint = HINTS.get(code, "see the service's log")
+        where = f"{service} at {address}" if address else service
+        super().__init__(f"{where}: {method} failed with {code.name} ({quote(details or 'no details')}); {hint}")
+
+
+class NamedStub:
+    """A generated stub whose calls raise ServiceCallError instead of a bare grpc error."""
+
+    def __init__(self, stub: Any, service: str, address: str = "") -> None:
+        self._stub, self.service, self.address = stub, service, address
+
+    def _error(self, method: str, error: grpc.aio.AioRpcError) -> ServiceCallError:
+        return ServiceCallError(self.service, self.address, method, error.code(), error.details() or "")
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        call = getattr(self._stub, method)
+        if isinstance(call, grpc.aio.UnaryStreamMultiCallable | grpc.aio.StreamStreamMultiCallable):
+            def streaming(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                async def responses() -> AsyncIterator[Any]:
+                    try:
+                        async for response in call(*args, **kwargs):
+                            yield response
+                    except grpc.aio.AioRpcError as e:
+                        raise self._error(method, e) from None
+                return responses()
+            return streaming
+
+        async def unary(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await call(*args, **kwargs)
+            except grpc.aio.AioRpcError as e:
+                raise self._error(method, e) from None
+        return unary

@@ -1,0 +1,134 @@
+"""End to end: a job finishes through SIGKILLs of its services (real processes, vLLM, gloo, gRPC).
+
+- `lorarl run`: the trainer, the rollout, the rollout's vLLM engine core and weight sync are killed in
+  turn, mid-run; its supervisor restarts each and the loop carries on from its last resume point.
+- `lorarl train` against services it does not own: each is killed and started again by hand (same
+  port, 3 s later, as compose or Kubernetes would); the loop waits each restart out. A re-run
+  attaches to the job instead of failing with ALREADY_EXISTS.
+bench/recovery.py measures the same faults (time to detect and recover) for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.recovery import TARGETS, Kill, lorarl_command, read_rows, run_with_faults
+from lorarl.client.commands.run import local_stack
+from lorarl.client.job_config import load_job_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ["loop.mode=sync", "loop.eval_every=0", "data.eval_size=50", "output.tensorboard=false",
+         "output.progress=false"]
+
+
+def step_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "rollout/reward_mean" in r]
+
+
+def assert_versions_never_reused(rows: list[dict], steps: int) -> None:
+    done = step_rows(rows)
+    assert [int(r["step"]) for r in done] == list(range(1, steps + 1))  # every step, each once
+    versions = [int(r["sync/version"]) for r in done]
+    assert versions == sorted(set(versions)), versions  # strictly upward: a number names one set of weights
+
+
+def redone_steps(stderr: str) -> list[int]:
+    """Per recovery: steps done before the fault that the loop did again (fault at N, carried on from S)."""
+    redone, fault = [], None
+    for line in stderr.splitlines():
+        if (m := re.match(r"step (\d+): .*recovering \(fault", line)) and fault is None:
+            fault = int(m.group(1))  # the first of a recovery's faults (a restore may meet more)
+        elif (m := re.match(r"recovered: carrying on from step (\d+)", line)) and fault is not None:
+            redone.append(fault - int(m.group(1)))
+            fault = None
+    assert redone, stderr[-3000:]
+    return redone
+
+
+def leftover_processes(marker: str) -> list[str]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and any(marker in part for part in p.info["cmdline"] or []):
+                found.append(" ".join(p.info["cmdline"]))
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_lorarl_run_finishes_through_a_sigkill_of_each_service(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    steps = 14
+    kills = [Kill(target, 2 + 3 * i) for i, target in enumerate(TARGETS)]
+    run = run_with_faults(out, kills, [f"loop.steps={steps}", *QUICK], timeout_s=800)
+    assert run.returncode == 0, run.text()
+    assert all(k.killed_at for k in kills), kills
+    assert_versions_never_reused(run.rows, steps)
+    stderr = "\n".join(line for _, line in run.stderr)
+    for target in ("trainer", "rollout", "weightsync"):
+        assert f"the {target} service is back" in stderr, stderr[-3000:]
+    assert "exited with code 1" in stderr  # the rollout, after its engine core died, exited by itself
+    assert all(n <= 1 for n in redone_steps(stderr)), stderr[-3000:]  # at most the step in flight
+    assert not leftover_processes(str(out)), "a service or its engine core outlived the run"
+
+
+def test_lorarl_train_rides_through_restarts_of_services_it_does_not_own(tmp_path: Path) -> None:
+    out = tmp_path / "train"
+    steps = 12
+    overrides = [f"loop.steps={steps}", f"output.dir={out}", *QUICK]
+    cfg = load_job_config(str(ROOT / "examples/demo.yaml"), overrides)
+    stack = local_stack(cfg, out)  # started as a user would: `lorarl serve` per service, on loopback
+    with stack:
+        args = [*lorarl_command(), "train", "examples/demo.yaml", *overrides, "--trainer", stack.address("trainer"),
+                "--rollout", stack.address("rollout"), "--weightsync", stack.address("weightsync")]
+        env = {**stack.env(), "PYTHONUNBUFFERED": "1"}
+        loop = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for at_step, name in ((2, "trainer"), (5, "rollout"), (8, "weightsync")):
+                deadline = time.monotonic() + 400
+                while len(step_rows(read_rows(out))) < at_step and loop.poll() is None:
+                    assert time.monotonic() < deadline, f"no step {at_step}"
+                    time.sleep(0.2)
+                svc = stack.processes[name]
+                os.killpg(svc.process.pid, signal.SIGKILL)  # the service and its engine core
+                svc.process.wait(timeout=30)
+                time.sleep(3)
+                port = int(svc.address.rsplit(":", 1)[1])
+                stack.processes[name] = stack._launch(name, svc.section, svc.service, port=port)
+            output, _ = loop.communicate(timeout=600)
+        finally:
+            if loop.poll() is None:
+                loop.kill()
+        assert loop.returncode == 0, output[-5000:]
+        assert output.count("recovered: carrying on") >= 3, output[-5000:]
+        assert_versions_never_reused(read_rows(out), steps)
+        # Running the same command again attaches to the finished job instead of ALREADY_EXISTS.
+        again = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert "resumed from" in again.stdout and "ALREADY_EXISTS" not in again.stderr
+        assert_versions_never_reused(read_rows(out), steps)
+
+
+def test_a_run_that_cannot_reach_a_service_ends_in_one_line_naming_it(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    done = subprocess.run([*lorarl_command(), "train", "examples/demo.yaml", f"output.dir={tmp_path}", "--trainer",
+                           nowhere, "--rollout", nowhere, "--weightsync", nowhere], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "LORARL_AUTH_TOKEN": "t"})
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"lorarl: run failed: trainer at {nowhere}: CreateJob failed with UNAVAILABLE")
+    assert "Traceback" not in done.stderr
