@@ -182,18 +182,22 @@ async def measure_sync(target: str, base: torch.nn.Module, args: argparse.Namesp
 
 
 def transport_peer(port: int, manifest_path: str, reps: int) -> None:
-    """Rank 1 of the transport comparison: receives with our path (verify) and raw, alternately."""
+    """Rank 1 of the transport comparison: receives with our path (xxh64 + keyed hash, as the agent does),
+    with xxh64 only (the check before keyed hashes), and raw, alternately."""
     from lorarl.v1 import common_pb2
     from lorarl.weightsync.client.agent import verified_tensors
     from lorarl.weightsync.wire.collective import WeightTransferGroup
+    from lorarl.weightsync.wire.payload import transfer_key
 
     manifest = common_pb2.WeightManifest.FromString(Path(manifest_path).read_bytes())
     sizes = [b.nbytes for b in manifest.buckets]
+    key = transfer_key(TOKEN, manifest.job_id)
     group = WeightTransferGroup("gloo", "127.0.0.1", port, 1, 2, "bench", timeout_s=600, local_address="127.0.0.1")
     for _ in range(reps):
-        group.barrier()
-        verified_tensors(manifest, group.receive_all(sizes))
-        group.barrier()
+        for check in (key, None):
+            group.barrier()
+            verified_tensors(manifest, group.receive_all(sizes), key=check)
+            group.barrier()
         group.barrier()
         buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         for work in [group.broadcast(b, 0) for b in buffers]:
@@ -205,10 +209,20 @@ def transport_peer(port: int, manifest_path: str, reps: int) -> None:
 def measure_transport(model: torch.nn.Module, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     from lorarl.trainer.rl.lora import iter_merged_weights
     from lorarl.weightsync.wire.collective import WeightTransferGroup
-    from lorarl.weightsync.wire.payload import build_manifest, pack
+    from lorarl.weightsync.wire.payload import bucket_mac, build_manifest, checksum, pack, transfer_key
 
     buckets = list(pack(iter_merged_weights(model), args.bucket_mib << 20))
-    manifest = build_manifest(job_id="bench", version=1, mode=2, base_model_fingerprint="f", buckets=buckets)
+    key = transfer_key(TOKEN, "bench")
+    manifest = build_manifest(job_id="bench", version=1, mode=2, base_model_fingerprint="f", buckets=buckets,
+                              key=key)
+    hashes: dict[str, list[float]] = {"xxh64": [], "mac": []}  # each side's cost per byte, alternated
+    for _ in range(args.transport_reps):
+        for name, digest in (("xxh64", lambda b: checksum(b.buffer)),
+                             ("mac", lambda b: bucket_mac(key, 1, 2, b.index, b.buffer))):
+            t0 = time.perf_counter()
+            for bucket in buckets:
+                digest(bucket)
+            hashes[name].append(time.perf_counter() - t0)
     manifest_path = tmp / "transport-manifest.binpb"
     manifest_path.write_bytes(manifest.SerializeToString())
     from lorarl.weightsync.wire.collective import rendezvous_store
@@ -218,14 +232,15 @@ def measure_transport(model: torch.nn.Module, args: argparse.Namespace, tmp: Pat
                              str(args.transport_reps)], cwd=ROOT)
     group = WeightTransferGroup("gloo", "127.0.0.1", store.port, 0, 2, "bench", timeout_s=600,
                                 local_address="127.0.0.1", store=store)
-    ours, raw = [], []
+    ours, xxh_only, raw = [], [], []
     try:
         for _ in range(args.transport_reps):
-            group.barrier()
-            t0 = time.perf_counter()
-            group.send(iter(buckets))
-            group.barrier()  # the receiver has verified everything
-            ours.append(time.perf_counter() - t0)
+            for times in (ours, xxh_only):
+                group.barrier()
+                t0 = time.perf_counter()
+                group.send(iter(buckets))
+                group.barrier()  # the receiver has verified everything
+                times.append(time.perf_counter() - t0)
             group.barrier()
             t0 = time.perf_counter()
             for work in [group.broadcast(b.buffer, 0) for b in buckets]:
@@ -237,7 +252,8 @@ def measure_transport(model: torch.nn.Module, args: argparse.Namespace, tmp: Pat
         peer.wait(timeout=120)
     nbytes = manifest.total_bytes
     return {"bytes": nbytes, "buckets": len(buckets), "ours_s": min(ours), "raw_s": min(raw),
-            "ours_bps": nbytes / min(ours), "raw_bps": nbytes / min(raw)}
+            "ours_bps": nbytes / min(ours), "raw_bps": nbytes / min(raw), "xxh_only_bps": nbytes / min(xxh_only),
+            "xxh64_hash_bps": nbytes / min(hashes["xxh64"]), "mac_hash_bps": nbytes / min(hashes["mac"])}
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -319,6 +335,14 @@ def report(args: argparse.Namespace, base: torch.nn.Module, sync: dict[int, dict
         f"({mib(transport['bytes'])}, {transport['buckets']} bucket(s), best of {args.transport_reps}) | "
         f"{transport['ours_bps'] / 2**30:.2f} GiB/s | raw {transport['raw_bps'] / 2**30:.2f} GiB/s | "
         f"{efficiency:.2f} | >= {TRANSPORT_TARGET} | {verdict(efficiency, TRANSPORT_TARGET, at_most=False)} |",
+        f"| | transport: receiver verifies xxh64 + keyed BLAKE2b (as the agent does) vs xxh64 only (before keyed "
+        f"hashes), same send | {transport['ours_bps'] / 2**30:.2f} GiB/s | xxh64 only "
+        f"{transport['xxh_only_bps'] / 2**30:.2f} GiB/s | {transport['ours_bps'] / transport['xxh_only_bps']:.2f} "
+        f"| | |",
+        f"| | hash alone, one pass over the buckets (each side pays it once: sender packing, receiver checking) "
+        f"| BLAKE2b-256 keyed {transport['mac_hash_bps'] / 2**30:.2f} GiB/s | xxh64 "
+        f"{transport['xxh64_hash_bps'] / 2**30:.2f} GiB/s | "
+        f"{transport['xxh64_hash_bps'] / transport['mac_hash_bps']:.1f}x slower | | |",
         "",
     ]
     if args.layers != REAL_LAYERS:

@@ -6,9 +6,11 @@ The schema (deploy/schema/compose-spec.json, vendored from compose-spec/compose-
 unknown keys and wrong shapes. A schema cannot know that a `depends_on` target exists, that a
 command parses with the real `lorarl` parser, that a config file and every LORARL_<SECTION>__<KEY>
 variable name real settings (each service config is loaded as the service would load it), that a
-client address uses the port its server listens on, or that servers bind an address other
-containers can reach; the semantic checks below do. Container paths under /app (the images'
-WORKDIR, where `COPY . .` puts the repository) are read from this checkout.
+client address uses the port its server listens on, that servers bind an address other
+containers can reach, or that the token reaches every service as a mounted secret file (never an
+environment variable, which `docker inspect` shows); the semantic checks below do. Container
+paths under /app (the images' WORKDIR, where `COPY . .` puts the repository) are read from this
+checkout, and /run/secrets/NAME from the secret's file.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ SCHEMA = ROOT / "deploy" / "schema" / "compose-spec.json"
 IMAGE_ROOT = "/app"
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+SECRETS_DIR = "/run/secrets"
+#: Environment variables that would put the token where `docker inspect` shows it.
+TOKEN_VARIABLES = frozenset({"LORARL_AUTH_TOKEN", "LORARL_SERVER__AUTH__TOKEN"})
 _ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9_.-]+):(?P<port>\d+)")
 
 
@@ -64,14 +69,31 @@ def repo_path(path: str, working_dir: str = IMAGE_ROOT) -> Path:
     return ROOT / absolute[len(IMAGE_ROOT):].lstrip("/")
 
 
-def _to_repo(value: Any) -> Any:
-    """Config data with /app/... strings read as paths of this checkout (so existence checks apply)."""
+def secret_mounts(project: Mapping[str, Any], service: Mapping[str, Any], project_dir: Path) -> dict[str, Path]:
+    """Container path -> host file of each file secret ``service`` mounts (Compose puts them under /run/secrets)."""
+    declared = project.get("secrets") or {}
+    mounts = {}
+    for item in service.get("secrets") or []:
+        source = item if isinstance(item, str) else item.get("source", "")
+        target = source if isinstance(item, str) else item.get("target", source)
+        spec = declared.get(source) or {}
+        if "file" in spec:
+            path = Path(spec["file"])
+            mounts[target if target.startswith("/") else f"{SECRETS_DIR}/{target}"] = \
+                path if path.is_absolute() else project_dir / path
+    return mounts
+
+
+def _to_repo(value: Any, mounts: Mapping[str, Path] | None = None) -> Any:
+    """Config data with /app/... strings (and mounted secrets) read as paths here, so existence checks apply."""
+    if isinstance(value, str) and mounts and value in mounts:
+        return str(mounts[value])
     if isinstance(value, str) and (value == IMAGE_ROOT or value.startswith(IMAGE_ROOT + "/")):
         return str(repo_path(value))
     if isinstance(value, dict):
-        return {k: _to_repo(v) for k, v in value.items()}
+        return {k: _to_repo(v, mounts) for k, v in value.items()}
     if isinstance(value, list):
-        return [_to_repo(v) for v in value]
+        return [_to_repo(v, mounts) for v in value]
     return value
 
 
@@ -96,14 +118,16 @@ def environment(service: Mapping[str, Any]) -> dict[str, str]:
     return {str(k): "" if v is None else str(v) for k, v in env.items()}
 
 
-def service_config(service: Mapping[str, Any], args: argparse.Namespace) -> Any:
-    """The config `lorarl serve` builds from this service's config file, environment and flags."""
+def service_config(service: Mapping[str, Any], args: argparse.Namespace,
+                   mounts: Mapping[str, Path] | None = None) -> Any:
+    """The config `lorarl serve` builds from this service's config file, environment and flags
+    (``mounts``: its secrets, see secret_mounts)."""
     from lorarl.client.commands.serve import SERVICES, flag_overrides
 
     config_type = importlib.import_module(SERVICES[args.service]).CONFIG_TYPE
     working_dir = service.get("working_dir", IMAGE_ROOT)
-    raw = _to_repo(read_yaml(repo_path(args.config, working_dir))) if args.config else {}
-    env = {k: str(_to_repo(v)) for k, v in environment(service).items()}
+    raw = _to_repo(read_yaml(repo_path(args.config, working_dir)), mounts) if args.config else {}
+    env = {k: str(_to_repo(v, mounts)) for k, v in environment(service).items()}
     apply_env(raw, config_type, env)
     apply_overrides(raw, [*args.overrides, *flag_overrides(args)])
     return from_dict(config_type, raw)
@@ -134,23 +158,50 @@ def _volume_targets(service: Mapping[str, Any]) -> list[str]:
 def semantic_problems(project: Mapping[str, Any], project_dir: Path) -> list[str]:
     """What the schema cannot see; see the module docstring."""
     services: Mapping[str, Any] = project.get("services") or {}
+    missing = _secret_problems(project, project_dir)
+    if missing:  # no container would start: say that once, not once per service that mounts it
+        return missing
     problems: list[str] = []
     configs: dict[str, Any] = {}
     for name, service in services.items():
         where = f"services.{name}"
         problems += [f"{where}.depends_on: no service {dep!r}" for dep in depends_on(service) if dep not in services]
+        problems += [f"{where}.secrets: no top-level secret {source!r}" for source in _secret_names(service)
+                     if source not in (project.get("secrets") or {})]
+        problems += [f"{where}.environment.{key}: the token would show in `docker inspect`; mount it as a secret "
+                     "and read it with server.auth.token_file (--token-file for the client)"
+                     for key in environment(service) if key in TOKEN_VARIABLES]
         problems += _build_problems(where, service, project_dir)
         try:
             args = parse_command(service.get("command") or [])
         except ValueError as exc:
             problems.append(f"{where}.command: `lorarl {' '.join(service.get('command') or [])}` does not parse: {exc}")
             continue
+        mounts = secret_mounts(project, service, project_dir)
         if args.command == "serve":
-            problems += _server_problems(where, name, service, args, configs)
+            problems += _server_problems(where, name, service, args, configs, mounts)
         elif args.command == "train":
-            problems += _client_problems(where, service, args)
+            problems += _client_problems(where, service, args, mounts)
     for name, service in services.items():
         problems += _address_problems(f"services.{name}", name, service, services, configs)
+    return problems
+
+
+def _secret_names(service: Mapping[str, Any]) -> list[str]:
+    return [item if isinstance(item, str) else item.get("source", "") for item in service.get("secrets") or []]
+
+
+def _secret_problems(project: Mapping[str, Any], project_dir: Path) -> list[str]:
+    """Declared file secrets whose file is missing or empty (Compose would refuse to create the containers)."""
+    problems = []
+    for name, spec in (project.get("secrets") or {}).items():
+        if "file" not in spec:
+            continue
+        path = Path(spec["file"]) if Path(spec["file"]).is_absolute() else project_dir / spec["file"]
+        if not path.is_file() or not path.read_text(encoding="utf-8", errors="replace").strip():
+            problems.append(f"secrets.{name}.file: {path} {'is empty' if path.is_file() else 'does not exist'}; "
+                            "create it with the shared token, e.g. (umask 077; openssl rand -hex 16 > FILE), "
+                            "see deploy/README.md")
     return problems
 
 
@@ -171,12 +222,12 @@ def _build_problems(where: str, service: Mapping[str, Any], project_dir: Path) -
 
 
 def _server_problems(where: str, name: str, service: Mapping[str, Any], args: argparse.Namespace,
-                     configs: dict[str, Any]) -> list[str]:
+                     configs: dict[str, Any], mounts: Mapping[str, Path]) -> list[str]:
     configs[name] = None  # a server whose config fails is reported once, not again by every address of it
     if args.config and not repo_path(args.config, service.get("working_dir", IMAGE_ROOT)).is_file():
         return [f"{where}.command: config file {args.config} is not in the repository"]
     try:
-        config = configs[name] = service_config(service, args)
+        config = configs[name] = service_config(service, args, mounts)
     except ConfigError as exc:
         return [f"{where}: lorarl serve {args.service} would refuse its configuration: {exc}"]
     env = environment(service)
@@ -184,11 +235,14 @@ def _server_problems(where: str, name: str, service: Mapping[str, Any], args: ar
     problems = [f"{where}.environment.{key}: {args.service} has no config section {_section(key)!r}"
                 for key in env if _section(key) is not None and _section(key) not in sections]
     auth = config.server.auth
-    has_token = auth.token is not None or auth.token_file is not None or bool(env.get(auth.token_env or ""))
-    if not has_token:
-        # the service fails closed: no token, no start (auth.required: false holds on loopback only)
-        source = f"${auth.token_env}" if auth.token_env else "server.auth.token_file"
-        problems.append(f"{where}.environment: no token for the service ({source} is not set)")
+    if auth.token is not None:
+        problems.append(f"{where}: server.auth.token holds the token in the config file; use a secret and "
+                        "server.auth.token_file")
+    elif auth.token_file is None:
+        # the service fails closed: no token, no start (auth.required: false holds on loopback only); and a
+        # token in a variable would show in `docker inspect`
+        problems.append(f"{where}: no server.auth.token_file: mount the token as a secret and name its "
+                        f"{SECRETS_DIR}/<secret> path there")
     if config.server.host not in WILDCARD_HOSTS:
         problems.append(f"{where}: server.host {config.server.host!r} is unreachable from other containers")
     for key, value in _advertised_hosts(config).items():
@@ -215,7 +269,8 @@ def _advertised_hosts(config: Any) -> dict[str, str]:
     return hosts
 
 
-def _client_problems(where: str, service: Mapping[str, Any], args: argparse.Namespace) -> list[str]:
+def _client_problems(where: str, service: Mapping[str, Any], args: argparse.Namespace,
+                     mounts: Mapping[str, Path]) -> list[str]:
     from lorarl.client.job_config import load_job_config
 
     working_dir = service.get("working_dir", IMAGE_ROOT)
@@ -229,8 +284,12 @@ def _client_problems(where: str, service: Mapping[str, Any], args: argparse.Name
     env = environment(service)
     problems = [f"{where}.environment.{key}: lorarl train reads no LORARL_<SECTION>__<KEY> variables"
                 for key in env if _section(key) is not None]
-    if not env.get("LORARL_AUTH_TOKEN"):
-        problems.append(f"{where}.environment: lorarl train takes its token from $LORARL_AUTH_TOKEN, which is unset")
+    token_file = args.token_file or env.get("LORARL_AUTH_TOKEN_FILE")
+    if not token_file:
+        problems.append(f"{where}.command: lorarl train gets no token; pass --token-file {SECRETS_DIR}/<secret>")
+    elif token_file not in mounts:
+        problems.append(f"{where}.command: --token-file {token_file} is no secret this service mounts "
+                        f"({', '.join(sorted(mounts)) or 'it mounts none'})")
     output = job.output.dir if job.output.dir.startswith("/") else f"{working_dir}/{job.output.dir}"
     if not any(output == t or output.startswith(t.rstrip("/") + "/") for t in _volume_targets(service)):
         problems.append(f"{where}: output.dir {output} is on no volume, so the run is lost with the container")

@@ -8,19 +8,25 @@ the status code (the recovery rule reads it) and prints as
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
+from lorarl.common.auth import resolve_token
+from lorarl.common.server_config import DEFAULT_TOKEN_ENV
 from lorarl.common.validation import quote
+
+#: The client's token file when --token-file is not given (a compose secret, a mounted file).
+TOKEN_FILE_ENV = "LORARL_AUTH_TOKEN_FILE"
 
 #: What a person can do about each code, after the call failed with it.
 HINTS = {
     grpc.StatusCode.UNAVAILABLE: "is the service running and reachable? (it may be restarting)",
     grpc.StatusCode.DEADLINE_EXCEEDED: "the service did not answer in time; check its log for a stuck step",
-    grpc.StatusCode.UNAUTHENTICATED: "the token differs from the services' (set $LORARL_AUTH_TOKEN to theirs)",
-    grpc.StatusCode.PERMISSION_DENIED: "the token differs from the services' (set $LORARL_AUTH_TOKEN to theirs)",
+    grpc.StatusCode.UNAUTHENTICATED: "the token differs from the services' (pass theirs with --token-file)",
+    grpc.StatusCode.PERMISSION_DENIED: "the token differs from the services' (pass theirs with --token-file)",
     grpc.StatusCode.INVALID_ARGUMENT: "fix the job config field the message names",
     grpc.StatusCode.FAILED_PRECONDITION: "the service's state does not allow this call; see the message",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the service is out of room (memory, jobs or buffer); see the message",
@@ -29,6 +35,12 @@ HINTS = {
     grpc.StatusCode.INTERNAL: "a bug in the service: its log has the traceback",
     grpc.StatusCode.UNKNOWN: "a bug in the service: its log has the traceback",
 }
+
+
+def client_token(token_file: str | None = None) -> str | None:
+    """The token a client sends: ``token_file`` (--token-file), else $LORARL_AUTH_TOKEN_FILE, else
+    $LORARL_AUTH_TOKEN. A file keeps it out of the environment, which ``ps e`` and ``docker inspect`` show."""
+    return resolve_token(token_file=token_file or os.environ.get(TOKEN_FILE_ENV) or None, token_env=DEFAULT_TOKEN_ENV)
 
 
 class ServiceCallError(Exception):

@@ -27,7 +27,9 @@ from typing import Any
 
 import yaml
 
+from lorarl.client.calls import TOKEN_FILE_ENV
 from lorarl.common.ready import wait_for_ready_file
+from lorarl.common.server_config import DEFAULT_TOKEN_ENV
 
 SERVICES = ("weightsync", "trainer", "rollout")
 
@@ -102,7 +104,9 @@ class LocalStack:
         return [p.address for p in self.processes.values() if p.service == service]
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, "LORARL_AUTH_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        # The token goes to the services as a file (token_file), never in their environment.
+        env = {k: v for k, v in os.environ.items() if k not in (DEFAULT_TOKEN_ENV, TOKEN_FILE_ENV)}
+        env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         # Three processes share the CPU: one OpenMP thread each. Two threads per process on a
@@ -110,8 +114,20 @@ class LocalStack:
         env.setdefault("OMP_NUM_THREADS", str(self.threads_per_service))
         return env
 
+    @property
+    def token_file(self) -> Path:
+        return self.workdir / "token"
+
+    def write_token(self) -> None:
+        """The token in a file only its owner reads (0600), created so: never readable by others."""
+        self.token_file.unlink(missing_ok=True)
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
+
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.write_token()
         for name in self.services:
             section = dict(self.sections.get(name, {}))
             if name == "trainer" and "weightsync" in self.processes:
@@ -129,7 +145,8 @@ class LocalStack:
         service = service or name
         config = {
             "server": {"host": "127.0.0.1", "port": port, "metrics_port": -1, "log_format": "text",
-                       "shutdown_grace_s": 5, "auth": {"token_env": "LORARL_AUTH_TOKEN", "required": True},
+                       "shutdown_grace_s": 5, "auth": {"token_file": str(self.token_file), "token_env": None,
+                                                         "required": True},
                        **self.server_sections.get(name, {})},
             service: section,
         }
@@ -217,6 +234,7 @@ class LocalStack:
                 svc.process.wait(timeout=10)
             _kill_group(svc.process.pid)  # nothing it started outlives it
         self.processes.clear()
+        self.token_file.unlink(missing_ok=True)  # the secret does not outlive the stack either
 
     def check_alive(self) -> None:
         for svc in self.processes.values():

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from lorarl.common.auth import AUTHORIZATION_KEY
-from lorarl.common.server_config import CLIENT_KEEPALIVE_S
+from lorarl.common.server_config import CLIENT_KEEPALIVE_S, PeerTlsConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 #: Overrides every lorarl client's keepalive interval (seconds), e.g. below a load balancer's idle timeout.
@@ -43,6 +43,14 @@ class ClientTls:
             private_key=_read(self.key_file),
             certificate_chain=_read(self.cert_file),
         )
+
+
+def peer_tls(config: PeerTlsConfig) -> ClientTls | None:
+    """A service's TLS towards its peers (``server.peer_tls``); None: plaintext."""
+    if config.ca_file is None:
+        return None
+    return ClientTls(ca_file=config.ca_file, cert_file=config.cert_file, key_file=config.key_file,
+                     server_name=config.server_name)
 
 
 def _read(path: str | None) -> bytes | None:

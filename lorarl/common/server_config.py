@@ -57,6 +57,26 @@ class TlsConfig:
 
 
 @dataclass
+class PeerTlsConfig:
+    """How this service's own calls to its peers are secured (the trainer and each rollout call weight
+    sync): TLS once ``ca_file`` is set, mutual TLS with a certificate of our own (channel.peer_tls)."""
+
+    ca_file: str | None = setting(None, check=existing_file, doc="PEM CA bundle the peer's server certificate "
+                                  "must chain to; set: calls to peers use TLS.")
+    cert_file: str | None = setting(None, check=existing_file, doc="PEM client certificate, for peers that "
+                                    "require mutual TLS.")
+    key_file: str | None = setting(None, check=existing_file, doc="PEM private key of cert_file.")
+    server_name: str | None = setting(None, doc="Name expected in the peer's certificate, if not its host.")
+
+    def validate(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError("key_file" if self.key_file is None else "cert_file",
+                              "cert_file and key_file must be set together")
+        if self.cert_file is not None and self.ca_file is None:
+            raise ConfigError("ca_file", "a client certificate needs TLS: set ca_file too")
+
+
+@dataclass
 class ServerConfig:
     """How a service listens and reports; shared by trainer, rollout and weight sync."""
 
@@ -64,6 +84,7 @@ class ServerConfig:
     port: int = setting(0, check=port_number(), doc="gRPC port; 0 picks a free one (see ready_file).")
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    peer_tls: PeerTlsConfig = field(default_factory=PeerTlsConfig)
     max_message_bytes: int = setting(
         256 * MIB, check=in_range(1024, 2**31 - 1), doc="Largest message sent or received."
     )

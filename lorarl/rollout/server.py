@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from lorarl.common.channel import peer_tls
 from lorarl.common.errors import FailedPreconditionError
 from lorarl.common.server import Register, RunningServer, serve, start_server
 from lorarl.rollout import convert, validation
@@ -132,7 +133,8 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
         token = server_token(config.server.auth, host=config.server.host)
         agent = start_sync_agent(core, target=config.rollout.weightsync_address, replica_id=servicer.replica_id,
                                  token=token, backends=config.rollout.collective_backends,
-                                 host=config.rollout.sync_host, device=config.rollout.device)
+                                 host=config.rollout.sync_host, device=config.rollout.device,
+                                 tls=peer_tls(config.server.peer_tls))
         await wait_connected(agent, 60.0)
 
     async def shutdown() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from lorarl.common.channel import ClientTls
 from lorarl.rollout.core import RolloutCore
 from lorarl.rollout.sink import RolloutSink
 from lorarl.v1 import common_pb2, weightsync_pb2
@@ -30,11 +31,12 @@ def replica_capabilities(core: RolloutCore, backends: list[str]) -> weightsync_p
 
 
 def start_sync_agent(core: RolloutCore, *, target: str, replica_id: str, token: str | None, backends: list[str],
-                     host: str | None = None, device: str = "cpu", wait_s: float = 30.0) -> AgentThread:
+                     host: str | None = None, device: str = "cpu", wait_s: float = 30.0,
+                     tls: ClientTls | None = None) -> AgentThread:
     """Subscribes this replica to every job weight sync knows (job_ids empty) and keeps it in sync."""
     sink = RolloutSink(core, asyncio.get_running_loop())
     agent = WeightSyncAgent(target, sink, replica_id=replica_id, capabilities=replica_capabilities(core, backends),
-                            token=token, host=host or None, device=device)
+                            token=token, host=host or None, device=device, tls=tls)
     thread = AgentThread(agent)
     thread.start()  # subscription is awaited by wait_connected without blocking the service's loop
     return thread

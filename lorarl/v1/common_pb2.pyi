@@ -170,14 +170,16 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., bucket: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class Bucket(_message.Message):
-    __slots__ = ("index", "nbytes", "checksum")
+    __slots__ = ("index", "nbytes", "checksum", "mac")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     index: int
     nbytes: int
     checksum: int
-    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class CollectiveTransport(_message.Message):
     __slots__ = ("backend", "master_address", "master_port", "group_name", "world_size", "source_rank", "replica_ranks", "timeout_seconds")
@@ -229,7 +231,7 @@ class Transport(_message.Message):
     def __init__(self, collective: _Optional[_Union[CollectiveTransport, _Mapping]] = ..., inline: _Optional[_Union[InlineTransport, _Mapping]] = ..., file: _Optional[_Union[FileTransport, _Mapping]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("job_id", "policy_id", "version", "mode", "base_model_fingerprint", "lora", "tensors", "buckets", "total_bytes", "transport", "checksum_algorithm", "created_at")
+    __slots__ = ("job_id", "policy_id", "version", "mode", "base_model_fingerprint", "lora", "tensors", "buckets", "total_bytes", "transport", "checksum_algorithm", "created_at", "mac_algorithm")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +244,7 @@ class WeightManifest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MAC_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     policy_id: str
     version: int
@@ -254,7 +257,8 @@ class WeightManifest(_message.Message):
     transport: Transport
     checksum_algorithm: str
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, job_id: _Optional[str] = ..., policy_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., base_model_fingerprint: _Optional[str] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, _Mapping]] = ..., checksum_algorithm: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    mac_algorithm: str
+    def __init__(self, job_id: _Optional[str] = ..., policy_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., base_model_fingerprint: _Optional[str] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, _Mapping]] = ..., checksum_algorithm: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., mac_algorithm: _Optional[str] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("bucket", "offset", "data")

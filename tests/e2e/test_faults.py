@@ -89,7 +89,8 @@ def test_lorarl_train_rides_through_restarts_of_services_it_does_not_own(tmp_pat
     stack = local_stack(cfg, out)  # started as a user would: `lorarl serve` per service, on loopback
     with stack:
         args = [*lorarl_command(), "train", "examples/demo.yaml", *overrides, "--trainer", stack.address("trainer"),
-                "--rollout", stack.address("rollout"), "--weightsync", stack.address("weightsync")]
+                "--rollout", stack.address("rollout"), "--weightsync", stack.address("weightsync"),
+                "--token-file", str(stack.token_file)]
         env = {**stack.env(), "PYTHONUNBUFFERED": "1"}
         loop = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:

@@ -114,7 +114,9 @@ def test_stop_drains_in_flight_rpc_and_refuses_new_ones(tmp_path: Path) -> None:
     async def scenario() -> None:
         servicer = ProbeServicer(delay_s=0.8)
         ready = tmp_path / "ready.json"
-        running = await start_server("trainer", server_config(ready_file=str(ready)), registration(servicer))
+        # A grace far above the call's 0.8 s: stopping waits for the call, not the grace (robust under load).
+        running = await start_server("trainer", server_config(ready_file=str(ready), shutdown_grace_s=30),
+                                     registration(servicer))
         assert read_ready_file(ready)["port"] == running.port
         async with aio_channel(running.address, token=TOKEN) as channel:
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)
@@ -133,7 +135,7 @@ def test_stop_drains_in_flight_rpc_and_refuses_new_ones(tmp_path: Path) -> None:
             await stopping
             elapsed = time.monotonic() - start
         assert servicer.finished.is_set() and not servicer.cancelled.is_set()
-        assert 0.5 < elapsed < 4.0
+        assert 0.5 < elapsed < 15.0
         assert not ready.exists()  # removed on shutdown
 
     run(scenario)
@@ -154,7 +156,7 @@ def test_grace_bounds_the_drain_and_cancels_stragglers() -> None:
                 await call
             assert failed.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
         assert servicer.cancelled.is_set()
-        assert elapsed < 3.0
+        assert elapsed < 15.0  # the 0.5 s grace, not the straggler's 60 s (slack for a loaded machine)
 
     run(scenario)
 

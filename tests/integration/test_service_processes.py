@@ -31,7 +31,7 @@ from lorarl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_gr
 TOKEN = "process-test-token"
 GRACE_S = 1.0
 #: Seconds allowed beyond the grace period for the process to exit (interpreter teardown etc.).
-EXIT_SLACK_S = 4.0
+EXIT_SLACK_S = 10.0  # a loaded 2-core machine tears an interpreter with torch down slowly
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -249,9 +249,9 @@ def test_service_process_lifecycle(service: Service, launch, busy_port: int) -> 
 
 def test_idle_server_exits_promptly_on_sigterm(launch) -> None:
     server = launch("trainer", {"server": {"shutdown_grace_s": 30}})
-    code, seconds, stderr = server.terminate(timeout=10)
+    code, seconds, stderr = server.terminate(timeout=20)
     assert code == 0, stderr
-    assert seconds < 5  # nothing in flight: no need to wait out the 30 s grace period
+    assert seconds < 15  # nothing in flight: no need to wait out the 30 s grace period
 
 
 def test_cpu_nice_lowers_every_thread_of_the_service(launch) -> None:

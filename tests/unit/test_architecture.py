@@ -239,3 +239,34 @@ def test_the_cores_take_and_return_plain_data(core: str) -> None:
             if re.search(r"_pb2\.\w+(Request|Response)\b", text) and node.name not in WIRE_DOCUMENTS.get(core, ()):
                 offenders.append(f"{node.name}: {text}")
     assert offenders == []
+
+
+
+#: Modules and torch.distributed calls that pickle what they send or unpickle what they receive.
+PICKLE_MODULES = {"pickle", "cloudpickle", "dill", "shelve", "marshal"}
+OBJECT_COLLECTIVES = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                      "send_object_list", "recv_object_list"}
+
+
+def pickling(tree: ast.AST) -> list[str]:
+    """What in ``tree`` pickles: imports of pickle modules, object collectives, torch.load without weights_only."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"line {node.lineno}: import {n}" for n in names if n and n.split(".")[0] in PICKLE_MODULES]
+        elif isinstance(node, ast.Attribute) and node.attr in OBJECT_COLLECTIVES:
+            found.append(f"line {node.lineno}: {node.attr}")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+            safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                       for k in node.keywords)
+            found += [] if safe else [f"line {node.lineno}: torch.load without weights_only=True"]
+    return found
+
+
+def test_no_pickle_on_any_wire_or_file() -> None:
+    """No module pickles: object collectives carry JSON or safetensors bytes (trainer/engines/plain_collectives.py)."""
+    offenders = {name: hits for name, path in modules().items() if (hits := pickling(ast.parse(path.read_text())))}
+    assert offenders == {}
+    assert sorted(pickling(ast.parse("import pickle\ndist.all_gather_object(p, x)\ntorch.load(f)"))) == [
+        "line 1: import pickle", "line 2: all_gather_object", "line 3: torch.load without weights_only=True"]

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from lorarl.client.commands.run import add_token_file, client_tls
 
 ADAPTER_JOB = "eval-adapter"
 
@@ -40,6 +41,7 @@ def add_parsers(subparsers: Any) -> None:
                                                         "checkpoint recorded it")
     ex.add_argument("--path", default="", help="with --trainer: directory on the trainer's side (default: under its "
                                                "export_dir)")
+    add_token_file(ex)
     ex.set_defaults(handler=export_command)
 
 
@@ -112,7 +114,15 @@ def export_command(args: argparse.Namespace) -> int:
     from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
     mode = common_pb2.SYNC_MODE_MERGED if args.mode == "merged" else common_pb2.SYNC_MODE_ADAPTER
-    with sync_channel(args.trainer, token=os.environ.get("LORARL_AUTH_TOKEN")) as channel:
+    from lorarl.client.calls import client_token
+    from lorarl.common.config import ConfigError
+
+    try:
+        token, tls = client_token(args.token_file), client_tls(args)
+    except ConfigError as e:
+        print(f"lorarl export: {e}", file=sys.stderr)
+        return 2
+    with sync_channel(args.trainer, token=token, tls=tls) as channel:
         response = trainer_pb2_grpc.TrainerServiceStub(channel).Export(
             trainer_pb2.ExportRequest(job_id=args.job_id, mode=mode, path=args.path), timeout=600)
     print(response.path)

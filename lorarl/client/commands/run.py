@@ -4,7 +4,7 @@ run:   starts the three services on loopback (own processes, free ports, a gener
        the job, and stops them on success, failure or Ctrl-C; resumes from the run directory's last
        checkpoint when one exists.
 train: the same loop against services already running (compose stack, other hosts); the token
-       comes from $LORARL_AUTH_TOKEN.
+       comes from --token-file (or $LORARL_AUTH_TOKEN_FILE), else $LORARL_AUTH_TOKEN.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.calls import ServiceCallError
+from lorarl.client.calls import ServiceCallError, client_token
 from lorarl.client.job_config import serving_length
 from lorarl.client.recovery import ActivationFailedError, RecoveryExhaustedError
 from lorarl.client.stack import ServiceFailedError
+from lorarl.common.channel import ClientTls
 from lorarl.common.config import ConfigError, to_dict
 from lorarl.contract import staleness
 
@@ -44,6 +45,7 @@ def add_parsers(subparsers: Any) -> None:
                        help="one or more rollout replicas (comma-separated); prompts are split across them")
     train.add_argument("--weightsync", required=True, metavar="HOST:PORT",
                        help="the weight-sync service the trainer and rollouts use (checked for reachability)")
+    add_token_file(train)
     train.set_defaults(handler=train_command)
 
 
@@ -53,6 +55,33 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="validate the config, print the plan, and exit")
     parser.add_argument("--fresh", action="store_true",
                         help="start the job over: ignore the output dir's resume point (train: delete the job)")
+
+
+def add_token_file(parser: argparse.ArgumentParser) -> None:
+    """How a client reaches services elsewhere: the token, and TLS (mutual with a certificate)."""
+    parser.add_argument("--token-file", metavar="FILE", help="file holding the services' bearer token (default: "
+                        "$LORARL_AUTH_TOKEN_FILE, else the token in $LORARL_AUTH_TOKEN)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA the services' certificates chain to: use TLS")
+    parser.add_argument("--tls-cert", metavar="FILE", help="PEM client certificate, for mutual TLS (with --tls-key)")
+    parser.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", metavar="NAME", help="name expected in the services' certificates, "
+                        "if not the host of each address")
+
+
+def client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The TLS of --tls-* (None: plaintext); ConfigError naming the flag when they do not fit together."""
+    for flag in ("tls_ca", "tls_cert", "tls_key"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"--{flag.replace('_', '-')}", f"{path!r} is not a file")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert", "--tls-cert and --tls-key go together")
+    if args.tls_ca is None:
+        if args.tls_cert is not None or args.tls_server_name is not None:
+            raise ConfigError("--tls-ca", "the other --tls-* flags need --tls-ca")
+        return None
+    return ClientTls(ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key,
+                     server_name=args.tls_server_name)
 
 
 def load(args: argparse.Namespace):
@@ -184,12 +213,18 @@ def train_command(args: argparse.Namespace) -> int:
         from lorarl.client.plan import print_plan
 
         return print_plan(cfg)
-    token = os.environ.get("LORARL_AUTH_TOKEN")
+    try:
+        token = client_token(args.token_file)
+        tls = client_tls(args)
+    except ConfigError as e:
+        print(f"lorarl train: {e}", file=sys.stderr)
+        return 2
     out = Path(cfg.output.dir)
     rollouts = [a.strip() for a in args.rollout.split(",") if a.strip()]
     out.mkdir(parents=True, exist_ok=True)
     try:
-        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync, fresh=args.fresh))
+        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync, fresh=args.fresh,
+                                 tls=tls))
     except KeyboardInterrupt:
         print("lorarl: interrupted. Run the same command again to resume.", file=sys.stderr)
         return 130
@@ -224,7 +259,7 @@ def visible_devices(cfg) -> dict[str, dict[str, str]]:
 
 async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], token: str | None,
                 out: Path, weightsync_address: str | None = None, fresh: bool = False,
-                give_up: Callable[[], None] | None = None) -> int:
+                give_up: Callable[[], None] | None = None, tls: ClientTls | None = None) -> int:
     """Creates (or resumes, or re-attaches to) the job, runs the loop, and writes the plot and summary."""
     from lorarl.client.calls import NamedStub
     from lorarl.client.datasets import load_examples
@@ -247,7 +282,8 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
         channels = {}  # service name -> channel, for the health checks after a fault (same TLS, same token)
 
         async def channel(service: str, address: str):
-            channels[f"{service} at {address}"] = await stack.enter_async_context(aio_channel(address, token=token))
+            channels[f"{service} at {address}"] = await stack.enter_async_context(
+                aio_channel(address, token=token, tls=tls))
             return channels[f"{service} at {address}"]
 
         trainer = NamedStub(trainer_pb2_grpc.TrainerServiceStub(await channel("trainer", trainer_address)),

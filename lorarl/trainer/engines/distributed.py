@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lorarl.common.tcp_store import client_store, master_store
 from lorarl.trainer.engines.api import CheckpointInfo, EngineStateError, JobSpec, Metrics, TrajectoryRecord
 from lorarl.trainer.engines.torch_engine import TorchEngine, device_for
 from lorarl.trainer.rl.losses import LossSettings
@@ -33,14 +34,28 @@ def backend_for(device: str) -> str:
     return BACKENDS[device.split(":", 1)[0]]
 
 
-def init_distributed(device: str, rank: int, world_size: int, init_method: str, timeout_s: float = 300.0) -> None:
-    """Joins the default process group with the backend the device needs (e.g. tcp://host:port)."""
+def init_distributed(device: str, rank: int, world_size: int, init_method: str | None = None,
+                     timeout_s: float = 300.0, store: dist.Store | None = None) -> None:
+    """Joins the default process group with the backend the device needs, on ``store`` (see rank_store)
+    or at ``init_method`` (e.g. env:// under a launcher that hosts the store itself)."""
     if device.startswith("npu"):
         import torch_npu  # noqa: F401  (registers hccl)
     if device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(device))  # nccl binds each rank to its current device
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    if store is not None:
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+
+
+def rank_store(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> dist.Store:
+    """The ranks' rendezvous store: rank 0 hosts it on ``host`` only (a tcp:// init_method would listen on
+    every interface, unauthenticated), the others connect to it."""
+    if rank == 0:
+        return master_store(host, port, world_size, timeout_s)
+    return client_store(host, port, world_size, timeout_s)
 
 
 def shard_by_group(records: Sequence[TrajectoryRecord], rank: int, world_size: int) -> list[TrajectoryRecord]:

@@ -134,7 +134,7 @@ def join_groups(device: str, world: RankWorld, timeout_s: float, processes: Foll
     """
     import torch.distributed as dist
 
-    from lorarl.trainer.engines.distributed import init_distributed
+    from lorarl.trainer.engines.distributed import init_distributed, rank_store
     from lorarl.trainer.ranks.rank_engines import rank_device
 
     group: list[Any] = []
@@ -142,8 +142,12 @@ def join_groups(device: str, world: RankWorld, timeout_s: float, processes: Foll
 
     def rendezvous() -> None:
         try:
+            # Rank 0 of ranks it starts itself hosts the store on master_addr only; followers and ranks under
+            # torchrun (whose agent hosts the store) connect through init_method.
+            store = rank_store(world.master_addr, world.master_port, 0, world.world_size, timeout_s) \
+                if world.rank == 0 and not world.launched else None
             init_distributed(rank_device(device, world.local_rank, world.world_size), world.rank, world.world_size,
-                             world.init_method, timeout_s)
+                             world.init_method, timeout_s, store=store)
             group.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
         except BaseException as e:  # reported to the caller below
             errors.append(e)

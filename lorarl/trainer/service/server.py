@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from lorarl.common.auth import server_token
+from lorarl.common.channel import ClientTls, peer_tls
 from lorarl.common.config import ConfigError
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.common.log import configure_logging
@@ -57,8 +58,9 @@ def item_status(index: int, error: Exception | None) -> common_pb2.ItemStatus:
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     """TrainerService RPCs, each delegating to a JobManager."""
 
-    def __init__(self, settings: TrainerSettings, jobs: JobManager | None = None, token: str | None = None) -> None:
-        self.settings = settings
+    def __init__(self, settings: TrainerSettings, jobs: JobManager | None = None, token: str | None = None,
+                 peer_tls: ClientTls | None = None) -> None:
+        self.settings, self.peer_tls = settings, peer_tls
         self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots,
                                        compute_nice=settings.compute_nice)
         self.token = token
@@ -72,7 +74,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             from lorarl.weightsync.client.publisher import WeightPublisher
 
             self._publisher = WeightPublisher(
-                self.settings.weightsync_address, token=self.token, host=self.settings.sender_host or None,
+                self.settings.weightsync_address, token=self.token, tls=self.peer_tls,
+                host=self.settings.sender_host or None,
                 collective=self.settings.collective, bucket_bytes=self.settings.bucket_mb << 20,
                 device=self.settings.device)
         return self._publisher
@@ -193,7 +196,8 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
     settings, server = config.trainer, config.server
     world = RankWorld.discover(settings.ranks)
     if world.world_size == 1:
-        servicer = TrainerServicer(settings, token=server_token(server.auth, host=server.host))
+        servicer = TrainerServicer(settings, token=server_token(server.auth, host=server.host),
+                                   peer_tls=peer_tls(server.peer_tls))
         await serve(NAME, server, registration(servicer), on_shutdown=servicer.close)
         return
     if ":" in settings.device:
@@ -216,7 +220,8 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
         raise StartupError(f"trainer ranks did not start: {e}") from None
     jobs = JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots, engine_factory=group.create_engine,
                       compute_nice=settings.compute_nice)
-    servicer = TrainerServicer(settings, jobs=jobs, token=server_token(server.auth, host=server.host))
+    servicer = TrainerServicer(settings, jobs=jobs, token=server_token(server.auth, host=server.host),
+                               peer_tls=peer_tls(server.peer_tls))
 
     def started(running: RunningServer) -> None:
         loop = asyncio.get_running_loop()

@@ -2,7 +2,8 @@
 
 One agent per replica. It subscribes with the replica's capabilities and the versions it already
 serves, then follows the service's events in order: Stage (receive the bytes over the collective
-group or inline, verify every bucket and tensor checksum, give the tensors to `sink.stage`, report
+group or inline, verify every bucket and tensor checksum and every bucket's keyed hash under the job's
+transfer key (derived from the token), give the tensors to `sink.stage`, report
 staged ok or the error), Commit (`sink.commit`, report active), Abort (`sink.abort`). When the
 stream drops (service restart, network), it resubscribes with backoff; the service then catches it
 up if it fell behind. Transport and sink work run in worker threads, so the event loop stays live.
@@ -26,7 +27,7 @@ from lorarl.weightsync.client.sinks import PolicySink, PolicyUpdate
 from lorarl.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup
 from lorarl.weightsync.wire.inline import BucketAssembler
 from lorarl.weightsync.wire.net import local_address_towards
-from lorarl.weightsync.wire.payload import PayloadVerifier, manifest_digest, validate_manifest
+from lorarl.weightsync.wire.payload import PayloadVerifier, manifest_digest, transfer_key, validate_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,11 @@ class StageError(Exception):
 
 
 def verify_pieces(manifest: common_pb2.WeightManifest, pieces: Iterable[Piece],
-                  hook: ReceiveHook | None = None) -> dict[str, torch.Tensor]:
-    """Checks every bucket and tensor checksum as pieces land, and that nothing is missing; returns
-    tensor views by name. Consumes every piece even after a failure, so a collective transfer
-    completes for the peers."""
-    verifier = PayloadVerifier(manifest)
+                  hook: ReceiveHook | None = None, key: bytes | None = None) -> dict[str, torch.Tensor]:
+    """Checks every bucket and tensor checksum (and with ``key`` every bucket's MAC) as pieces land, and
+    that nothing is missing; returns tensor views by name. Consumes every piece even after a failure,
+    so a collective transfer completes for the peers."""
+    verifier = PayloadVerifier(manifest, key)
     for index, buffer, start, end in pieces:
         short = False
         if hook is not None and verifier.error is None:
@@ -56,9 +57,9 @@ def verify_pieces(manifest: common_pb2.WeightManifest, pieces: Iterable[Piece],
 
 
 def verified_tensors(manifest: common_pb2.WeightManifest, buffers: Iterable[torch.Tensor],
-                     hook: ReceiveHook | None = None) -> dict[str, torch.Tensor]:
+                     hook: ReceiveHook | None = None, key: bytes | None = None) -> dict[str, torch.Tensor]:
     """verify_pieces over whole buckets (inline transfers)."""
-    return verify_pieces(manifest, ((i, b, 0, b.numel()) for i, b in enumerate(buffers)), hook)
+    return verify_pieces(manifest, ((i, b, 0, b.numel()) for i, b in enumerate(buffers)), hook, key)
 
 
 class WeightSyncAgent:
@@ -196,7 +197,7 @@ class WeightSyncAgent:
                                     timeout_s=c.timeout_seconds or 120, device=self.device, local_address=self.host)
         try:
             pieces = group.receive_pieces([b.nbytes for b in manifest.buckets], src=c.source_rank)
-            return verify_pieces(manifest, pieces, self.receive_hook)
+            return verify_pieces(manifest, pieces, self.receive_hook, transfer_key(self.token, manifest.job_id))
         finally:
             group.close(wait=False)
 
@@ -215,7 +216,8 @@ class WeightSyncAgent:
         if assembler is None:
             raise StageError("FetchWeights returned nothing")
         buffers = assembler.finish()
-        return await asyncio.to_thread(verified_tensors, manifest, buffers, self.receive_hook)
+        return await asyncio.to_thread(verified_tensors, manifest, buffers, self.receive_hook,
+                                       transfer_key(self.token, manifest.job_id))
 
     # ------------------------------------------------------------------------ commit / abort
 

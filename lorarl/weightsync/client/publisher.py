@@ -35,7 +35,15 @@ from lorarl.weightsync.client.activation import await_outcome
 from lorarl.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup, rendezvous_store, wait_closed
 from lorarl.weightsync.wire.inline import DEFAULT_CHUNK_BYTES, iter_chunks
 from lorarl.weightsync.wire.net import local_address_towards
-from lorarl.weightsync.wire.payload import DEFAULT_BUCKET_BYTES, BucketInfo, PackedBucket, build_manifest, pack
+from lorarl.weightsync.wire.payload import (
+    DEFAULT_BUCKET_BYTES,
+    BucketInfo,
+    PackedBucket,
+    bucket_mac,
+    build_manifest,
+    pack,
+    transfer_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +118,14 @@ def _pairs(tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
 class _Payload:
     """Packed buckets of one payload: kept in memory, or re-packed from a factory when too big."""
 
-    def __init__(self, source: Callable[[], NamedTensors], bucket_bytes: int, limit_bytes: int) -> None:
+    def __init__(self, source: Callable[[], NamedTensors], bucket_bytes: int, limit_bytes: int,
+                 seal: Callable[[PackedBucket], bytes]) -> None:
+        """``seal``: a bucket's MAC, computed while its bytes are at hand (they may not be kept)."""
         self._source, self._bucket_bytes = source, bucket_bytes
         self.infos: list[BucketInfo] = []
         kept: list[PackedBucket] | None = []
         for bucket in pack(_pairs(source()), bucket_bytes):
-            self.infos.append(BucketInfo(bucket.index, bucket.nbytes, bucket.checksum, bucket.specs))
+            self.infos.append(BucketInfo(bucket.index, bucket.nbytes, bucket.checksum, bucket.specs, seal(bucket)))
             if kept is not None:
                 kept.append(bucket)
                 if sum(b.nbytes for b in kept) > limit_bytes:
@@ -141,7 +151,7 @@ class WeightPublisher:
                  host: str | None = None, collective: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: str = "cpu",
                  materialize_limit_bytes: int = 2 << 30, rendezvous_timeout_s: float = 120.0) -> None:
-        self.target = target
+        self.target, self.token = target, token
         self.host = host or local_address_towards(target)
         self.collective, self.bucket_bytes, self.chunk_bytes = collective, bucket_bytes, chunk_bytes
         self.device, self.materialize_limit_bytes = device, materialize_limit_bytes
@@ -202,14 +212,21 @@ class WeightPublisher:
         if job.mode == MERGED and merged is None:
             raise PublishError(f"job {job_id} syncs merged weights: pass merged=<factory of (name, tensor)>")
         adapter_source = adapter if callable(adapter) else (lambda: adapter)
-        # Packing and checksumming run in a worker thread: the caller's event loop stays responsive.
-        adapter_payload = await asyncio.to_thread(_Payload, adapter_source, self.bucket_bytes, 1 << 62)
-        adapter_manifest = self._manifest(job, version, ADAPTER, adapter_payload)
+        key = transfer_key(self.token, job_id)
+
+        def sealer(mode: int) -> Callable[[PackedBucket], bytes]:
+            return lambda bucket: bucket_mac(key, version, mode, bucket.index, bucket.buffer)
+
+        # Packing, checksums and MACs run in a worker thread: the caller's event loop stays responsive.
+        adapter_payload = await asyncio.to_thread(_Payload, adapter_source, self.bucket_bytes, 1 << 62,
+                                                  sealer(ADAPTER))
+        adapter_manifest = self._manifest(job, version, ADAPTER, adapter_payload, key)
         payload, manifest = adapter_payload, adapter_manifest
         if job.mode == MERGED:
             assert merged is not None
-            payload = await asyncio.to_thread(_Payload, merged, self.bucket_bytes, self.materialize_limit_bytes)
-            manifest = self._manifest(job, version, MERGED, payload)
+            payload = await asyncio.to_thread(_Payload, merged, self.bucket_bytes, self.materialize_limit_bytes,
+                                              sealer(MERGED))
+            manifest = self._manifest(job, version, MERGED, payload, key)
         timings["pack_s"] = time.perf_counter() - started
 
         request = weightsync_pb2.PublishManifestRequest(manifest=manifest)
@@ -237,11 +254,11 @@ class WeightPublisher:
         timings["total_s"] = time.perf_counter() - started
         return result
 
-    def _manifest(self, job: JobRegistration, version: int, mode: int, payload: _Payload
+    def _manifest(self, job: JobRegistration, version: int, mode: int, payload: _Payload, key: bytes
                   ) -> common_pb2.WeightManifest:
         return build_manifest(job_id=job.job_id, version=version, mode=mode,
                               base_model_fingerprint=job.base_model_fingerprint, buckets=payload.infos,
-                              lora=job.lora)
+                              lora=job.lora, key=key)
 
     async def _rendezvous_port(self) -> int:
         if self._store is None:

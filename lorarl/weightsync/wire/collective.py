@@ -1,6 +1,7 @@
 """A torch.distributed process group made only for weight transfer ("XCCL").
 
-It is built directly on its own TCPStore, apart from the default group, so a trainer that already
+It is built directly on its own TCPStore (listening on the sender's address only, see
+lorarl.common.tcp_store), apart from the default group, so a trainer that already
 runs data parallel (its own default group) can still open one transfer group per sync. gloo on CPU,
 nccl on CUDA, hccl on Ascend: the same code, the backend picked by name.
 
@@ -25,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lorarl.common.tcp_store import client_store, master_store
 from lorarl.v1 import common_pb2
 from lorarl.weightsync.wire.payload import PackedBucket
 
@@ -45,9 +47,9 @@ def pieces(nbytes: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]
 
 
 def rendezvous_store(host: str, timeout_s: float = 120.0, port: int = 0) -> dist.TCPStore:
-    """A master store listening on `port` (0: any free port, read back from `.port`), reusable for many
-    groups through distinct group names; the sender creates it before asking for a rendezvous."""
-    return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    """A master store listening on `host`:`port` only (0: any free port, read back from `.port`), reusable
+    for many groups through distinct group names; the sender creates it before asking for a rendezvous."""
+    return master_store(host, port, None, timeout_s)
 
 
 def _process_group(backend: str, store: dist.Store, rank: int, world_size: int,
@@ -89,9 +91,10 @@ class WeightTransferGroup:
         self.device = torch.device(device)
         self.piece_bytes = piece_bytes
         timeout = timedelta(seconds=timeout_s)
-        if store is None:
-            store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                                  timeout=timeout, wait_for_workers=False)
+        if store is None and rank == 0:
+            store = master_store(master_address, master_port, world_size, timeout_s)
+        elif store is None:
+            store = client_store(master_address, master_port, world_size, timeout_s)
         else:
             store.set_timeout(timeout)  # a shared store follows this group's rendezvous timeout
         self._store = store

@@ -3,14 +3,24 @@
 The sender and every receiver share this module, so packing and checking can never disagree.
 A bucket is one contiguous uint8 buffer (one collective broadcast, or a run of inline chunks);
 tensors sit in it at 64-byte aligned offsets. Checksums are xxh64 of each tensor's raw bytes and
-of each whole bucket.
+of each whole bucket: they catch corruption, and name a payload's content (idempotent publish).
+
+xxh64 is no defence against someone who forges bytes on the (unauthenticated) collective group: who
+sees a bucket can make other bytes with the same xxh64. So every bucket also carries a keyed hash
+(BLAKE2b-256, the MAC) under the job's transfer key, bound to the job, version, mode and bucket; a
+receiver given the key checks it before anything activates. The key is derived from the bearer token
+all services share (``transfer_key``): every process that may take part already holds it, and the
+key itself never travels. The manifest carries the MACs over the authenticated gRPC channel.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -18,6 +28,9 @@ import xxhash
 from lorarl.v1 import common_pb2
 
 CHECKSUM_ALGORITHM = "xxh64"
+#: The keyed hash of every bucket (WeightManifest.mac_algorithm, Bucket.mac).
+MAC_ALGORITHM = "blake2b-256-keyed"
+MAC_BYTES = 32
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 1 << 30
 
@@ -47,6 +60,30 @@ def checksum(data: bytes | memoryview | torch.Tensor) -> int:
     return xxhash.xxh64_intdigest(data)
 
 
+def transfer_key(token: str | None, job_id: str) -> bytes:
+    """The job's key for bucket MACs, derived from the services' shared bearer token.
+
+    Without a token (auth off, loopback only) the key is public: the MAC then still ties the bytes to
+    the manifest that came over gRPC, as a cryptographic hash, but no longer proves who sent them.
+    """
+    secret = hashlib.blake2b((token or "").encode(), digest_size=64, person=b"lorarl-token").digest()
+    return hashlib.blake2b(job_id.encode(), key=secret, digest_size=MAC_BYTES, person=b"lorarl-job-key").digest()
+
+
+def mac_hasher(key: bytes, version: int, mode: int, index: int, nbytes: int) -> Any:
+    """A BLAKE2b-256 keyed with ``key``, already bound to the version, mode and bucket: feed it the bytes."""
+    h = hashlib.blake2b(key=key, digest_size=MAC_BYTES, person=b"lorarl-bucket")
+    h.update(f"{version}|{mode}|{index}|{nbytes}|".encode())
+    return h
+
+
+def bucket_mac(key: bytes, version: int, mode: int, index: int, data: torch.Tensor | memoryview | bytes) -> bytes:
+    raw = tensor_bytes(data) if isinstance(data, torch.Tensor) else data
+    h = mac_hasher(key, version, mode, index, len(raw) if not isinstance(raw, memoryview) else raw.nbytes)
+    h.update(raw)
+    return h.digest()
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -74,6 +111,7 @@ class BucketInfo:
     nbytes: int
     checksum: int
     specs: list[common_pb2.TensorSpec]
+    mac: bytes = b""  # the bucket's keyed hash, when the sender computed one while packing
 
 
 def pack(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -109,17 +147,25 @@ def pack(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAUL
 
 def build_manifest(*, job_id: str, version: int, mode: int, base_model_fingerprint: str,
                    buckets: list[PackedBucket] | list[BucketInfo], lora: common_pb2.LoraSpec | None = None,
-                   policy_id: str = "") -> common_pb2.WeightManifest:
-    """The manifest describing already-packed buckets (tensor specs carry their checksums)."""
+                   policy_id: str = "", key: bytes | None = None) -> common_pb2.WeightManifest:
+    """The manifest describing already-packed buckets (tensor specs carry their checksums). With ``key``
+    (transfer_key) every bucket carries its MAC: computed here from a PackedBucket's bytes, or taken
+    from a BucketInfo that the sender computed it for while packing."""
     manifest = common_pb2.WeightManifest(
         job_id=job_id, policy_id=policy_id or job_id, version=version, mode=mode,
         base_model_fingerprint=base_model_fingerprint, checksum_algorithm=CHECKSUM_ALGORITHM,
     )
     if lora is not None:
         manifest.lora.CopyFrom(lora)
+    if key is not None:
+        manifest.mac_algorithm = MAC_ALGORITHM
     for b in buckets:
         manifest.tensors.extend(b.specs)
-        manifest.buckets.append(common_pb2.Bucket(index=b.index, nbytes=b.nbytes, checksum=b.checksum))
+        bucket = manifest.buckets.add(index=b.index, nbytes=b.nbytes, checksum=b.checksum)
+        if key is not None:
+            bucket.mac = b.mac if isinstance(b, BucketInfo) else bucket_mac(key, version, mode, b.index, b.buffer)
+            if len(bucket.mac) != MAC_BYTES:
+                raise PayloadError(f"bucket {b.index}: no keyed hash was computed for it while packing")
     manifest.total_bytes = sum(b.nbytes for b in manifest.buckets)
     manifest.created_at.GetCurrentTime()
     return manifest
@@ -133,6 +179,10 @@ def validate_manifest(manifest: common_pb2.WeightManifest) -> None:
         raise PayloadError("manifest.mode must be ADAPTER or MERGED")
     if manifest.checksum_algorithm != CHECKSUM_ALGORITHM:
         raise PayloadError(f"manifest.checksum_algorithm must be {CHECKSUM_ALGORITHM!r}")
+    if manifest.mac_algorithm not in ("", MAC_ALGORITHM):
+        raise PayloadError(f"manifest.mac_algorithm must be {MAC_ALGORITHM!r} or empty")
+    if manifest.mac_algorithm and any(len(b.mac) != MAC_BYTES for b in manifest.buckets):
+        raise PayloadError(f"manifest.buckets: every bucket needs its {MAC_BYTES}-byte mac")
     if not manifest.tensors:
         raise PayloadError("manifest.tensors is empty")
     bucket_sizes = {b.index: b.nbytes for b in manifest.buckets}
@@ -201,12 +251,23 @@ def manifest_digest(manifest: common_pb2.WeightManifest) -> int:
 class PayloadVerifier:
     """Checks a payload as its bytes arrive, piece by piece in order: every bucket's xxh64 and every
     tensor's, both updated incrementally, so a receiver verifies one piece while the next is in flight.
+    With ``key`` also every bucket's MAC, and a manifest without MACs is refused.
 
     Errors are kept, not raised, until finish(): a collective receiver must keep draining for its peers.
     """
 
-    def __init__(self, manifest: common_pb2.WeightManifest) -> None:
+    def __init__(self, manifest: common_pb2.WeightManifest, key: bytes | None = None) -> None:
         self.manifest = manifest
+        self.error: PayloadError | None = None
+        self._mac: dict[int, Any] = {}
+        if key is not None:
+            if manifest.mac_algorithm != MAC_ALGORITHM or any(len(b.mac) != MAC_BYTES for b in manifest.buckets):
+                self.error = PayloadError(f"manifest {manifest.job_id} v{manifest.version} carries no keyed hash "
+                                          f"({MAC_ALGORITHM}) for its buckets: refused, its bytes cannot be "
+                                          "authenticated (is the sender a lorarl trainer with this token?)")
+            else:
+                self._mac = {b.index: mac_hasher(key, manifest.version, manifest.mode, b.index, b.nbytes)
+                             for b in manifest.buckets}
         self._specs = {b.index: sorted((t for t in manifest.tensors if t.bucket == b.index), key=lambda t: t.offset)
                        for b in manifest.buckets}
         self._done = {b.index: 0 for b in manifest.buckets}
@@ -215,7 +276,6 @@ class PayloadVerifier:
         self._next = {b.index: 0 for b in manifest.buckets}
         self._tensor_hash = {b.index: xxhash.xxh64() for b in manifest.buckets}
         self.tensors: dict[str, torch.Tensor] = {}
-        self.error: PayloadError | None = None
 
     def feed(self, index: int, buffer: torch.Tensor, start: int, end: int, short: bool = False) -> None:
         """Bytes [start, end) of bucket `index` have landed in `buffer`; `short`: nothing more will come."""
@@ -240,6 +300,8 @@ class PayloadVerifier:
             raise PayloadError(f"bucket {index}: bytes [{start}, {end}) out of order (have {self._done[index]})")
         raw = tensor_bytes(buffer)
         self._bucket_hash[index].update(raw[start:end])
+        if self._mac:
+            self._mac[index].update(raw[start:end])
         specs, k = self._specs[index], self._next[index]
         while k < len(specs):  # tensors in offset order; the padding between them is only in the bucket hash
             spec = specs[k]
@@ -259,6 +321,9 @@ class PayloadVerifier:
         if end == bucket.nbytes and self._bucket_hash[index].intdigest() != bucket.checksum:
             raise PayloadError(f"bucket {index}: checksum mismatch (got {self._bucket_hash[index].intdigest():#x}, "
                                f"expected {bucket.checksum:#x})")
+        if end == bucket.nbytes and self._mac and not hmac.compare_digest(self._mac[index].digest(), bucket.mac):
+            raise PayloadError(f"bucket {index}: keyed hash mismatch: these bytes were not sent by a holder of "
+                               f"job {self.manifest.job_id}'s key (forged, or the services' tokens differ)")
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The verified tensors by name; raises the first error, a short bucket, or a missing tensor."""

@@ -2,10 +2,10 @@
 
 Only what differs between a container network and one machine is rewritten: service host names
 (and 0.0.0.0 / localhost) become 127.0.0.1, every port a server listens on becomes a free loopback
-port, /app becomes this checkout (the image's WORKDIR holds a copy of it), and volume mount points
-become directories under a work folder. Config files named by `--config` are rewritten the same
-way into that folder. The image's ENTRYPOINT (`lorarl`) and healthcheck interpreter (`python3`)
-become this environment's.
+port, /app becomes this checkout (the image's WORKDIR holds a copy of it), volume mount points
+become directories under a work folder, and a mounted secret (/run/secrets/NAME) its file. Config
+files named by `--config` are rewritten the same way into that folder. The image's ENTRYPOINT
+(`lorarl`) and healthcheck interpreter (`python3`) become this environment's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from lorarl.client.stack import LocalStack, ServiceProcess, lorarl_command
-from tools.compose_check import IMAGE_ROOT, ROOT, environment, parse_command, service_config
+from tools.compose_check import IMAGE_ROOT, ROOT, environment, parse_command, secret_mounts, service_config
 
 _ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9_.:\[\]-]+):(?P<port>\d+)")
 _OVERRIDE = re.compile(r"(?P<key>[A-Za-z_][\w.-]*)=(?P<value>.*)")
@@ -63,16 +63,20 @@ class Loopback:
     ports: dict[int, int] = field(default_factory=dict)
     paths: list[tuple[str, Path]] = field(default_factory=list)
     executables: dict[str, list[str]] = field(default_factory=dict)
+    project_dir: Path = ROOT / "deploy"  # where the Compose file lies: secret files are relative to it
 
     def __post_init__(self) -> None:
         services = self.project["services"]
         self.hosts = frozenset({*services, "0.0.0.0", "::", "localhost", LOOPBACK})
         self.executables = {"lorarl": lorarl_command(), "python3": [sys.executable], "python": [sys.executable]}
         mounts: dict[str, Path] = {IMAGE_ROOT: ROOT}
+        secrets: dict[str, Path] = {}
         for service in services.values():
             args = parse_command(service["command"])
+            service_secrets = secret_mounts(self.project, service, self.project_dir)
+            secrets.update(service_secrets)
             if args.command == "serve":
-                config = service_config(service, args)
+                config = service_config(service, args, service_secrets)
                 for port in (config.server.port, config.server.metrics_port):
                     if port and port > 0:
                         self.ports.setdefault(port, free_port())
@@ -81,7 +85,7 @@ class Loopback:
                 mounts[target] = self.workdir / "volumes" / source if "/" not in source else Path(source)
         for path in mounts.values():
             path.mkdir(parents=True, exist_ok=True)
-        self.paths = sorted(mounts.items(), key=lambda item: -len(item[0]))
+        self.paths = sorted({**mounts, **secrets}.items(), key=lambda item: -len(item[0]))
 
     # ------------------------------------------------------------------ values
 

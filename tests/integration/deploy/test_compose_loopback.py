@@ -34,7 +34,10 @@ def with_overrides(argv: list[str], overrides: list[str]) -> list[str]:
 
 
 def test_compose_services_run_the_demo_job_on_loopback(tmp_path: Path) -> None:
-    project = load([COMPOSE], {"LORARL_AUTH_TOKEN": secrets.token_hex(16)})
+    token_file = tmp_path / "lorarl.token"
+    token_file.write_text(secrets.token_hex(16))
+    token_file.chmod(0o600)
+    project = load([COMPOSE], {"LORARL_TOKEN_FILE": str(token_file)})
     order = start_order(project["services"])
     *servers, client = order
     assert client == "client" and servers == ["weightsync", "trainer", "rollout"]

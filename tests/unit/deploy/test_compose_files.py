@@ -19,7 +19,8 @@ DEPLOY = ROOT / "deploy"
 STACK = DEPLOY / "docker-compose.yml"
 ASCEND = DEPLOY / "docker-compose.ascend.yml"
 CUDA = DEPLOY / "docker-compose.cuda.yml"
-ENV = {"LORARL_AUTH_TOKEN": "compose-test-token"}
+#: A token file made for these checks (the stack reads its token from the file a compose secret names).
+ENV = {"LORARL_TOKEN_FILE": str(Path(__file__).with_name("compose-test.token"))}
 
 
 @pytest.fixture(scope="module")
@@ -204,9 +205,67 @@ def test_missing_dockerfile_is_reported(project: dict[str, Any]) -> None:
     assert len(problems) == 1 and "Dockerfile.gpu does not exist" in problems[0], problems
 
 
-def test_missing_token_stops_the_stack_before_it_starts() -> None:
-    problems = check([STACK], {})
-    assert len(problems) == 1 and "required variable LORARL_AUTH_TOKEN is missing" in problems[0], problems
+def test_missing_token_file_stops_the_stack_before_it_starts(tmp_path: Path) -> None:
+    missing = tmp_path / "lorarl.token"
+    problems = check([STACK], {"LORARL_TOKEN_FILE": str(missing)})
+    assert problems == [f"secrets.lorarl_token.file: {missing} does not exist; create it with the shared token, "
+                        "e.g. (umask 077; openssl rand -hex 16 > FILE), see deploy/README.md"]
+    missing.write_text("\n")
+    assert check([STACK], {"LORARL_TOKEN_FILE": str(missing)})[0].endswith(
+        "is empty; create it with the shared token, e.g. (umask 077; openssl rand -hex 16 > FILE), "
+        "see deploy/README.md")
+
+
+def test_every_service_reads_the_token_from_the_mounted_secret(project: dict[str, Any]) -> None:
+    import yaml
+
+    for name, service in project["services"].items():
+        assert service["secrets"] == ["lorarl_token"], name
+        assert not {"LORARL_AUTH_TOKEN", "LORARL_AUTH_TOKEN_FILE"} & set(service["environment"]), name
+    for name in ("trainer", "rollout", "weightsync"):
+        auth = yaml.safe_load((DEPLOY / "config" / f"{name}.yaml").read_text())["server"]["auth"]
+        assert auth == {"token_file": "/run/secrets/lorarl_token", "token_env": None, "required": True}
+    command = project["services"]["client"]["command"]
+    assert command[command.index("--token-file") + 1] == "/run/secrets/lorarl_token"
+
+
+def test_token_in_the_environment_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["trainer"]["environment"].update(
+        LORARL_AUTH_TOKEN="t"))
+    assert problems == ["services.trainer.environment.LORARL_AUTH_TOKEN: the token would show in `docker inspect`; "
+                        "mount it as a secret and read it with server.auth.token_file (--token-file for the client)"]
+
+
+def test_server_without_its_secret_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["rollout"].pop("secrets"))
+    assert len(problems) == 1 and "services.rollout: lorarl serve rollout would refuse its configuration" in \
+        problems[0] and "/run/secrets/lorarl_token" in problems[0], problems
+    problems = problems_after(project, lambda p: p["services"]["rollout"].update(secrets=["other"]))
+    assert problems[0] == "services.rollout.secrets: no top-level secret 'other'", problems
+
+
+def test_server_reading_the_token_from_a_variable_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["weightsync"]["environment"].update(
+        LORARL_SERVER__AUTH__TOKEN_FILE="", LORARL_SERVER__AUTH__TOKEN_ENV="MY_TOKEN", MY_TOKEN="t"))
+    assert "services.weightsync: no server.auth.token_file: mount the token as a secret and name its " \
+           "/run/secrets/<secret> path there" in problems, problems
+
+
+def test_client_without_a_token_file_is_reported(project: dict[str, Any]) -> None:
+    def drop(p: dict[str, Any]) -> None:
+        command = p["services"]["client"]["command"]
+        del command[command.index("--token-file"):command.index("--token-file") + 2]
+
+    assert problems_after(project, drop) == [
+        "services.client.command: lorarl train gets no token; pass --token-file /run/secrets/<secret>"]
+
+    def elsewhere(p: dict[str, Any]) -> None:
+        command = p["services"]["client"]["command"]
+        command[command.index("--token-file") + 1] = "/app/token"
+
+    assert problems_after(project, elsewhere) == [
+        "services.client.command: --token-file /app/token is no secret this service mounts "
+        "(/run/secrets/lorarl_token)"]
 
 
 # ------------------------------------------------------------------------------------------ reading Compose

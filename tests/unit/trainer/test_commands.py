@@ -55,6 +55,7 @@ def test_paths_numbers_cursors_and_none_round_trip(tmp_path: Path) -> None:
         assert roundtrip(Command("call", "e", method, {"path": tmp_path})).args == {"path": tmp_path}
     assert roundtrip(Command("call", "e", "optim_step", {"lr": None})).args == {"lr": None}
     assert roundtrip(Command("call", "e", "optim_step", {"lr": 1e-7})).args == {"lr": 1e-7}
+    assert roundtrip(Command("call", "e", "renumber", {"version": 12})).args == {"version": 12}
     for method in ITERATORS:
         assert roundtrip(Command("iter", "e", method)) == Command("iter", "e", method)
     for op in ("ping", "stop"):
@@ -65,7 +66,8 @@ def test_paths_numbers_cursors_and_none_round_trip(tmp_path: Path) -> None:
 def test_every_engine_method_is_covered() -> None:
     assert set(CALLS) | set(ITERATORS) == {
         "forward_backward", "train_step", "optim_step", "compute_logprobs", "save_checkpoint", "load_checkpoint",
-        "export_adapter", "export_merged", "iter_adapter_tensors", "iter_merged_tensors", "iter_base_tensors"}
+        "export_adapter", "export_merged", "iter_adapter_tensors", "iter_merged_tensors", "iter_base_tensors",
+        "renumber"}
 
 
 def good(**change: object) -> bytes:

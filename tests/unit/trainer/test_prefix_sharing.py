@@ -26,6 +26,7 @@ from lorarl.trainer.rl.batching import micro_batches, pack
 from lorarl.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
 from lorarl.trainer.rl.losses import LossSettings
 from tests.unit.trainer.engine_utils import make_spec
+from tests.unit.trainer.fp64 import fp64_logprobs, max_diff, spread_bound
 from tests.unit.trainer.tiny import randomize_adapters
 
 MODELS = {"dense": DENSE_MODEL_DIR, "moe": MOE_MODEL_DIR}
@@ -250,8 +251,10 @@ def test_train_steps_with_split_groups_equal_the_plain_engine(which: str) -> Non
         for ref in (False, True):
             got = engines[name].compute_logprobs(records, reference=ref)
             want = engines["plain"].compute_logprobs(records, reference=ref)
-            for a, b in zip(got, want, strict=True):
-                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=TOL)
+            # Bound from the plain path's own fp32 error against its float64 twin (tests/unit/trainer/fp64.py):
+            # logprobs near -20 carry ~1e-5 of fp32 rounding either way, so a fixed 1e-5 failed now and then.
+            bound = spread_bound(want, fp64_logprobs(engines["plain"], records, reference=ref))
+            assert max_diff(got, want) <= bound, (name, ref, max_diff(got, want), bound)
 
 
 def test_packed_lines_hold_one_groups_rows_end_to_end_at_their_true_positions() -> None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from lorarl.trainer.engines.api import TrajectoryRecord
 from lorarl.trainer.engines.distributed import SummedShares, all_reduce_floats, shard_by_group
+from lorarl.trainer.engines.plain_collectives import all_gather_plain, broadcast_plain
 
 
 class MegatronDataParallel:
@@ -70,17 +71,13 @@ class MegatronDataParallel:
         """The union of every data-parallel rank's ``{record index: value}``."""
         if self.size == 1:
             return local
-        parts: list[Any] = [None] * self.size
-        dist.all_gather_object(parts, local, group=self.group)
-        return {k: v for part in parts for k, v in part.items()}
+        return {k: v for part in all_gather_plain(local, self.group) for k, v in part.items()}
 
     def from_last_stage(self, obj: Any) -> Any:
         """The last pipeline stage's ``obj`` on every stage (where losses and logits exist)."""
         if self.pp_size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
-        return box[0]
+        return broadcast_plain(obj, self.last_stage_rank, self.pp_group)
 
     # ------------------------------------------------------------ lockstep under expert parallelism
 

@@ -32,6 +32,7 @@ from lorarl.trainer.engines.checkpoint import atomic_directory
 from lorarl.trainer.engines.export import HF_SIDE_FILES, adapted_module_names
 from lorarl.trainer.engines.megatron import convert
 from lorarl.trainer.engines.megatron.lora import MegatronLora
+from lorarl.trainer.engines.plain_collectives import broadcast_tensors
 from lorarl.trainer.rl.lora import PEFT_PREFIX, LoraConfig
 
 _ADAPTER = re.compile(r"decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
@@ -165,13 +166,11 @@ def iter_hf_weights(model: nn.Module, layout: convert.Qwen3Layout, lora: Megatro
         ps.get_pipeline_model_parallel_group())
     for stage, src in enumerate(stage_ranks):
         while True:  # the stage's chunks, then None
-            box = [next(chunks, None) if stage == coords.pp_rank else None]
-            if box[0] is not None:
-                box[0] = [(n, t.cpu()) for n, t in box[0]]
-            dist.broadcast_object_list(box, src=src, group=group)
-            if box[0] is None:
+            chunk = next(chunks, None) if stage == coords.pp_rank else None
+            received = broadcast_tensors(chunk, src, group)
+            if received is None:
                 break
-            yield from box[0]
+            yield from received
 
 
 def _stage_chunks(model: nn.Module, layout: convert.Qwen3Layout, coords: convert.RankCoords,

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorarl.trainer.engines.megatron import convert
+from lorarl.trainer.engines.plain_collectives import all_gather_plain, all_gather_tensors
 from lorarl.trainer.rl.lora import LoraConfig
 
 QKV, FC1 = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -259,9 +260,7 @@ class MegatronLora:
         """``obj`` of every pipeline stage (this rank's alone without pipeline parallelism)."""
         if _group_size(self.pp_group) == 1:
             return [obj]
-        out: list[Any] = [None] * _group_size(self.pp_group)
-        dist.all_gather_object(out, obj, group=self.pp_group)
-        return out
+        return all_gather_plain(obj, self.pp_group)
 
     # ------------------------------------------------------------ parameters
 
@@ -312,7 +311,7 @@ class MegatronLora:
         if _group_size(self.pp_group) == 1:
             return out
         device = next(iter(out.values())).device
-        stages = self._over_stages({k: v.cpu() for k, v in out.items()})
+        stages = all_gather_tensors({k: v.cpu() for k, v in out.items()}, self.pp_group)
         return {k: v.to(device) for stage in stages for k, v in stage.items()}
 
     def full_tensors(self) -> dict[str, torch.Tensor]:

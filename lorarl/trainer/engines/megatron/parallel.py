@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lorarl.common.tcp_store import master_store
 from lorarl.trainer.engines.distributed import init_distributed
 from lorarl.trainer.engines.megatron import cpu_compat
 
@@ -81,11 +82,12 @@ def init_parallel(settings: ParallelSettings, device: str = "cpu", seed: int = 0
     if device == "cpu":
         cpu_compat.enable()
     if not dist.is_initialized():
-        if world_size == 1 and init_method is None:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
-        if init_method is None:
+        if world_size == 1 and init_method is None:  # a group of one, its store on loopback only
+            init_distributed(device, 0, 1, timeout_s=timeout_s, store=master_store("127.0.0.1", 0, 1, timeout_s))
+        elif init_method is None:
             raise ValueError("init_method is required when world_size > 1")
-        init_distributed(device, rank, world_size, init_method, timeout_s)
+        else:
+            init_distributed(device, rank, world_size, init_method, timeout_s)
         _owns_process_group = True
     settings.check_world(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
