@@ -43,8 +43,10 @@ def init_distributed(device: str, rank: int, world_size: int, init_method: str |
     if device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(device))  # nccl binds each rank to its current device
     if store is not None:
-        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        # init_method rendezvous prefixes its keys "default_pg/": ranks joining through init_method (followers)
+        # and through this store then meet under the same keys.
+        dist.init_process_group(backend_for(device), store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
     else:
         dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
