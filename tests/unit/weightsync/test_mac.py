@@ -2,7 +2,7 @@
 
 An attacker who sees a bucket on the (unauthenticated) transfer group can make other bytes with the
 same xxh64; here that is modelled by rewriting the manifest's xxh64 checksums to the forged bytes',
-which is what such a forgery achieves. The keyed BLAKE2b under the job's transfer key still fails."""
+which is what such a forgery achieves. The keyed BLAKE3 under the job's transfer key still fails."""
 
 from __future__ import annotations
 
