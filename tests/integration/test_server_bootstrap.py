@@ -7,6 +7,7 @@ fail or stream, so the behaviour of lorarl.common.server is observable from a re
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -401,11 +402,10 @@ def test_a_body_that_does_not_parse_is_invalid_argument_and_only_after_authentic
 
 def listening(ports: set[int]) -> set[tuple[str, int]]:
     """(address, port) of this process's listening TCP sockets on ``ports``."""
-    import psutil
+    from tests.listeners import listening_addresses
 
-    return {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)  # an IPv4-mapped address is the IPv4 one
-            for c in psutil.Process().net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
+    return {(address, port) for address, port, pid in listening_addresses(os.getpid())
+            if pid == os.getpid() and port in ports}
 
 
 def test_no_listener_on_an_interface_the_configuration_did_not_name() -> None:
