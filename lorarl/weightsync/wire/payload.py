@@ -278,7 +278,8 @@ class PayloadVerifier:
                        for b in manifest.buckets}
         self._done = {b.index: 0 for b in manifest.buckets}
         self._short: set[int] = set()
-        self._bucket_hash = {b.index: xxhash.xxh64() for b in manifest.buckets}
+        # Keyed receivers check each bucket by its MAC alone (see _feed): no bucket xxh64 to keep for them.
+        self._bucket_hash = {} if self._mac else {b.index: xxhash.xxh64() for b in manifest.buckets}
         self._next = {b.index: 0 for b in manifest.buckets}
         self._tensor_hash = {b.index: xxhash.xxh64() for b in manifest.buckets}
         self.tensors: dict[str, torch.Tensor] = {}
