@@ -10,7 +10,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint proto proto-check proto-baseline assets lock bench-setup clean
+.PHONY: setup demo test test-fast lint proto proto-check proto-baseline assets lock bench-setup ascend-sources clean
 
 setup: $(STAMP) $(BUF)
 
@@ -70,6 +70,11 @@ lock: setup
 # Benchmark-only dependencies (TRL for bench/trl_vs_lorarl.py); the constraints keep every pinned package.
 bench-setup: setup
 	$(PIP) install -q -r requirements/bench.txt -c requirements/cpu-constraints.txt
+
+# The source of the vLLM / vllm-ascend releases the Ascend image pins, for the compatibility test
+# (tests/unit/rollout/test_vllm_surface.py); fetched once into .cache/, never by CI.
+ascend-sources: setup
+	$(PY) -m tools.ascend_sources
 
 clean:
 	rm -rf $(VENV) tools/buf/node_modules .pytest_cache .ruff_cache

@@ -36,6 +36,7 @@ from lorarl.rollout.schema import (
     SegmentEvent,
     SegmentSpec,
 )
+from lorarl.rollout.vllm import compat
 from lorarl.rollout.vllm.worker_ext import EXTENSION_QUALNAME, MEMORY_SCHEME
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class VllmEngine:
         self._peak = 0
         self._lora_requests: dict[int, Any] = {}
         self._shm_root: Path | None = None
+        self.weight_version = ""  # label of the merged weights served, "" for the base model
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -107,6 +109,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self.settings
+        compat.apply_platform_environment(current_platform.device_type)  # before vLLM loads the model
         supported, reason = lora_support(self.files, current_platform.is_cpu())
         enable_lora = supported if s.enable_lora is None else s.enable_lora
         if enable_lora and not supported:
@@ -138,9 +141,7 @@ class VllmEngine:
         # vLLM reads its settings from the environment on every access (every request's SamplingParams
         # looks up VLLM_MAX_N_SEQUENCES: ~14% of this process's CPU on the demo). vLLM's own servers and
         # engine core freeze them once the engine is up; so does this frontend.
-        from vllm import envs as vllm_envs
-
-        vllm_envs.enable_envs_cache()
+        compat.enable_envs_cache()
         self.info = EngineInfo(
             engine="vllm",
             model_path=str(self.files.root),
@@ -324,7 +325,8 @@ class VllmEngine:
 
     async def load_weights(self, token: str, label: str) -> None:
         await self._llm.collective_rpc("lorarl_load_weights", kwargs={"token": token})
-        await self._llm.update_weight_version(label)
+        self.weight_version = label  # ours, whether or not this vLLM keeps one (compat.set_weight_version)
+        await compat.set_weight_version(self._llm, label)
 
 
 def _logprobs(token_ids: list[int], entries: Any, top_n: int) -> tuple[list[float], list[dict[int, float]]]:

@@ -16,12 +16,14 @@ reload, say) without us: each build
 deserialises fresh tensors, because vLLM folds the scale into lora_B in place.
 
 Merged weights: `lorarl_put_weights` stages bytes while the engine keeps generating; between steps,
-`lorarl_load_weights` feeds them to the worker's `reload_weights` (in place, checkpoint names).
+`lorarl_load_weights` reloads the model in place from them (compat.reload_weights: the worker's own
+`reload_weights`, or vllm-ascend's layerwise sequence where the NPU worker has none).
 
-Internals used (checked by `lorarl_probe`; tests/unit/rollout/test_vllm_internals.py fails loudly
-when an upgrade moves them): worker.model_runner.lora_manager and its `_load_adapter`,
-`_adapter_manager` (.model, .supported_lora_modules, .packed_modules_mapping), `lora_config`,
-`vocab_size`, `max_position_embeddings`, `_lora_model_cls`; Worker.reload_weights(weights_iterator=).
+Internals used are all declared in surface.py (checked against the installed vLLM and the pinned
+Ascend release's source; `lorarl_probe` checks a live worker): worker.model_runner.lora_manager and
+its `_load_adapter`, `_adapter_manager` (.model, .supported_lora_modules, .packed_modules_mapping),
+`lora_config`, `vocab_size`, `max_position_embeddings`, `_lora_model_cls`. Calls whose form differs
+between vLLM lines go through compat.py.
 
 CPU code apart, each piece with its canary test: cpu_fixes.py (three vLLM CPU bugs worked around) and
 cpu_lora_ops.py (the faster CPU LoRA path); `lorarl_install_cpu_fixes` switches them on.
@@ -33,6 +35,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from lorarl.rollout.vllm import compat
 from lorarl.rollout.vllm.cpu_fixes import _refresh_tied_lm_head, _repack_cpu_moe_experts, _rewind_cpu_generators
 from lorarl.rollout.vllm.cpu_lora_ops import (
     _cpu_punica_wrappers,
@@ -89,8 +92,7 @@ def _build_lora(manager: Any, lora_int_id: int) -> Any:
     peft_helper.validate_legal(manager.lora_config)
     tensors = _tensors(blob)
     model = manager._adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    mapper = compat.rename_mapper(model)
     expected = _expected_modules(manager)
     unexpected = sorted({
         module for name in tensors
@@ -123,6 +125,12 @@ def _install_memory_loader(manager: Any) -> None:
     manager._lorarl_installed = True
 
 
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
 def _staged_weights(token: str) -> Iterator[tuple[str, Any]]:
     for blob in _WEIGHTS.get(token, []):
         yield from _tensors(blob).items()
@@ -134,7 +142,7 @@ class LorarlWorkerExtension:
 
     def lorarl_probe(self) -> dict[str, bool]:
         """Which internals this module relies on are present (for the upgrade canary test)."""
-        found: dict[str, bool] = {"reload_weights": callable(getattr(self, "reload_weights", None))}
+        found: dict[str, bool] = {"reload_weights": compat.can_reload(self)}
         runner = getattr(self, "model_runner", None)
         found["model_runner._bookkeeping_sync"] = callable(getattr(runner, "_bookkeeping_sync", None))
         found["model_runner._sample"] = callable(getattr(runner, "_sample", None))
@@ -214,8 +222,19 @@ class LorarlWorkerExtension:
     def lorarl_drop_weights(self, token: str) -> bool:
         return _WEIGHTS.pop(token, None) is not None
 
-    def lorarl_load_weights(self, token: str) -> int:
-        """Reloads the model in place from staged weights (call between steps, engine paused)."""
+    def lorarl_weights_digest(self) -> dict[str, str]:
+        """sha256 of every model parameter as the worker holds it: two ways of loading the same weights
+        (reload ways, in-worker receive) must leave identical bytes (parity tests, bench/npu_check.py)."""
+        import hashlib
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {name: hashlib.sha256(p.detach().to("cpu").contiguous().view(-1).view(torch_uint8()).numpy()
+                                     ).hexdigest()
+                for name, p in model.named_parameters()}
+
+    def lorarl_load_weights(self, token: str, way: str | None = None) -> int:
+        """Reloads the model in place from staged weights (call between steps, engine paused); `way`
+        forces one of compat.reload_weights' ways (parity tests), else the worker's own is taken."""
         if token not in _WEIGHTS:
             raise RuntimeError(f"no weights staged under {token!r}")
         try:
@@ -227,7 +246,7 @@ class LorarlWorkerExtension:
                     count += 1
                     yield item
 
-            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+            compat.reload_weights(self, counted(), way)
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             _repack_cpu_moe_experts(model)
             _refresh_tied_lm_head(model)

@@ -477,3 +477,29 @@ def test_weight_sync_sink_with_a_local_merge(service: RolloutHarness, model_dir,
     assert sink.active_versions()["sync"] == 1
     assert list(generate(service.stub, PROMPT, greedy(N_TOKENS), "sync").token_ids) == reference["adapter"][0]
     service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="sync"))
+
+
+def test_layerwise_reload_serves_what_the_workers_own_reload_serves(service: RolloutHarness, model_dir, adapter,
+                                                                    reference) -> None:
+    """vllm-ascend 0.23's NPU worker has no reload_weights; compat.reload_weights then runs the layerwise
+    sequence vllm-ascend's own RL update runs. Both ways run here on one CPU engine, alternating; vLLM's
+    CPU backend moves linear weights into oneDNN handles (parameters left empty), so what is compared
+    is what the engine computes: greedy tokens and their logprobs, bit for bit."""
+    from safetensors.torch import load_file
+
+    engine = service.core.engine
+
+    def reload(weights: dict[str, torch.Tensor], way: str) -> tuple[list[int], list[float]]:
+        service.call(engine.stage_weights("parity", weights.items()))
+        service.call(engine.llm.collective_rpc("lorarl_load_weights", kwargs={"token": "parity", "way": way}))
+        service.call(engine.reset_prefix_cache())
+        out = generate(service.stub, PROMPT, greedy(N_TOKENS))  # a base request: the core loaded nothing
+        return list(out.token_ids), list(out.logprobs)
+
+    base_weights = {n: t for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items()}
+    merged = merged_weights(model_dir, adapter, LORA)
+    by_worker = reload(merged, "worker")
+    assert by_worker[0] == reference["adapter"][0]
+    assert reload(base_weights, "layerwise")[0] == reference["base"][0]
+    assert reload(merged, "layerwise") == by_worker
+    assert reload(base_weights, "worker")[0] == reference["base"][0]
