@@ -10,7 +10,14 @@ client address uses the port its server listens on, that servers bind an address
 containers can reach, or that the token reaches every service as a mounted secret file (never an
 environment variable, which `docker inspect` shows); the semantic checks below do. Container
 paths under /app (the images' WORKDIR, where `COPY . .` puts the repository) are read from this
-checkout, and /run/secrets/NAME from the secret's file.
+checkout, /run/secrets/NAME from the secret's file, and paths on a bind mount of a host directory
+outside the repository (models, data) are taken to exist: the host provides them.
+
+Under `network_mode: host` service names do not resolve: peers are addressed at 127.0.0.1 by port,
+servers listen on loopback, and no two services may take one port. Ascend services (lorarl:ascend
+image): those on hccl run with host networking and IPC; those without NPU devices keep torch from
+loading torch_npu (TORCH_DEVICE_BACKEND_AUTOLOAD=0); the rollout's engine settings pass the rules
+of lorarl/common/ascend.py.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,10 +92,35 @@ def secret_mounts(project: Mapping[str, Any], service: Mapping[str, Any], projec
     return mounts
 
 
+_HOST_DATA = Path(tempfile.mkdtemp(prefix="lorarl-compose-check-"))
+
+
+def data_mounts(service: Mapping[str, Any], project_dir: Path) -> dict[str, Path]:
+    """Container directory -> stand-in directory here, for each bind mount of a host directory outside the
+    repository (the host's models/ and data/): paths on them are taken to exist."""
+    found = {}
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, Mapping) or volume.count(":") < 1:
+            continue
+        source, target = volume.split(":")[:2]
+        if not source.startswith((".", "/")):
+            continue  # a named volume
+        host = (project_dir / source).resolve() if not source.startswith("/") else Path(source)
+        if not host.is_relative_to(ROOT) or not host.exists():
+            found[target.rstrip("/")] = _HOST_DATA / target.strip("/").replace("/", "_")
+    return found
+
+
 def _to_repo(value: Any, mounts: Mapping[str, Path] | None = None) -> Any:
-    """Config data with /app/... strings (and mounted secrets) read as paths here, so existence checks apply."""
+    """Config data with /app/... strings (and mounted secrets, and paths on host data mounts) read as
+    paths here, so existence checks apply."""
     if isinstance(value, str) and mounts and value in mounts:
         return str(mounts[value])
+    for target, stand_in in (mounts or {}).items():
+        if isinstance(value, str) and value.startswith(target + "/"):
+            path = stand_in / value[len(target) + 1:]
+            path.mkdir(parents=True, exist_ok=True)
+            return str(path)
     if isinstance(value, str) and (value == IMAGE_ROOT or value.startswith(IMAGE_ROOT + "/")):
         return str(repo_path(value))
     if isinstance(value, dict):
@@ -177,13 +210,49 @@ def semantic_problems(project: Mapping[str, Any], project_dir: Path) -> list[str
         except ValueError as exc:
             problems.append(f"{where}.command: `lorarl {' '.join(service.get('command') or [])}` does not parse: {exc}")
             continue
-        mounts = secret_mounts(project, service, project_dir)
+        mounts = {**secret_mounts(project, service, project_dir), **data_mounts(service, project_dir)}
+        problems += _ascend_problems(where, service)
         if args.command == "serve":
             problems += _server_problems(where, name, service, args, configs, mounts)
         elif args.command == "train":
             problems += _client_problems(where, service, args, mounts)
     for name, service in services.items():
         problems += _address_problems(f"services.{name}", name, service, services, configs)
+    problems += _host_port_problems(services, configs)
+    return problems
+
+
+def host_networked(service: Mapping[str, Any]) -> bool:
+    return service.get("network_mode") == "host"
+
+
+def _ascend_problems(where: str, service: Mapping[str, Any]) -> list[str]:
+    if "ascend" not in str(service.get("image", "")):
+        return []
+    env = environment(service)
+    problems = []
+    uses_hccl = any("hccl" in value or (key.endswith("__DEVICE") and value.startswith("npu"))
+                    for key, value in env.items() if key.startswith(ENV_PREFIX))
+    if uses_hccl and not (host_networked(service) and service.get("ipc") == "host"):
+        problems.append(f"{where}: uses hccl but not host networking and IPC (network_mode: host, ipc: host); "
+                        "HCCL across a bridge network is unproven, vllm-ascend and AReaL run on the host's")
+    if not service.get("devices") and env.get("TORCH_DEVICE_BACKEND_AUTOLOAD") != "0":
+        problems.append(f"{where}: the Ascend image without NPU devices: set TORCH_DEVICE_BACKEND_AUTOLOAD: \"0\" "
+                        "(torch's automatic torch_npu load fails without the driver's libascend_hal.so)")
+    return problems
+
+
+def _host_port_problems(services: Mapping[str, Any], configs: Mapping[str, Any]) -> list[str]:
+    """Host-networked servers share the host's ports."""
+    taken: dict[int, str] = {}
+    problems = []
+    for name, config in configs.items():
+        if config is None or not host_networked(services[name]):
+            continue
+        for port in (config.server.port, config.server.metrics_port):
+            if port in taken:
+                problems.append(f"services.{name}: port {port} is {taken[port]}'s too (both on the host's network)")
+            taken[port] = name
     return problems
 
 
@@ -243,11 +312,24 @@ def _server_problems(where: str, name: str, service: Mapping[str, Any], args: ar
         # token in a variable would show in `docker inspect`
         problems.append(f"{where}: no server.auth.token_file: mount the token as a secret and name its "
                         f"{SECRETS_DIR}/<secret> path there")
-    if config.server.host not in WILDCARD_HOSTS:
-        problems.append(f"{where}: server.host {config.server.host!r} is unreachable from other containers")
-    for key, value in _advertised_hosts(config).items():
-        if value and value != name:
-            problems.append(f"{where}: {key} {value!r} is not this service's name ({name!r})")
+    if host_networked(service):
+        if config.server.host not in LOOPBACK_HOSTS:
+            problems.append(f"{where}: server.host {config.server.host!r} on host networking listens on the host's "
+                            "interfaces; use 127.0.0.1 (the stack is on one node)")
+        for key, value in _advertised_hosts(config).items():
+            if value and value not in LOOPBACK_HOSTS:
+                problems.append(f"{where}: {key} {value!r}: on host networking peers reach this service at 127.0.0.1")
+    else:
+        if config.server.host not in WILDCARD_HOSTS:
+            problems.append(f"{where}: server.host {config.server.host!r} is unreachable from other containers")
+        for key, value in _advertised_hosts(config).items():
+            if value and value != name:
+                problems.append(f"{where}: {key} {value!r} is not this service's name ({name!r})")
+    if "ascend" in str(service.get("image", "")) and hasattr(config, "rollout"):
+        from lorarl.common import ascend
+
+        problems += [f"{where}: {p}" for p in ascend.rollout_problems(
+            config.rollout.block_size, config.rollout.dtype, block_key="rollout.block_size", dtype_key="rollout.dtype")]
     return problems
 
 
@@ -306,6 +388,15 @@ def _address_problems(where: str, name: str, service: Mapping[str, Any], service
             continue
         host, port = match["host"], int(match["port"])
         target = name if host in LOOPBACK_HOSTS else host
+        if host_networked(service) and host in LOOPBACK_HOSTS:  # the host's port: whichever peer serves it
+            target = next((peer for peer, config in configs.items() if config is not None
+                           and host_networked(services[peer]) and config.server.port == port), None)
+            if target is None:
+                problems.append(f"{where}: {text}: no service on the host's network listens on port {port}")
+                continue
+        elif host_networked(service) and host in services:
+            problems.append(f"{where}: {text}: on host networking service names do not resolve; use 127.0.0.1:{port}")
+            continue
         if target not in services:
             continue
         if target not in configs:

@@ -4,7 +4,8 @@ Covers what deploy/ uses: YAML anchors and merge keys, `${VAR}` interpolation (w
 ?, :+, + and $$), and merging override files in order. Merge rules are the Compose
 Specification's for the keys that occur here: mappings merge key by key; `command`,
 `entrypoint` and `healthcheck.test` are replaced; other sequences (devices, volumes, ports, ...)
-are concatenated without duplicates.
+are concatenated without duplicates. An override's `!reset` drops the key it tags and `!override`
+replaces instead of merging (Compose 2.24+), e.g. `ports: !reset []` under host networking.
 """
 
 from __future__ import annotations
@@ -29,6 +30,37 @@ class ComposeError(ValueError):
     """A Compose file cannot be read, interpolated or merged."""
 
 
+class Reset:
+    """`!reset`: the key is removed from the merged project."""
+
+
+class Override:
+    """`!override value`: the value replaces the base's instead of merging with it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+def _reset(loader: yaml.SafeLoader, node: yaml.Node) -> Reset:
+    return Reset()
+
+
+def _override(loader: yaml.SafeLoader, node: yaml.Node) -> Override:
+    if isinstance(node, yaml.MappingNode):
+        return Override(loader.construct_mapping(node, deep=True))
+    if isinstance(node, yaml.SequenceNode):
+        return Override(loader.construct_sequence(node, deep=True))
+    return Override(loader.construct_scalar(node))  # type: ignore[arg-type]
+
+
+_Loader.add_constructor("!reset", _reset)
+_Loader.add_constructor("!override", _override)
+
+
 def interpolate(value: Any, env: Mapping[str, str], where: str = "") -> Any:
     """`value` with every `${VAR...}` in its strings (keys included) replaced from `env`."""
     if isinstance(value, str):
@@ -37,6 +69,8 @@ def interpolate(value: Any, env: Mapping[str, str], where: str = "") -> Any:
         return {interpolate(k, env, where): interpolate(v, env, f"{where}.{k}".lstrip(".")) for k, v in value.items()}
     if isinstance(value, list):
         return [interpolate(item, env, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, Override):
+        return Override(interpolate(value.value, env, where))
     return value
 
 
@@ -63,17 +97,32 @@ def merge(base: Any, override: Any, key: str = "") -> Any:
     if isinstance(base, Mapping) and isinstance(override, Mapping):
         merged = dict(base)
         for name, value in override.items():
-            merged[name] = merge(merged[name], value, name) if name in merged else value
+            if isinstance(value, Reset):
+                merged.pop(name, None)
+            elif isinstance(value, Override):
+                merged[name] = value.value
+            else:
+                merged[name] = merge(merged[name], value, name) if name in merged else _plain(value)
         return merged
     if isinstance(base, list) and isinstance(override, list) and key not in REPLACED:
         return base + [item for item in override if item not in base]
     return override
 
 
+def _plain(value: Any) -> Any:
+    """A value new to the project, with any `!reset` / `!override` inside it resolved."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v.value if isinstance(v, Override) else v) for k, v in value.items()
+                if not isinstance(v, Reset)}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value.value if isinstance(value, Override) else value
+
+
 def read(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A Compose file's top-level mapping, anchors and merge keys resolved, not yet interpolated."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Loader)  # a SafeLoader with 2 tags
     except (OSError, yaml.YAMLError) as exc:
         raise ComposeError(f"{path}: {exc}") from None
     if not isinstance(data, dict):
@@ -88,7 +137,7 @@ def load(paths: Sequence[str | os.PathLike[str]], env: Mapping[str, str]) -> dic
     project: dict[str, Any] = {}
     for path in paths:
         project = merge(project, interpolate(read(path), env))
-    return project
+    return _plain(project)
 
 
 def depends_on(service: Mapping[str, Any]) -> list[str]:

@@ -239,6 +239,7 @@ class JobFileConfig:
         if parallel.expert > 1 and (parallel.data * parallel.tensor) % parallel.expert:
             raise ConfigError("trainer.parallel.expert", f"{parallel.expert} must divide data x tensor ranks "
                                                          f"({parallel.data * parallel.tensor})")
+        self._check_ascend()
         if self.placement.devices_per_node:
             needed = parallel.world_size + self.rollout.replicas * self.rollout.tensor_parallel_size
             have = self.placement.nodes * self.placement.devices_per_node
@@ -247,6 +248,22 @@ class JobFileConfig:
                                   f"the job needs {needed} devices (trainer {parallel.world_size} + rollout "
                                   f"{self.rollout.replicas} x {self.rollout.tensor_parallel_size}) but "
                                   f"placement has {self.placement.nodes} x {self.placement.devices_per_node} = {have}")
+
+
+    def _check_ascend(self) -> None:
+        """A job on NPUs is told up front what Ascend refuses (lorarl/common/ascend.py), all at once."""
+        import os
+
+        from lorarl.common import ascend
+
+        if not ascend.is_npu(self.trainer.device):
+            return
+        problems = [*ascend.rollout_problems(self.rollout.block_size, self.model.dtype,
+                                             block_key="rollout.block_size", dtype_key="model.dtype"),
+                    *ascend.trainer_problems(self.trainer.engine, engine_key="trainer.engine"),
+                    *ascend.environment_problems(os.environ)]
+        if problems:
+            raise ConfigError("", f"on Ascend NPUs (trainer.device={self.trainer.device}): " + "; ".join(problems))
 
 
 def load_job_config(path: str | None, overrides: list[str]) -> JobFileConfig:

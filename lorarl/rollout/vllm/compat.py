@@ -13,14 +13,14 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
-#: vllm-ascend's switch for casting weights to the FRACTAL_NZ layout (default 1). A weight update into
-#: NZ-cast parameters loses precision, so vllm-ascend refuses RL updates unless it is 0.
-NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
+from lorarl.common import ascend
 
 
 def platform_environment(device_type: str) -> dict[str, str]:
-    """Environment a rollout sets before vLLM starts on this device (kept when the user set it to this)."""
-    return {NZ_ENV: "0"} if device_type == "npu" else {}
+    """Environment a rollout sets before vLLM starts on this device: vllm-ascend's FRACTAL_NZ weight cast
+    off (default 1), since a weight update into NZ-cast parameters loses precision and vllm-ascend
+    refuses RL updates unless it is 0 (lorarl/common/ascend.py)."""
+    return {ascend.NZ_ENV: ascend.NZ_FOR_RL} if device_type == "npu" else {}
 
 
 def apply_platform_environment(device_type: str, environ: MutableMapping[str, str] = os.environ) -> None:

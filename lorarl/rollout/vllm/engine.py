@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lorarl.common import ascend
 from lorarl.common.cpu_affinity import format_cpu_list, parse_cpu_list
 from lorarl.common.errors import UnavailableError
 from lorarl.contract.lora import LoraSpec
@@ -109,6 +110,11 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self.settings
+        if current_platform.device_type == "npu":
+            problems = ascend.rollout_problems(s.block_size, s.dtype, block_key="rollout.block_size",
+                                               dtype_key="rollout.dtype")
+            if problems:
+                raise ValueError("; ".join(problems))
         compat.apply_platform_environment(current_platform.device_type)  # before vLLM loads the model
         supported, reason = lora_support(self.files, current_platform.is_cpu())
         enable_lora = supported if s.enable_lora is None else s.enable_lora

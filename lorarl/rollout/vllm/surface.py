@@ -112,8 +112,11 @@ SURFACE: tuple[Symbol, ...] = (
     _s("vllm_ascend.worker.worker:NPUWorker.get_model", platforms=frozenset({"npu"})),
     _s("vllm_ascend.worker.worker:NPUWorker.add_lora", "lora_request", platforms=frozenset({"npu"})),
     _s("vllm_ascend.envs:VLLM_ASCEND_ENABLE_NZ", platforms=frozenset({"npu"})),
+    # what lorarl/common/ascend.py's rules rest on (block sizes, dtypes, the platform's default block)
     _s("vllm_ascend.attention.attention_v1:AscendAttentionBackend.get_supported_kernel_block_sizes",
        platforms=frozenset({"npu"})),
+    _s("vllm_ascend.attention.attention_v1:AscendAttentionBackend.supported_dtypes", platforms=frozenset({"npu"})),
+    _s("vllm_ascend.utils:refresh_block_size", platforms=frozenset({"npu"})),
     # --- CPU platform code (plugin.py, cpu_fixes.py, cpu_lora_ops.py; vLLM 0.32 only)
     _s("vllm.v1.attention.backend:MultipleOf", platforms=frozenset({"cpu"})),
     _s("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend", platforms=frozenset({"cpu"})),

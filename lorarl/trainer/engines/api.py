@@ -168,6 +168,9 @@ class JobSpec:
             raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.engine == "megatron" and self.device.startswith("npu"):
+            raise ValueError("engine 'megatron' cannot run on Ascend NPUs: megatron-core needs MindSpeed (Ascend's "
+                             "adaptation of it) there, which lorarl does not ship; use engine 'torch' on device 'npu'")
         if self.engine != "megatron" and self.megatron != MegatronSettings():
             raise ValueError(f"megatron.* settings apply to engine 'megatron' only, not {self.engine!r}")
         if self.full_finetune and self.loss.kl_coef:

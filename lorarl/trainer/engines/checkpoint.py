@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from lorarl.trainer.engines.devices import capture_accelerator_rng, restore_accelerator_rng
 from lorarl.trainer.rl.lora import LoraConfig
 
 FORMAT = "lorarl-trainer-checkpoint"
@@ -110,11 +111,8 @@ class TrainingState:
 
 
 def capture_rng(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """torch (CPU, and CUDA when used), python and numpy generator states."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if device.type == "cuda" and torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = state
+    """torch (CPU, and the CUDA or NPU devices when used), python and numpy generator states."""
+    tensors = {"torch_cpu": torch.get_rng_state(), **capture_accelerator_rng(device)}
     version, state, gauss = random.getstate()
     plain: dict[str, Any] = {"python": [version, list(state), gauss]}
     with contextlib.suppress(ImportError):
@@ -127,9 +125,7 @@ def capture_rng(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str
 
 def restore_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    restore_accelerator_rng(tensors)
     version, state, gauss = plain["python"]
     random.setstate((version, tuple(state), gauss))
     if "numpy" in plain:

@@ -23,6 +23,7 @@ from torch import nn
 
 from lorarl.common.tcp_store import client_store, master_store
 from lorarl.trainer.engines.api import CheckpointInfo, EngineStateError, JobSpec, Metrics, TrajectoryRecord
+from lorarl.trainer.engines.devices import bind_device
 from lorarl.trainer.engines.torch_engine import TorchEngine, device_for
 from lorarl.trainer.rl.losses import LossSettings
 from lorarl.trainer.rl.step import BatchTotals
@@ -40,8 +41,7 @@ def init_distributed(device: str, rank: int, world_size: int, init_method: str |
     or at ``init_method`` (e.g. env:// under a launcher that hosts the store itself)."""
     if device.startswith("npu"):
         import torch_npu  # noqa: F401  (registers hccl)
-    if device.startswith("cuda:"):
-        torch.cuda.set_device(torch.device(device))  # nccl binds each rank to its current device
+    bind_device(device)  # nccl and hccl bind each rank to its current device
     if store is not None:
         # init_method rendezvous prefixes its keys "default_pg/": ranks joining through init_method (followers)
         # and through this store then meet under the same keys.
@@ -68,10 +68,19 @@ def shard_by_group(records: Sequence[TrajectoryRecord], rank: int, world_size: i
     return [rec for rec in records if order[rec.group_key()] % world_size == rank]
 
 
+def all_reduce_ints(values: Sequence[int], op: dist.ReduceOp, device: torch.device,
+                    group: dist.ProcessGroup | None = None) -> list[int]:
+    """Integer ``values`` (counts, shapes, steps) reduced exactly over ``group``, in int64."""
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=op, group=group)
+    return [int(v) for v in t.tolist()]
+
+
 def all_reduce_floats(values: list[float], op: dist.ReduceOp, device: torch.device,
                       group: dist.ProcessGroup | None = None) -> list[float]:
-    """``values`` reduced over ``group`` (the default group when None), in float64."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    """Metric ``values`` reduced over ``group``, in float32: HCCL has no float64 collectives, and what
+    goes through here is logged, not trained on (counts the loss divides by go through all_reduce_ints)."""
+    t = torch.tensor(values, dtype=torch.float32, device=device)
     dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
@@ -84,11 +93,14 @@ class SummedShares:
     def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
         raise NotImplementedError
 
+    def _all_reduce_ints(self, values: list[int], op: dist.ReduceOp) -> list[int]:
+        raise NotImplementedError
+
     def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
-        sequences, tokens, loss_tokens = self._all_reduce(
-            [totals.sequences, totals.tokens, totals.loss_tokens], dist.ReduceOp.SUM)
-        (norm,) = self._all_reduce([float(totals.norm_tokens)], dist.ReduceOp.MAX)
-        return BatchTotals(sequences, tokens, loss_tokens, int(norm))
+        sequences, tokens, loss_tokens = self._all_reduce_ints(
+            [int(totals.sequences), int(totals.tokens), int(totals.loss_tokens)], dist.ReduceOp.SUM)
+        (norm,) = self._all_reduce_ints([totals.norm_tokens], dist.ReduceOp.MAX)
+        return BatchTotals(float(sequences), float(tokens), float(loss_tokens), norm)
 
     def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         keys = sorted(sums)  # every rank reports the same keys (same loss settings)
@@ -104,6 +116,9 @@ class DataParallelReducer(SummedShares):
 
     def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
         return all_reduce_floats(values, op, self.device)
+
+    def _all_reduce_ints(self, values: list[int], op: dist.ReduceOp) -> list[int]:
+        return all_reduce_ints(values, op, self.device)
 
     def sync_gradients(self, params: Sequence[nn.Parameter]) -> None:
         """One flat SUM all-reduce of every trainable gradient (they are full-batch shares already)."""

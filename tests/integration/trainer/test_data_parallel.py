@@ -1,4 +1,5 @@
-"""Two CPU processes over gloo train the same adapters as one process on the full batch."""
+"""Two CPU processes over gloo train the same adapters as one process on the full batch, with no
+float64 in any collective (HCCL has none)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from lorarl.trainer.engines.distributed import DataParallelEngine, init_distributed, shard_by_group
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.losses import LossSettings
+from tests.unit.trainer.collective_dtypes import assert_no_float64, recorded_dtypes
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.tiny import dense_model
 
@@ -46,7 +48,9 @@ def worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) 
     try:
         for name, loss in LOSSES.items():
             engine = DataParallelEngine(spec_for(Path(model_dir), loss))
-            losses = [engine.train_step(shard_by_group(b, rank, world_size))["loss"] for b in batches()]
+            with recorded_dtypes() as seen:
+                losses = [engine.train_step(shard_by_group(b, rank, world_size))["loss"] for b in batches()]
+            assert_no_float64(seen)
             tensors = {n: p.detach().contiguous() for n, p in engine.named_trainable_parameters().items()}
             save_file(tensors, f"{out_dir}/{name}-rank{rank}.safetensors")
             Path(f"{out_dir}/{name}-rank{rank}.json").write_text(json.dumps(losses))

@@ -13,7 +13,11 @@ from lorarl.client.plan import KNOWN_SHAPES, count, human_bytes, human_count, pl
 from lorarl.common.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
-JOB_FILES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples/models").glob("*.yaml"))
+NPU_JOB_FILES = sorted((ROOT / "examples/npu").glob("*.yaml"))
+#: Checked for what Ascend refuses, but its trainer does not fit one 64 GiB NPU yet (see the file).
+NOT_YET_FITTING = {"qwen3-30b-a3b-merged.yaml"}
+JOB_FILES = (sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples/models").glob("*.yaml"))
+             + [p for p in NPU_JOB_FILES if p.name not in NOT_YET_FITTING])
 
 
 def dry_run(capsys, path: Path, *overrides: str) -> tuple[int, str]:
@@ -30,6 +34,31 @@ def test_every_example_job_passes_the_dry_run(capsys) -> None:
         code, out = dry_run(capsys, path)
         assert code == 0, f"{path.name}: {out}"
         assert out.rstrip().endswith("config OK"), path.name
+
+
+def test_npu_jobs_pass_the_ascend_checks_and_the_demo_settings_fail_them(capsys) -> None:
+    assert {p.name for p in NPU_JOB_FILES} == {"qwen3-0.6b.yaml", "qwen3-30b-a3b-merged.yaml"}
+    for path in NPU_JOB_FILES:
+        cfg = load_job_config(str(path), [])  # validation, Ascend rules included
+        assert (cfg.trainer.device, cfg.model.dtype, cfg.rollout.block_size) == ("npu", "bfloat16", 128)
+    code, out = dry_run(capsys, ROOT / "examples/npu/qwen3-30b-a3b-merged.yaml")
+    assert code == 2 and "trainer: 58.1 GiB of 64.0 GiB per device: DOES NOT FIT" in out
+    assert "rollout: 40.4 GiB of 64.0 GiB per device: fits" in out
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "trainer.device=npu")
+    assert code == 2 and "model.dtype: float32 is not served on Ascend" in out
+    assert "rollout.block_size: 16 tokens; Ascend's attention kernel takes 128-token blocks" in out
+    code, out = dry_run(capsys, ROOT / "examples/npu/qwen3-0.6b.yaml", "trainer.engine=megatron")
+    assert code == 2 and "trainer.engine: megatron-core needs MindSpeed" in out
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "trainer.device=cpu", "rollout.block_size=16")
+    assert code == 0  # the same settings are fine off Ascend
+
+
+def test_a_nz_cast_setting_in_the_environment_fails_an_npu_job(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "1")
+    code, out = dry_run(capsys, ROOT / "examples/npu/qwen3-0.6b.yaml")
+    assert code == 2 and "VLLM_ASCEND_ENABLE_NZ=1 is set: vllm-ascend refuses RL weight updates" in out
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    assert dry_run(capsys, ROOT / "examples/npu/qwen3-0.6b.yaml")[0] == 0
 
 
 def test_published_parameter_counts() -> None:
@@ -127,7 +156,7 @@ def test_a_cpu_trainer_yields_the_cpu_to_generation() -> None:
 
     assert trainer("examples/demo.yaml")["compute_nice"] == 10
     assert "compute_nice" not in trainer("examples/models/qwen3-0.6b.yaml")
-    assert "compute_nice" not in trainer("examples/demo.yaml", "trainer.device=npu")
+    assert "compute_nice" not in trainer("examples/npu/qwen3-0.6b.yaml")
 
 
 def test_block_size_reaches_the_rollout_and_must_be_a_multiple_of_16() -> None:

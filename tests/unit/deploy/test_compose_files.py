@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tools.compose_check import ROOT, check, schema_problems, semantic_problems
-from tools.compose_file import ComposeError, interpolate, load, merge, start_order
+from tools.compose_file import ComposeError, Override, Reset, interpolate, load, merge, start_order
 
 DEPLOY = ROOT / "deploy"
 STACK = DEPLOY / "docker-compose.yml"
@@ -48,14 +48,79 @@ def test_ascend_override_merges_into_a_valid_stack() -> None:
     assert trainer["image"] == "lorarl:ascend"
     assert trainer["build"]["dockerfile"] == "deploy/docker/Dockerfile.ascend"
     assert trainer["environment"]["LORARL_TRAINER__DEVICE"] == "npu"
-    assert trainer["environment"]["LORARL_TRAINER__SENDER_HOST"] == "trainer"  # kept from the base file
+    assert trainer["environment"]["LORARL_TRAINER__SENDER_HOST"] == "127.0.0.1"  # host networking
     assert "/dev/davinci_manager" in trainer["devices"]
     assert "runs:/app/runs" in trainer["volumes"]  # the base volume stays, the driver mounts join it
     assert any(v.startswith("/usr/local/Ascend/driver/lib64:") for v in trainer["volumes"])
     assert rollout["environment"]["LORARL_ROLLOUT__COLLECTIVE_BACKENDS"] == "[hccl]"
     assert merged["weightsync"]["environment"]["LORARL_WEIGHTSYNC__COLLECTIVE_BACKEND"] == "hccl"
     assert trainer["environment"]["ASCEND_RT_VISIBLE_DEVICES"] != rollout["environment"]["ASCEND_RT_VISIBLE_DEVICES"]
-    assert "trainer.device=npu" in merged["client"]["command"]
+    assert "examples/npu/qwen3-0.6b.yaml" in merged["client"]["command"]
+    for name, service in merged.items():  # one host's network and IPC; nothing published (`!reset`)
+        assert (service["network_mode"], service["ipc"], "ports" in service) == ("host", "host", False), name
+    for name in ("weightsync", "client"):
+        assert merged[name]["environment"]["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
+
+
+def test_the_ascend_rollout_config_is_sized_like_lorarl_run_for_the_npu_job(tmp_path: Path) -> None:
+    import yaml
+
+    from lorarl.client.commands.run import stack_sections
+    from lorarl.client.job_config import load_job_config
+
+    merged = load([STACK, ASCEND], ENV)["services"]
+    overrides = [a for a in merged["client"]["command"][2:] if "=" in a and not a.startswith("output.")]
+    compose = yaml.safe_load((DEPLOY / "config" / "rollout-npu.yaml").read_text())["rollout"]
+    local = stack_sections(load_job_config(str(ROOT / "examples/npu/qwen3-0.6b.yaml"), overrides), tmp_path)["rollout"]
+    shared = sorted(set(compose) & set(local) - {"model_path"})
+    assert {"adapter_window", "max_loras", "block_size", "dtype", "max_num_seqs", "max_lora_rank"} <= set(shared)
+    assert {k: compose[k] for k in shared} == {k: local[k] for k in shared}
+
+
+@pytest.fixture(scope="module")
+def ascend() -> dict[str, Any]:
+    return load([STACK, ASCEND], ENV)
+
+
+def test_hccl_services_must_use_the_hosts_network_and_ipc(ascend: dict[str, Any]) -> None:
+    problems = problems_after(ascend, lambda p: p["services"]["trainer"].pop("ipc"))
+    assert problems == ["services.trainer: uses hccl but not host networking and IPC (network_mode: host, ipc: "
+                        "host); HCCL across a bridge network is unproven, vllm-ascend and AReaL run on the host's"]
+
+
+def test_the_ascend_image_without_npus_must_not_autoload_torch_npu(ascend: dict[str, Any]) -> None:
+    problems = problems_after(ascend, lambda p: p["services"]["client"]["environment"].pop(
+        "TORCH_DEVICE_BACKEND_AUTOLOAD"))
+    assert len(problems) == 1 and "services.client: the Ascend image without NPU devices" in problems[0]
+
+
+def test_host_networked_peers_are_addressed_on_loopback_by_port(ascend: dict[str, Any]) -> None:
+    problems = problems_after(ascend, lambda p: p["services"]["trainer"]["environment"].update(
+        LORARL_TRAINER__WEIGHTSYNC_ADDRESS="weightsync:50053"))
+    assert problems == ["services.trainer: weightsync:50053: on host networking service names do not resolve; "
+                        "use 127.0.0.1:50053"]
+    problems = problems_after(ascend, lambda p: p["services"]["client"]["command"].__setitem__(
+        p["services"]["client"]["command"].index("127.0.0.1:50052"), "127.0.0.1:50055"))
+    assert problems == ["services.client: 127.0.0.1:50055: no service on the host's network listens on port 50055"]
+    problems = problems_after(ascend, lambda p: p["services"]["rollout"]["environment"].update(
+        LORARL_SERVER__PORT="50051"))
+    assert "services.rollout: port 50051 is trainer's too (both on the host's network)" in problems
+    problems = problems_after(ascend, lambda p: p["services"]["weightsync"]["environment"].update(
+        LORARL_SERVER__HOST="0.0.0.0"))
+    assert problems == ["services.weightsync: server.host '0.0.0.0' on host networking listens on the host's "
+                        "interfaces; use 127.0.0.1 (the stack is on one node)"]
+
+
+def test_the_ascend_rollout_must_take_what_npus_serve(ascend: dict[str, Any]) -> None:
+    problems = problems_after(ascend, lambda p: p["services"]["rollout"]["environment"].update(
+        LORARL_ROLLOUT__BLOCK_SIZE="16", LORARL_ROLLOUT__DTYPE="float32"))
+    assert len(problems) == 2 and all(p.startswith("services.rollout: rollout.") for p in problems)
+    assert "128-token blocks" in problems[1] and "float32 is not served on Ascend" in problems[0]
+
+
+def test_reset_drops_a_key_and_override_replaces_a_list() -> None:
+    assert merge({"ports": ["1:1"], "x": 1}, {"ports": Reset()}) == {"x": 1}
+    assert merge({"devices": ["a", "b"]}, {"devices": Override(["c"])}) == {"devices": ["c"]}
 
 
 def test_cuda_override_merges_into_a_valid_stack_with_gpu_reservations() -> None:

@@ -19,7 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorarl.trainer.engines.api import TrajectoryRecord
-from lorarl.trainer.engines.distributed import SummedShares, all_reduce_floats, shard_by_group
+from lorarl.trainer.engines.distributed import (
+    SummedShares,
+    all_reduce_floats,
+    all_reduce_ints,
+    shard_by_group,
+)
 from lorarl.trainer.engines.plain_collectives import all_gather_plain, broadcast_plain
 
 
@@ -45,12 +50,12 @@ class MegatronDataParallel:
         """Fails on every rank when the ranks were handed different batches (each must get the full batch)."""
         if dist.get_world_size() == 1:
             return
-        n, tokens = float(len(records)), float(sum(r.num_tokens for r in records))
-        t = torch.tensor([n, tokens, -n, -tokens], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t[0] != -t[2] or t[1] != -t[3]:
+        n, tokens = len(records), sum(r.num_tokens for r in records)
+        most_n, most_tokens, least_n, least_tokens = all_reduce_ints(
+            [n, tokens, -n, -tokens], dist.ReduceOp.MAX, self.device)
+        if most_n != -least_n or most_tokens != -least_tokens:
             raise ValueError("engine 'megatron': every rank must be given the same full batch (it takes its "
-                             f"data-parallel share itself); got between {-t[2]:.0f} and {t[0]:.0f} trajectories")
+                             f"data-parallel share itself); got between {-least_n} and {most_n} trajectories")
 
     def share(self, records: Sequence[TrajectoryRecord]) -> list[int]:
         """Indices of this data-parallel rank's records: whole groups, round-robin, original order."""
@@ -66,6 +71,9 @@ class MegatronDataParallel:
 
     def all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
         return list(values) if self.size == 1 else all_reduce_floats(values, op, self.device, self.group)
+
+    def all_reduce_ints(self, values: list[int], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[int]:
+        return list(values) if self.size == 1 else all_reduce_ints(values, op, self.device, self.group)
 
     def merge(self, local: dict[int, Any]) -> dict[int, Any]:
         """The union of every data-parallel rank's ``{record index: value}``."""
@@ -85,14 +93,14 @@ class MegatronDataParallel:
         """How many forward passes (micro-batches) every rank runs: its own, or the most of any DP rank."""
         if not self.lockstep:
             return steps
-        return int(self.all_reduce([float(steps)], dist.ReduceOp.MAX)[0])
+        return self.all_reduce_ints([steps], dist.ReduceOp.MAX)[0]
 
     def pad_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` [B, S] right/bottom-padded with token 0 to the largest [B, S] of the DP ranks (causal
         attention: real positions never see padding; padded rows are dropped by the caller)."""
         if not self.lockstep:
             return ids
-        b, s = (int(v) for v in self.all_reduce([float(ids.shape[0]), float(ids.shape[1])], dist.ReduceOp.MAX))
+        b, s = self.all_reduce_ints([ids.shape[0], ids.shape[1]], dist.ReduceOp.MAX)
         return F.pad(ids, (0, s - ids.shape[1], 0, b - ids.shape[0]))
 
 
@@ -107,6 +115,9 @@ class MegatronReducer(SummedShares):
 
     def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
         return self.dp.all_reduce(values, op)
+
+    def _all_reduce_ints(self, values: list[int], op: dist.ReduceOp) -> list[int]:
+        return self.dp.all_reduce_ints(values, op)
 
     def sync_gradients(self, params: Sequence[nn.Parameter]) -> None:
         self._sync()

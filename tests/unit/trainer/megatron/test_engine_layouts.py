@@ -21,6 +21,7 @@ from lorarl.trainer.engines.api import JobSpec, MegatronSettings, TrajectoryReco
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from lorarl.trainer.rl.lora import LoraConfig
 from lorarl.trainer.rl.losses import LossSettings
+from tests.unit.trainer.collective_dtypes import assert_no_float64, recorded_dtypes
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.fp64 import fp64_logprobs, max_diff, spread_bound
 from tests.unit.trainer.megatron.spawn import run_workers
@@ -128,7 +129,9 @@ def layout_worker(rank: int, world_size: int, init_method: str, names: list[str]
             split = pp > 1 or (ep > 1 and CASES[name][1] == "per_expert")  # adapters really split over ranks
             assert (len(engine.named_trainable_parameters()) < len(engine._checkpoint_shapes())) == split
             idle = count_idle(engine)
-            run(engine, Path(out_dir), name)
+            with recorded_dtypes() as seen:
+                run(engine, Path(out_dir), name)
+            assert_no_float64(seen)
             total = torch.tensor(float(sum(idle)))
             torch.distributed.all_reduce(total)
             assert (total.item() > 0) == (ep > 1)  # expert parallelism really ran idle lockstep micro-steps
