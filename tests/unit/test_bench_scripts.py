@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py", "cpu_pinning.py", "memory_plan.py",
-                                    "scaling.py", "gpu_check.py", "trl_at_shape.py", "head_logprobs.py"])
+                                    "scaling.py", "gpu_check.py", "trl_at_shape.py", "head_logprobs.py",
+                                    "npu_check.py"])
 def test_command_line_parses(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -139,3 +140,24 @@ def test_memory_benchmarks_run_their_quick_rows_on_cpu(script: str) -> None:
     for row in rows:
         ratio = float(row.split("|")[7 if script == "memory_plan.py" else 6])
         assert 0.8 <= ratio <= 1.2, row
+
+
+@pytest.mark.slow
+def test_the_npu_check_runs_on_cpu_and_fails_when_parity_breaks() -> None:
+    """bench/npu_check.py (the script for the first Ascend session) end to end on CPU over gloo, one mode,
+    two steps: the rollout's and the trainer's logprobs agree on trained adapters; a tolerance below the
+    measured gap turns the row and the exit code to FAILED."""
+    from bench.npu_check import ModeResult
+
+    command = [sys.executable, str(ROOT / "bench" / "npu_check.py"), "--device", "cpu", "--quick", "--modes", "adapter"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [row] = [line for line in done.stdout.splitlines() if line.startswith("| adapter")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1] == "2" and int(cells[2]) > 0 and cells[-1] == "ok", row
+    assert float(cells[4]) < 1e-4 < float(cells[5])  # parity gap tiny, adapter effect not
+    measured = ModeResult("adapter", version=2, tokens=64, max_diff=float(cells[3]), mean_diff=float(cells[4]),
+                          versions_ok=True, effect=float(cells[5]))
+    assert measured.ok(1e-3) and not measured.ok(float(cells[3]) / 2)
+    assert not ModeResult("adapter", version=2, tokens=64, max_diff=0, mean_diff=0, versions_ok=False,
+                          effect=1).ok(1.0)
