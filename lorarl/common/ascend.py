@@ -5,8 +5,9 @@ Each rule names its source in vllm-ascend v0.23.0 (the Ascend image's base), che
 (tests/unit/rollout/test_vllm_surface.py reads that release): attention kernels take 128-token KV
 blocks (AscendAttentionBackend.get_supported_kernel_block_sizes() -> [128]; with none set,
 vllm_ascend.utils.refresh_block_size picks 128); attention runs in fp16/bf16 only (vLLM's
-AttentionBackend.supported_dtypes, which the Ascend backend keeps); RL weight updates need VLLM_ASCEND_ENABLE_NZ=0 (NPUWorker._check_nz_disabled);
-megatron-core needs MindSpeed on NPUs, which lorarl does not ship.
+AttentionBackend.supported_dtypes, which the Ascend backend keeps); RL weight updates need
+VLLM_ASCEND_ENABLE_NZ=0 (NPUWorker._check_nz_disabled); megatron-core needs MindSpeed on NPUs,
+which lorarl does not ship.
 """
 
 from __future__ import annotations

@@ -89,6 +89,10 @@ class RolloutSettings:
     )
     sync_host: str = setting("", doc="Address the trainer's collective group reaches this replica at "
                                      "(empty: the local address of the route to weight sync).")
+    receive_in_worker: Literal["auto", "on", "off"] = setting(
+        "auto", doc="vLLM: the engine's worker joins the weight-transfer group itself and receives into its own "
+        "device memory, this service keeping the control plane ('auto': on NPUs and GPUs, off on CPU). "
+        "Versions this replica merges itself (adapters served merged) are always received here.")
 
     def validate(self) -> None:
         unknown = sorted(set(self.collective_backends) - {"gloo", "nccl", "hccl"})

@@ -10,8 +10,12 @@ This class wires them together and is what the servicer, the weight-sync sink an
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.engine_api import GenerationEngine
@@ -23,6 +27,7 @@ from lorarl.rollout.policy_manager import PolicyManager
 from lorarl.rollout.prompts import PromptRenderer
 from lorarl.rollout.schema import LATEST, CompletionChunk, EngineInfo, GenerateInput, Mode, PromptResult
 from lorarl.rollout.segments import SegmentRunner
+from lorarl.v1 import common_pb2
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,18 @@ class RolloutCore:
 
     async def stage(self, payload: PolicyPayload) -> None:
         await self.policies.stage(payload)
+
+    async def receive_in_engine(self, manifest: common_pb2.WeightManifest, rendezvous: Mapping[str, Any],
+                                key: bytes | None, serve_mode: int) -> Mapping[str, torch.Tensor] | None:
+        """Has the engine's worker receive a collective transfer itself (rollout.receive_in_worker); None
+        where this engine does not, or the version must pass through here (a local merge reads values)."""
+        receive = getattr(self.engine, "receive_in_worker", None)
+        if receive is None or not getattr(self.engine, "receives_in_worker", False):
+            return None
+        if serve_mode == common_pb2.SYNC_MODE_MERGED and manifest.mode == common_pb2.SYNC_MODE_ADAPTER:
+            return None
+        token = f"{manifest.job_id}-v{manifest.version}-recv-{uuid.uuid4().hex[:8]}"
+        return await receive(token, manifest.SerializeToString(), rendezvous, key)
 
     async def commit(self, job_id: str, version: int) -> None:
         await self.policies.commit(job_id, version)

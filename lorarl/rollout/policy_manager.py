@@ -56,6 +56,15 @@ class PolicyManager:
 
     async def stage(self, payload: PolicyPayload) -> None:
         """Prepares a version without serving it; raises (changing nothing) if it cannot be served here."""
+        try:
+            await self._stage(payload)
+        except BaseException:
+            received = getattr(payload.tensors, "engine_token", None)
+            if received is not None:  # refused before the engine adopted what its worker received
+                await self.engine.drop_received(received)  # type: ignore[attr-defined]
+            raise
+
+    async def _stage(self, payload: PolicyPayload) -> None:
         async with self._policy_lock:
             if payload.fingerprint and payload.fingerprint != self.fingerprint:
                 raise FailedPreconditionError(f"{payload.job_id} v{payload.version} was made for base model "
@@ -88,6 +97,7 @@ class PolicyManager:
         self.table.add(LoadedVersion(payload.job_id, payload.version, Mode.ADAPTER, adapter=handle))
 
     async def _stage_merged(self, payload: PolicyPayload, previous: LoadedVersion | None) -> None:
+        received = getattr(payload.tensors, "engine_token", None)  # already in the engine's worker
         tensors = dict(payload.tensors)
         if payload.local_merge:
             if payload.lora is None:
@@ -98,7 +108,11 @@ class PolicyManager:
         if previous is not None:
             await self._unload(previous)
         token = f"{payload.job_id}-v{payload.version}-{uuid.uuid4().hex[:8]}"
-        await self.engine.stage_weights(token, complete_weights(tensors, self.files))
+        weights = complete_weights(tensors, self.files)
+        if received is not None:
+            await self.engine.stage_weights(token, weights, received=received)  # type: ignore[call-arg]
+        else:
+            await self.engine.stage_weights(token, weights)
         self.table.add(LoadedVersion(payload.job_id, payload.version, Mode.MERGED, weights_token=token))
 
     async def commit(self, job_id: str, version: int) -> None:

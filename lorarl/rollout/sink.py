@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
+
+import torch
 
 from lorarl.rollout.convert import policy_payload
 from lorarl.rollout.core import RolloutCore
+from lorarl.v1 import common_pb2
 from lorarl.weightsync.client.sinks import PolicyUpdate
 
 T = TypeVar("T")
@@ -38,6 +41,11 @@ class RolloutSink:
             return self.core.active_versions()
 
         return self._run(read())
+
+    def receive_in_engine(self, manifest: common_pb2.WeightManifest, rendezvous: Mapping[str, Any],
+                          key: bytes | None, serve_mode: int) -> Mapping[str, torch.Tensor] | None:
+        """The engine's worker receives the transfer itself (RolloutCore.receive_in_engine); None: it does not."""
+        return self._run(self.core.receive_in_engine(manifest, rendezvous, key, serve_mode))
 
     def stage(self, update: PolicyUpdate) -> None:
         self._run(self.core.stage(policy_payload(update.manifest, update.tensors, update.serve_mode)))

@@ -74,6 +74,20 @@ def safetensors_blobs(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: in
 
 
 
+class ReceivedTensors(dict):
+    """Tensors the engine's worker received itself (VllmEngine.receive_in_worker), seen here as meta
+    tensors of the right dtype and shape: checks read their shapes, the engine finds the bytes by token."""
+
+    def __init__(self, token: str, specs: Mapping[str, tuple[str, list[int]]]) -> None:
+        super().__init__({name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                          for name, (dtype, shape) in specs.items()})
+        self.engine_token = token
+
+
+def received_token(tensors: object) -> str | None:
+    return getattr(tensors, "engine_token", None)
+
+
 def engine_memory_args(s: RolloutSettings, on_cpu: bool) -> dict[str, Any]:
     """vLLM's graph and memory arguments for this platform: eager and a 1 GiB KV cache on CPU unless set;
     on GPUs CUDA graphs, and the KV cache sized by gpu_memory_utilization unless kv_cache_gib is set."""
@@ -100,6 +114,7 @@ class VllmEngine:
         self._lora_requests: dict[int, Any] = {}
         self._shm_root: Path | None = None
         self.weight_version = ""  # label of the merged weights served, "" for the base model
+        self.receives_in_worker = False  # rollout.receive_in_worker, resolved for this platform on start()
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -161,6 +176,8 @@ class VllmEngine:
             max_lora_rank=s.max_lora_rank if enable_lora else 0,
             max_loras=s.max_loras if enable_lora else 0,
         )
+        self.receives_in_worker = s.receive_in_worker == "on" or (
+            s.receive_in_worker == "auto" and not current_platform.is_cpu())
         if current_platform.is_cpu():
             await self._llm.collective_rpc("lorarl_install_cpu_fixes")
         if s.engine_cpus:
@@ -269,12 +286,39 @@ class VllmEngine:
         running = min(self._live, self.settings.max_num_seqs)
         return EngineStats(running, self._live - running, self._peak)
 
+    # ------------------------------------------------------------------- receive in worker
+
+    async def receive_in_worker(self, token: str, manifest: bytes, rendezvous: Mapping[str, Any],
+                                key: bytes | None) -> ReceivedTensors:
+        """The worker joins the transfer group and receives the version into its own device memory
+        (worker_ext.lorarl_receive); what comes back is names, dtypes and shapes."""
+        specs = await self._llm.collective_rpc("lorarl_receive", kwargs={
+            "token": token, "manifest": manifest, "key": key, **rendezvous})
+        return ReceivedTensors(token, specs[0])
+
+    async def drop_received(self, token: str) -> None:
+        await self._llm.collective_rpc("lorarl_drop_received", kwargs={"token": token})
+
     # ---------------------------------------------------------------------------- adapters
 
     async def add_adapter(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]
                           ) -> None:
         from vllm.lora.request import LoRARequest
 
+        received = received_token(tensors)
+        if received is not None:  # already in the worker: register it there, nothing crosses again
+            request = LoRARequest(lora_name=handle.name, lora_int_id=handle.lora_int_id,
+                                  lora_path=f"{MEMORY_SCHEME}{handle.key}")
+            try:
+                await self._llm.collective_rpc("lorarl_put_adapter", kwargs={
+                    "lora_int_id": handle.lora_int_id, "peft_config": lora.peft_config(), "blob": None,
+                    "lora_name": request.lora_name, "lora_path": request.lora_path, "received": received})
+            except BaseException:
+                await self._forget_adapter(handle)
+                await self.drop_received(received)
+                raise
+            self._lora_requests[handle.lora_int_id] = request
+            return
         memory = self._shm_root is None
         path = (f"{MEMORY_SCHEME}{handle.key}" if memory
                 else await asyncio.to_thread(self._write_peft_dir, handle, lora, tensors))
@@ -317,13 +361,20 @@ class VllmEngine:
 
     # ----------------------------------------------------------------------------- weights
 
-    async def stage_weights(self, token: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        blobs = iter(safetensors_blobs(weights))
+    async def stage_weights(self, token: str, weights: Iterable[tuple[str, torch.Tensor]],
+                            received: str | None = None) -> None:
+        """Stages merged weights for load_weights; ``received``: those of them the worker received itself
+        (meta tensors here, skipped), adopted from its receive buffers."""
+        blobs = iter(safetensors_blobs((n, t) for n, t in weights if not t.is_meta))
         try:
+            if received is not None:
+                await self._llm.collective_rpc("lorarl_adopt_received", kwargs={"token": token, "received": received})
             while (blob := await asyncio.to_thread(next, blobs, None)) is not None:
                 await self._llm.collective_rpc("lorarl_put_weights", kwargs={"token": token, "blob": blob})
         except BaseException:
             await self.drop_weights(token)
+            if received is not None:
+                await self.drop_received(received)
             raise
 
     async def drop_weights(self, token: str) -> None:

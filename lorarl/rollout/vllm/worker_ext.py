@@ -47,10 +47,12 @@ from lorarl.rollout.vllm.cpu_lora_ops import (
 MEMORY_SCHEME = "lorarl-mem://"
 EXTENSION_QUALNAME = "lorarl.rollout.vllm.worker_ext.LorarlWorkerExtension"
 
-#: lora_int_id -> (PEFT adapter_config dict, safetensors bytes); one registry per worker process.
-_ADAPTERS: dict[int, tuple[dict[str, Any], bytes]] = {}
-#: staging token -> safetensors byte blobs of merged weights awaiting `lorarl_load_weights`.
-_WEIGHTS: dict[str, list[bytes]] = {}
+#: lora_int_id -> (PEFT adapter_config dict, safetensors bytes or tensors received in this worker).
+_ADAPTERS: dict[int, tuple[dict[str, Any], bytes | dict[str, Any]]] = {}
+#: staging token -> safetensors byte blobs and received tensors of merged weights awaiting `lorarl_load_weights`.
+_WEIGHTS: dict[str, list[bytes | dict[str, Any]]] = {}
+#: receive token -> tensors this worker received and verified itself (lorarl_receive), until adopted.
+_RECEIVED: dict[str, dict[str, Any]] = {}
 
 _LORA_MANAGER_ATTRS = ("_load_adapter", "_adapter_manager", "lora_config", "vocab_size",
                        "max_position_embeddings", "_lora_model_cls")
@@ -90,7 +92,8 @@ def _build_lora(manager: Any, lora_int_id: int) -> Any:
     config, blob = _ADAPTERS[lora_int_id]
     peft_helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     peft_helper.validate_legal(manager.lora_config)
-    tensors = _tensors(blob)
+    # fresh tensors per build: vLLM folds the scale into lora_B in place
+    tensors = _tensors(blob) if isinstance(blob, bytes) else {k: v.clone() for k, v in blob.items()}
     model = manager._adapter_manager.model
     mapper = compat.rename_mapper(model)
     expected = _expected_modules(manager)
@@ -133,7 +136,7 @@ def torch_uint8() -> Any:
 
 def _staged_weights(token: str) -> Iterator[tuple[str, Any]]:
     for blob in _WEIGHTS.get(token, []):
-        yield from _tensors(blob).items()
+        yield from (_tensors(blob) if isinstance(blob, bytes) else blob).items()
 
 
 
@@ -192,17 +195,57 @@ class LorarlWorkerExtension:
         return {"wrappers": len(wrappers), "layers": sum(len(w._lorarl_lean_weights) for w in wrappers),
                 "builds": sum(w._lorarl_lean_builds for w in wrappers)}
 
-    def lorarl_put_adapter(self, lora_int_id: int, peft_config: dict[str, Any], blob: bytes, lora_name: str,
-                           lora_path: str) -> bool:
+    def lorarl_receive(self, token: str, manifest: bytes, backend: str, master_address: str, master_port: int,
+                       rank: int, world_size: int, group_name: str, source_rank: int, timeout_s: float,
+                       local_address: str | None, key: bytes | None) -> dict[str, tuple[str, list[int]]]:
+        """Joins a weight-transfer group and receives a version straight into this worker's device: the
+        service process keeps the control plane (rendezvous, reports, commit); the bytes skip it.
+        Every bucket and tensor checksum and every bucket's MAC is checked as in the service's own
+        receive (lorarl.weightsync.client.agent.verify_pieces, on a host copy of each piece); the tensors
+        kept are views into the device buffers. Returns {name: (dtype, shape)} for the service's checks."""
+        import torch
+
+        from lorarl.v1 import common_pb2
+        from lorarl.weightsync.client.agent import verify_pieces
+        from lorarl.weightsync.wire.collective import WeightTransferGroup
+        from lorarl.weightsync.wire.payload import unpack_bucket
+
+        parsed = common_pb2.WeightManifest.FromString(manifest)
+        device = getattr(self, "device", None) or torch.device("cpu")
+        group = WeightTransferGroup(backend, master_address, master_port, rank, world_size, group_name,
+                                    timeout_s=timeout_s, device=str(device), local_address=local_address)
+        on_device: dict[int, Any] = {}
+        try:
+            host = verify_pieces(parsed, group.receive_pieces([b.nbytes for b in parsed.buckets], source_rank,
+                                                              on_device), key=key)
+        finally:
+            group.close(wait=False)
+        tensors = host if device.type == "cpu" else {
+            name: t for i, buffer in on_device.items() for name, t in unpack_bucket(parsed, i, buffer, verify=False)}
+        _RECEIVED[token] = tensors
+        return {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()}
+
+    def lorarl_drop_received(self, token: str) -> bool:
+        return _RECEIVED.pop(token, None) is not None
+
+    def lorarl_adopt_received(self, token: str, received: str) -> int:
+        """Adds tensors received in this worker to the merged weights staged under ``token``."""
+        tensors = _RECEIVED.pop(received)
+        _WEIGHTS.setdefault(token, []).append(tensors)
+        return len(tensors)
+
+    def lorarl_put_adapter(self, lora_int_id: int, peft_config: dict[str, Any], blob: bytes | None, lora_name: str,
+                           lora_path: str, received: str | None = None) -> bool:
         """Registers an adapter and adds it to the worker as ``AsyncLLM.add_lora`` would (engine core and
         executor only forward that call), which builds it once through the memory loader: a bad one is
-        refused here, not mid-request, in one trip to a busy engine instead of two."""
+        refused here, not mid-request, in one trip to a busy engine instead of two. ``received``: the
+        adapter's tensors were received in this worker (lorarl_receive) instead of coming as ``blob``."""
         from vllm.lora.request import LoRARequest
 
         if not lora_path.startswith(MEMORY_SCHEME):
             raise ValueError(f"lora_path must start with {MEMORY_SCHEME}, got {lora_path!r}")
         _install_memory_loader(_lora_manager(self))
-        _ADAPTERS[lora_int_id] = (dict(peft_config), bytes(blob))
+        _ADAPTERS[lora_int_id] = (dict(peft_config), _RECEIVED.pop(received) if received else bytes(blob or b""))
         try:
             self.add_lora(LoRARequest(lora_name=lora_name, lora_int_id=lora_int_id,  # type: ignore[attr-defined]
                                       lora_path=lora_path))

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import grpc
 import torch
@@ -169,7 +169,9 @@ class WeightSyncAgent:
             validate_manifest(manifest)
             transport = manifest.transport.WhichOneof("kind")
             if transport == "collective":
-                tensors = await asyncio.to_thread(self._receive_collective, stage)
+                tensors = await asyncio.to_thread(self._receive_in_engine, stage)
+                if tensors is None:
+                    tensors = await asyncio.to_thread(self._receive_collective, stage)
             elif transport == "inline":
                 tensors = await self._receive_inline(manifest)
             else:
@@ -186,6 +188,25 @@ class WeightSyncAgent:
             logger.warning("rejected %s v%d: %s", job_id, version, error, extra={"replica_id": self.replica_id})
         await self._report(self._stub_call("ReportStaged", weightsync_pb2.ReportStagedRequest(
             replica_id=self.replica_id, job_id=job_id, version=version, ok=ok, error=error)))
+
+    def _receive_in_engine(self, stage: weightsync_pb2.StageEvent) -> Mapping[str, torch.Tensor] | None:
+        """Where the sink's engine receives transfers in its own worker (the rollout's vLLM worker, into
+        device memory), it gets the rendezvous and the key and does the receive and every check itself;
+        this agent keeps the control plane. None: receive here (also under a fault-injection hook)."""
+        receive = getattr(self.sink, "receive_in_engine", None)
+        if receive is None or self.receive_hook is not None:
+            return None
+        manifest = stage.manifest
+        c = manifest.transport.collective
+        backend = BACKEND_NAMES.get(c.backend)
+        if backend is None:
+            raise StageError(f"unknown collective backend {c.backend}")
+        rendezvous = {"backend": backend, "master_address": c.master_address, "master_port": c.master_port,
+                      "rank": stage.rank, "world_size": c.world_size, "group_name": c.group_name,
+                      "source_rank": c.source_rank, "timeout_s": float(c.timeout_seconds or 120),
+                      "local_address": self.host}
+        return receive(manifest, rendezvous, transfer_key(self.token, manifest.job_id),
+                       stage.serve_mode or manifest.mode)
 
     def _receive_collective(self, stage: weightsync_pb2.StageEvent) -> dict[str, torch.Tensor]:
         manifest = stage.manifest

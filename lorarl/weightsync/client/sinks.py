@@ -28,7 +28,9 @@ class PolicyUpdate:
     serve_mode MERGED and manifest.mode MERGED: `tensors` are HF-named weights to overwrite.
     serve_mode MERGED and manifest.mode ADAPTER (`local_merge`): merge the adapter into the pristine
     base weights (lorarl.weightsync.wire.merge.merged_from_adapter) and load those.
-    Tensors may be views into receive buffers: copy what must outlive the call.
+    Tensors may be views into receive buffers: copy what must outlive the call. Where the sink's
+    engine received the version in its own worker (an optional `receive_in_engine(manifest, rendezvous,
+    key, serve_mode)` on the sink), `tensors` are meta tensors naming what the worker holds.
     """
 
     manifest: common_pb2.WeightManifest

@@ -122,11 +122,14 @@ class WeightTransferGroup:
             work.wait()
         return sent
 
-    def receive_pieces(self, sizes: Sequence[int], src: int = 0
+    def receive_pieces(self, sizes: Sequence[int], src: int = 0,
+                       device_buffers: dict[int, torch.Tensor] | None = None
                        ) -> Iterator[tuple[int, torch.Tensor, int, int]]:
-        """(bucket index, CPU bucket buffer, start, end) as each piece lands, the next one already posted."""
+        """(bucket index, CPU bucket buffer, start, end) as each piece lands, the next one already posted.
+        ``device_buffers``, if given, is filled with the buckets as they landed on the group's device (the
+        CPU copies are what checksums read; tensors can then be views into the device buffers)."""
         plan = [(i, start, end) for i, n in enumerate(sizes) for start, end in pieces(n, self.piece_bytes)]
-        buffers: dict[int, torch.Tensor] = {}
+        buffers: dict[int, torch.Tensor] = {} if device_buffers is None else device_buffers
         host: dict[int, torch.Tensor] = {}
         pending: tuple[int, int, int, dist.Work] | None = None
         for i, start, end in plan:
