@@ -92,7 +92,9 @@ class RolloutSettings:
     receive_in_worker: Literal["auto", "on", "off"] = setting(
         "auto", doc="vLLM: the engine's worker joins the weight-transfer group itself and receives into its own "
         "device memory, this service keeping the control plane ('auto': on NPUs and GPUs, off on CPU). "
-        "Versions this replica merges itself (adapters served merged) are always received here.")
+        "The engine steps no further while its worker receives (with vLLM in-process, as on CPU, neither "
+        "does this service's event loop), where this service's own receive overlaps generation. Versions "
+        "this replica merges itself (adapters served merged) are always received here.")
 
     def validate(self) -> None:
         unknown = sorted(set(self.collective_backends) - {"gloo", "nccl", "hccl"})
