@@ -243,11 +243,13 @@ def test_train_steps_with_split_groups_equal_the_plain_engine(which: str) -> Non
     assert max((p - start[n]).abs().max().item() for n, p in plain.items()) > 1e-4  # the steps did update
     # AdamW divides each gradient element by its own magnitude, so an element whose gradient sits at
     # fp32 rounding level moves by a rounding-driven fraction of lr (both paths alike): measured up to
-    # 6e-5 at lr 1e-3 on the MoE model, hence lr 1e-4 for this comparison.
+    # 6e-5 at lr 1e-3 on the MoE model, hence lr 1e-4 for this comparison (and 1.01e-5 at lr 1e-4 on
+    # another host's CPU kernels: the bound is 3e-5, under a third of one step's lr).
     for name in ("padded", "packed"):
         shared = engines[name].named_trainable_parameters()
         for param, p in plain.items():
-            torch.testing.assert_close(shared[param], p, rtol=0, atol=TOL, msg=f"{name} {param}")
+            torch.testing.assert_close(shared[param], p, rtol=0, atol=3e-5,
+                                       msg=f"{name} {param}: {(shared[param] - p).abs().max().item():.2e}")
         for ref in (False, True):
             got = engines[name].compute_logprobs(records, reference=ref)
             want = engines["plain"].compute_logprobs(records, reference=ref)
