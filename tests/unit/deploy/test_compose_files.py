@@ -63,17 +63,25 @@ def test_ascend_override_merges_into_a_valid_stack() -> None:
 
 
 def test_the_ascend_rollout_config_is_sized_like_lorarl_run_for_the_npu_job(tmp_path: Path) -> None:
+    merged = load([STACK, ASCEND], ENV)["services"]
+    overrides = [a for a in merged["client"]["command"][2:] if "=" in a and not a.startswith("output.")]
+    assert_sized_like_lorarl_run("rollout-npu.yaml", "examples/npu/qwen3-0.6b.yaml", overrides, tmp_path,
+                                 {"adapter_window", "max_loras", "block_size", "dtype", "max_num_seqs",
+                                  "max_lora_rank"})
+
+
+def assert_sized_like_lorarl_run(config: str, job: str, overrides: list[str], tmp_path: Path,
+                                 required: set[str]) -> None:
+    """The compose rollout config `config` holds the settings `lorarl run JOB OVERRIDES` gives its rollout."""
     import yaml
 
     from lorarl.client.commands.run import stack_sections
     from lorarl.client.job_config import load_job_config
 
-    merged = load([STACK, ASCEND], ENV)["services"]
-    overrides = [a for a in merged["client"]["command"][2:] if "=" in a and not a.startswith("output.")]
-    compose = yaml.safe_load((DEPLOY / "config" / "rollout-npu.yaml").read_text())["rollout"]
-    local = stack_sections(load_job_config(str(ROOT / "examples/npu/qwen3-0.6b.yaml"), overrides), tmp_path)["rollout"]
+    compose = yaml.safe_load((DEPLOY / "config" / config).read_text())["rollout"]
+    local = stack_sections(load_job_config(str(ROOT / job), overrides), tmp_path)["rollout"]
     shared = sorted(set(compose) & set(local) - {"model_path"})
-    assert {"adapter_window", "max_loras", "block_size", "dtype", "max_num_seqs", "max_lora_rank"} <= set(shared)
+    assert required <= set(shared)
     assert {k: compose[k] for k in shared} == {k: local[k] for k in shared}
 
 
@@ -143,16 +151,8 @@ def test_cuda_override_merges_into_a_valid_stack_with_gpu_reservations() -> None
 def test_rollout_config_is_sized_like_the_one_lorarl_run_starts_for_the_client_job(tmp_path: Path) -> None:
     """The compose client runs examples/demo.yaml; its rollout must hold the versions that job keeps in
     flight (adapter window from the staleness bound) and the same engine shape as `lorarl run`'s."""
-    import yaml
-
-    from lorarl.client.commands.run import stack_sections
-    from lorarl.client.job_config import load_job_config
-
-    compose = yaml.safe_load((DEPLOY / "config" / "rollout.yaml").read_text())["rollout"]
-    local = stack_sections(load_job_config(str(ROOT / "examples/demo.yaml"), []), tmp_path)["rollout"]
-    shared = sorted(set(compose) & set(local) - {"model_path"})
-    assert {"adapter_window", "max_loras", "block_size", "dtype"} <= set(shared)
-    assert {k: compose[k] for k in shared} == {k: local[k] for k in shared}
+    assert_sized_like_lorarl_run("rollout.yaml", "examples/demo.yaml", [], tmp_path,
+                                 {"adapter_window", "max_loras", "block_size", "dtype"})
 
 
 def test_services_start_in_dependency_order(project: dict[str, Any]) -> None:
