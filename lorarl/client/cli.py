@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -21,9 +22,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: A dotted ``KEY=VALUE`` override, as the subcommands' positional ``overrides`` take them.
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``KEY=VALUE`` overrides accepted anywhere after the config file: argparse
+    alone takes positionals only before the first flag (``lorarl run job.yaml --dry-run loop.steps=2``
+    would be "unrecognized arguments")."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = getattr(args, "overrides", None)
+    strays = [token for token in extra if not _OVERRIDE.match(token)]
+    if strays or (extra and not isinstance(overrides, list)):
+        parser.error(f"unrecognized arguments: {' '.join(strays or extra)}")
+    if extra:
+        args.overrides = [*overrides, *extra]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lorarl` console script; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     return int(args.handler(args))
 
 

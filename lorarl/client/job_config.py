@@ -94,7 +94,8 @@ class OptimizerSection:
 @dataclass
 class ParallelSection:
     tensor: int = setting(1, check=in_range(1, 1024), doc="Tensor-parallel size (megatron engine).")
-    pipeline: int = setting(1, check=in_range(1, 1024), doc="Pipeline-parallel size (megatron engine).")
+    pipeline: int = setting(1, check=in_range(1, 1024), doc="Pipeline stages: megatron's pipeline-parallel ranks; "
+                            "the torch engine splits its decoder layers across this many devices of its one process.")
     expert: int = setting(1, check=in_range(1, 1024), doc="Expert-parallel size (megatron engine, MoE).")
     data: int = setting(1, check=in_range(1, 1024), doc="Data-parallel size.")
 
@@ -102,6 +103,10 @@ class ParallelSection:
     def world_size(self) -> int:
         # Megatron's expert-parallel group is carved out of the data x tensor ranks, not added to them.
         return self.tensor * self.pipeline * self.data
+
+    def ranks(self, engine: str) -> int:
+        """Trainer processes: one per device for megatron; the torch engine's layer split is one process."""
+        return self.world_size if engine == "megatron" else self.data
 
 
 @dataclass
@@ -234,8 +239,11 @@ class JobFileConfig:
             raise ConfigError("rollout.max_lora_rank",
                               f"{self.rollout.max_lora_rank} is below trainer.lora.rank={self.trainer.lora.rank}")
         parallel = self.trainer.parallel
-        if self.trainer.engine == "torch" and (parallel.tensor, parallel.pipeline, parallel.expert) != (1, 1, 1):
-            raise ConfigError("trainer.parallel", "tensor/pipeline/expert parallelism needs trainer.engine=megatron")
+        if self.trainer.engine == "torch" and (parallel.tensor, parallel.expert) != (1, 1):
+            raise ConfigError("trainer.parallel", "tensor/expert parallelism needs trainer.engine=megatron")
+        if self.trainer.engine == "torch" and parallel.pipeline > 1 and parallel.data > 1:
+            raise ConfigError("trainer.parallel.data", "the torch engine's layer split (parallel.pipeline > 1) runs in "
+                                                       "one trainer process: data parallelism with it needs megatron")
         if parallel.expert > 1 and (parallel.data * parallel.tensor) % parallel.expert:
             raise ConfigError("trainer.parallel.expert", f"{parallel.expert} must divide data x tensor ranks "
                                                          f"({parallel.data * parallel.tensor})")

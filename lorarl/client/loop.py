@@ -55,7 +55,7 @@ def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConf
                                               expert_parallel_size=t.parallel.expert)
     return trainer_pb2.JobConfig(
         base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, seed=t.seed, engine=t.engine,
-        megatron=megatron,
+        megatron=megatron, layer_devices=t.parallel.pipeline if t.engine == "torch" else 0,
         # The rollout never returns a prompt and completion longer than its context: the trainer takes them all.
         max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS),
         lora=t.lora.spec().to_proto(),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.step_time import IMBALANCE, StepTime, estimate
-from lorarl.trainer.engines.memory import StepMemory, needs_checkpointing, step_memory
+from lorarl.trainer.engines.memory import StepMemory, needs_checkpointing, stage_sizes, step_memory
 
 GIB = 1 << 30
 ADAPTER_BYTES = 4  # adapters and their Adam moments stay fp32 whatever the base dtype
@@ -117,6 +117,7 @@ def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> 
     base = embed + full * attn + (layers - full) * linear_attn + layers * mlp + mtp
     vision = _vision_params(shape.get("vision_config"))
     return {"base": base + vision, "vision": vision, "expert_params": layers * expert_params,
+            "outside_layers": embed + mtp + vision,  # what a torch layer split keeps on its first device
             "lora": full * attn_lora + (layers - full) * linear_lora + layers * mlp_lora,
             "lora_experts": layers * mlp_lora if experts else 0, "experts": experts}
 
@@ -215,6 +216,15 @@ def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: fl
     tokens, seq = micro_batch_tokens(cfg)
     memory = cfg.trainer.memory
     layers = -(-shape["num_hidden_layers"] // par.pipeline)
+    if cfg.trainer.engine == "torch" and par.pipeline > 1:
+        # The torch engine's layer split (lorarl.trainer.engines.layer_split): whole layers per device, the
+        # embeddings and head on the first; the fullest device is the one that counts.
+        total_layers = shape["num_hidden_layers"]
+        per_layer = (n["base"] - n["outside_layers"]) / total_layers
+        sizes = stage_sizes(n["outside_layers"], [per_layer] * total_layers, par.pipeline)
+        layers = max(sizes)
+        weights = max(n["outside_layers"] + sizes[0] * per_layer, layers * per_layer) * dtype_bytes
+        adapters = n["lora"] * layers / total_layers * ADAPTER_BYTES
     rank, dtype, chunk = cfg.trainer.lora.rank, cfg.model.dtype, memory.logits_chunk_tokens
     with_grads, adam = 2 * adapters, 2 * adapters  # adapters and their gradients; two Adam moments
     static = weights + with_grads + adam
@@ -274,8 +284,11 @@ def print_plan(cfg) -> int:
     step, unchecked = trainer.step, trainer.unchecked
     ckpt_mode = cfg.trainer.memory.activation_checkpointing
     ckpt = ("on" if step.checkpointing else "off") + (" (auto)" if ckpt_mode == "auto" else "")
-    print(f"trainer ({cfg.trainer.engine} engine, {cfg.trainer.device}, TP {par.tensor} x PP {par.pipeline} x "
-          f"DP {par.data}, EP {par.expert}): per device base {human_bytes(trainer.weights)} + adapters and grads "
+    layout = (f"decoder layers split across {par.pipeline} devices, one computing at a time"
+              if cfg.trainer.engine == "torch" and par.pipeline > 1
+              else f"TP {par.tensor} x PP {par.pipeline} x DP {par.data}, EP {par.expert}")
+    print(f"trainer ({cfg.trainer.engine} engine, {cfg.trainer.device}, {layout}): per device base "
+          f"{human_bytes(trainer.weights)} + adapters and grads "
           f"{human_bytes(trainer.adapters)} + Adam {human_bytes(trainer.adam)} + step {human_bytes(step.total)} "
           f"(activations kept {human_bytes(step.kept)}, then the larger of one recomputed layer "
           f"{human_bytes(step.recompute)} and the logits chunk {human_bytes(step.logits)}) "

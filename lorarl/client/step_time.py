@@ -61,7 +61,9 @@ def estimate(cfg, shape: dict[str, Any], counts: dict[str, int], checkpointing: 
     prompt, completion = cfg.data.max_prompt_tokens, cfg.rollout.max_tokens
     sequences = cfg.loop.prompts_per_step * cfg.rollout.group_size
     passes = 2 + int(checkpointing) + int(cfg.trainer.loss.kl_coef > 0)
-    trainer_devices = cfg.trainer.parallel.world_size
+    par = cfg.trainer.parallel
+    # A torch layer split computes on one of its devices at a time.
+    trainer_devices = par.world_size // (par.pipeline if cfg.trainer.engine == "torch" else 1)
     train_s = 2 * active * sequences * (prompt + completion) * passes / (trainer_devices * peak * TRAIN_MFU)
 
     tp = cfg.rollout.tensor_parallel_size

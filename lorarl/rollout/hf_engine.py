@@ -114,7 +114,7 @@ class HfEngine:
             max_model_len=s.max_model_len or self.files.max_position_embeddings,
             eos_token_ids=self.files.eos_token_ids, is_moe=self.files.is_moe, supports_lora=supported,
             lora_reason=reason, max_lora_rank=s.max_lora_rank if supported else 0,
-            max_loras=s.max_loras if supported else 0)
+            max_loras=s.max_loras if supported else 0, dtype=str(self.model.dtype).removeprefix("torch."))
 
     async def close(self) -> None:
         self.model = None

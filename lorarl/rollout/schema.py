@@ -182,6 +182,7 @@ class EngineInfo:
     lora_reason: str
     max_lora_rank: int
     max_loras: int
+    dtype: str = ""  # the served weights' dtype name (float32, bfloat16, float16)
 
 
 @dataclass

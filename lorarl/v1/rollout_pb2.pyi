@@ -108,7 +108,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("engine", "supports_lora", "max_lora_rank", "max_loras", "modes", "base_model_fingerprint", "vocab_size", "max_model_len", "reason", "adapter_window")
+    __slots__ = ("engine", "supports_lora", "max_lora_rank", "max_loras", "modes", "base_model_fingerprint", "vocab_size", "max_model_len", "reason", "adapter_window", "dtype")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class GetCapabilitiesResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     engine: str
     supports_lora: bool
     max_lora_rank: int
@@ -129,7 +130,8 @@ class GetCapabilitiesResponse(_message.Message):
     max_model_len: int
     reason: str
     adapter_window: int
-    def __init__(self, engine: _Optional[str] = ..., supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., modes: _Optional[_Iterable[_Union[_common_pb2.SyncMode, str]]] = ..., base_model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reason: _Optional[str] = ..., adapter_window: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, engine: _Optional[str] = ..., supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., modes: _Optional[_Iterable[_Union[_common_pb2.SyncMode, str]]] = ..., base_model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reason: _Optional[str] = ..., adapter_window: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GetReplicaStatusRequest(_message.Message):
     __slots__ = ()

@@ -107,8 +107,8 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
         "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
                     **({"compute_nice": 10} if cfg.trainer.device == "cpu" else {}),
                     "export_dir": str(out / "exports"), "collective": cfg.sync.collective,
-                    # tensor x pipeline x data ranks, one process each (rank 0 serves gRPC)
-                    **({"ranks": cfg.trainer.parallel.world_size} if cfg.trainer.parallel.world_size > 1 else {})},
+                    # one process per rank (rank 0 serves gRPC); a torch layer split is one process
+                    **({"ranks": ranks} if (ranks := cfg.trainer.parallel.ranks(cfg.trainer.engine)) > 1 else {})},
         "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
                     "dtype": cfg.model.dtype,
                     "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.rollout.max_lora_rank,
@@ -264,6 +264,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
     from lorarl.client.calls import NamedStub
     from lorarl.client.datasets import load_examples
     from lorarl.client.loop import RLLoop
+    from lorarl.client.preflight import rollout_warnings
     from lorarl.client.recovery import wait_serving
     from lorarl.client.rewards import load_reward
     from lorarl.client.rollout_pool import RolloutPool
@@ -294,6 +295,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
         if weightsync_address:
             weightsync = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(
                 await channel("weightsync", weightsync_address)), "weightsync", weightsync_address)
+        await rollout_warnings(cfg, rollout.stubs)
         session = JobSession(cfg, trainer, out)
         state = await session.start(fresh=fresh)
         log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,

@@ -175,6 +175,7 @@ class VllmEngine:
             lora_reason="" if enable_lora else reason,
             max_lora_rank=s.max_lora_rank if enable_lora else 0,
             max_loras=s.max_loras if enable_lora else 0,
+            dtype=str(self._llm.model_config.dtype).removeprefix("torch."),
         )
         self.receives_in_worker = s.receive_in_worker == "on" or (
             s.receive_in_worker == "auto" and not current_platform.is_cpu())

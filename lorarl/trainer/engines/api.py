@@ -140,7 +140,9 @@ class JobSpec:
     the torch/python RNGs and therefore LoRA dropout. ``recompute_proximal`` forces decoupled PPO
     (proximal logprobs recomputed before the step); it is also on whenever
     ``loss.behavior_weight_cap > 0`` or ``loss.max_staleness`` is set. ``megatron`` holds the
-    model-parallel sizes of the Megatron engine (defaults for every other engine).
+    model-parallel sizes of the Megatron engine (defaults for every other engine). ``layer_devices``
+    splits the torch engine's decoder layers across that many devices of its one process
+    (lorarl.trainer.engines.layer_split).
     """
 
     base_model_path: str
@@ -156,6 +158,7 @@ class JobSpec:
     recompute_proximal: bool = False
     megatron: MegatronSettings = field(default_factory=MegatronSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
+    layer_devices: int = 1
 
     def __post_init__(self) -> None:
         if not self.base_model_path:
@@ -173,6 +176,11 @@ class JobSpec:
                              "adaptation of it) there, which lorarl does not ship; use engine 'torch' on device 'npu'")
         if self.engine != "megatron" and self.megatron != MegatronSettings():
             raise ValueError(f"megatron.* settings apply to engine 'megatron' only, not {self.engine!r}")
+        if not 1 <= self.layer_devices <= 64:
+            raise ValueError(f"layer_devices must be 1..64, got {self.layer_devices}")
+        if self.layer_devices > 1 and self.engine != "torch":
+            raise ValueError(f"layer_devices splits the torch engine's layers; engine {self.engine!r} has "
+                             "megatron.pipeline_parallel_size for that")
         if self.full_finetune and self.loss.kl_coef:
             raise ValueError("loss.kl_coef must be 0 with full_finetune (the reference is the base with adapters off)")
 

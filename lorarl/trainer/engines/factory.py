@@ -7,10 +7,11 @@ from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.trainer.engines.api import JobSpec, TrainEngine
 
 
-def check_device(device: str) -> None:
-    """The job's device exists in this process: FAILED_PRECONDITION for a missing accelerator kind,
-    INVALID_ARGUMENT for an index past the devices present (instead of torch's AssertionError later).
-    A multi-rank trainer checks the job against its ranks first (lorarl.trainer.ranks.rank_engines)."""
+def check_device(device: str, layer_devices: int = 1) -> None:
+    """The job's device (and the ``layer_devices - 1`` after it, for a layer split) exists in this process:
+    FAILED_PRECONDITION for a missing accelerator kind, INVALID_ARGUMENT for an index past the devices
+    present (instead of torch's AssertionError later). A multi-rank trainer checks the job against its
+    ranks first (lorarl.trainer.ranks.rank_engines)."""
     kind, _, index = device.partition(":")
     if kind == "cpu":
         return
@@ -31,11 +32,15 @@ def check_device(device: str) -> None:
     if index and int(index) >= count:
         raise InvalidArgumentError("config.device", f"{device}: this trainer has {count} {kind} device(s), "
                                                     f"{kind}:0..{kind}:{count - 1}")
+    last = int(index or 0) + layer_devices - 1
+    if last >= count:
+        raise InvalidArgumentError("config.layer_devices", f"{layer_devices} devices from {device} need "
+                                                           f"{kind}:{last}; this trainer has {count} {kind} device(s)")
 
 
 def create_engine(spec: JobSpec) -> TrainEngine:
     """The engine named by ``spec.engine``, imported lazily (torch is heavy, Megatron optional)."""
-    check_device(spec.device)
+    check_device(spec.device, spec.layer_devices)
     if spec.engine == "torch":
         from lorarl.trainer.engines.torch_engine import TorchEngine
 

@@ -27,6 +27,7 @@ recomputed layer: the two never overlap.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,3 +154,33 @@ def needs_checkpointing(shape: dict[str, Any], rank: int, dtype: str, tokens: in
     is free on the device once weights and optimiser state are in place."""
     plain = step_memory(shape, rank, dtype, tokens, False, logits_chunk_tokens, layers, frozen_head=frozen_head)
     return plain.total > AUTO_HEADROOM * free_bytes
+
+
+def stage_sizes(outside: float, per_layer: Sequence[float], stages: int) -> list[int]:
+    """Layers per device (contiguous, in order, at least one each) that minimise the largest device's
+    bytes, the first device also holding ``outside`` (embeddings, norm, head)."""
+    if not 1 <= stages <= len(per_layer):
+        raise ValueError(f"cannot split {len(per_layer)} decoder layers across {stages} devices")
+
+    def pack(limit: float) -> list[int]:
+        """Fills each device up to ``limit`` before opening the next."""
+        sizes, load = [0], outside
+        for size in per_layer:
+            if sizes[-1] and load + size > limit:
+                sizes.append(0)
+                load = 0.0
+            sizes[-1] += 1
+            load += size
+        return sizes
+
+    low, high = max(outside + per_layer[0], *per_layer), outside + sum(per_layer)  # pack(high): one device
+    for _ in range(100):  # bisect the smallest limit that packs into ``stages`` devices
+        if high - low <= 1e-6 * high:
+            break
+        mid = (low + high) / 2
+        low, high = (low, mid) if len(pack(mid)) <= stages else (mid, high)
+    sizes = pack(high)
+    while len(sizes) < stages:  # a spare device takes the last layer of the last run that has two or more
+        at = max(i for i, n in enumerate(sizes) if n > 1)
+        sizes[at:at + 1] = [sizes[at] - 1, 1]
+    return sizes

@@ -129,6 +129,10 @@ class PolicyEngine(TrainEngine):
         """Whether the decoder layers recompute their activations now ("auto" decides per micro-batch)."""
         return activation_checkpointing_enabled(self._layered)
 
+    def model_devices(self) -> list[torch.device]:
+        """Every device holding part of the model: ``device``, or several under a layer split."""
+        return [self.device]
+
     def _init_training(self, named_trainable: dict[str, nn.Parameter], reducer: GradientReducer | None = None
                        ) -> None:
         """AdamW over ``named_trainable``, fresh counters, and the RL step over this engine and ``reducer``
@@ -173,7 +177,8 @@ class PolicyEngine(TrainEngine):
         if self.spec.memory.activation_checkpointing != "auto" or self.spec.full_finetune:
             return
         need = needs_checkpointing(self._shape, self.spec.lora.rank, self.spec.dtype, batch.input_ids.numel(),
-                                   self.spec.memory.logits_chunk_tokens, free_device_bytes(self.device),
+                                   self.spec.memory.logits_chunk_tokens,
+                                   min(free_device_bytes(d) for d in self.model_devices()),
                                    layers=self._local_layers, frozen_head=self.closed_form_head)
         if need != activation_checkpointing_enabled(self._layered):
             (enable_activation_checkpointing if need else disable_activation_checkpointing)(self._layered)
@@ -228,7 +233,8 @@ class PolicyEngine(TrainEngine):
         ids = [i % self.vocab_size for i in range(1, 8)]
         group = [TrajectoryRecord(ids[:3], ids[3:5], [-1.0] * 2, [self._version] * 2, 1.0, "warm-up"),
                  TrajectoryRecord(ids[:3], ids[4:7], [-1.0] * 3, [self._version] * 3, 0.0, "warm-up")]
-        accelerator = [] if self.device.type == "cpu" else [self.device.index or 0]
+        accelerator = [] if self.device.type == "cpu" else sorted(
+            {d.index or 0 for d in self.model_devices()})
         python_rng = random.getstate()
         try:
             with torch.random.fork_rng(devices=accelerator, device_type=self.device.type

@@ -262,8 +262,9 @@ def shared_prefix_hidden(decoder: nn.Module, batch: PackedBatch, plan: PrefixPla
     flat = [prompt_hidden.flatten(0, 1)]
     row_len = plan.prompt_lengths.index_select(0, plan.row_prompt).unsqueeze(1)  # [B, 1]
     if layout.slots > 0:
-        per_line = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, layout.line_prompt),
-                                                 layer.values.index_select(0, layout.line_prompt))
+        # Each layer's cache is on that layer's device (lorarl.trainer.engines.layer_split).
+        per_line = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, layout.line_prompt.to(layer.keys.device)),
+                                                 layer.values.index_select(0, layout.line_prompt.to(layer.keys.device)))
                                                 for layer in cache.layers])
         if layout.packed:
             eager = decoder.config._attn_implementation == "eager"

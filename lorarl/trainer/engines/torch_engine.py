@@ -22,6 +22,7 @@ from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines.api import EngineStateError, JobSpec
 from lorarl.trainer.engines.export import save_merged_model, save_peft_adapter
 from lorarl.trainer.engines.head_logprobs import head_token_logprobs
+from lorarl.trainer.engines.layer_split import place_by_layers, split_devices
 from lorarl.trainer.engines.policy_engine import (  # noqa: F401  (re-exported: the torch engine's public names)
     ENTROPY_CHUNK_ROWS,
     TORCH_DTYPES,
@@ -68,7 +69,8 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool
 
 
 class TorchEngine(PolicyEngine):
-    """TrainEngine on one device with transformers + lorarl.trainer.rl.lora.
+    """TrainEngine with transformers + lorarl.trainer.rl.lora, on one device or, with ``spec.layer_devices``,
+    its decoder layers split across several (lorarl.trainer.engines.layer_split).
 
     ``share_prompts`` (default on) runs a repeated prompt once per micro-batch; off gives the plain forward.
     ``pack_completions`` (default on) lets that shared forward pack completions instead of padding them.
@@ -81,6 +83,7 @@ class TorchEngine(PolicyEngine):
         """``reducer``: how ranks that share the step combine it (engines.distributed); None: one process."""
         self.spec = spec
         self.device = device_for(spec.device)
+        self.devices = split_devices(spec.device, spec.layer_devices)
         seed_everything(spec.seed)
         self._fingerprint = base_model_fingerprint(spec.base_model_path)
         model = AutoModelForCausalLM.from_pretrained(spec.base_model_path, dtype=TORCH_DTYPES[spec.dtype],
@@ -90,15 +93,19 @@ class TorchEngine(PolicyEngine):
         else:
             # Injected on CPU (the init generator is a CPU one), then moved with the model.
             inject_lora(model, spec.lora, seed=spec.seed)
-        self.model = model.to(self.device)
+        self.layers_per_device = place_by_layers(model, self.devices)
+        self.model = model
         self.model.eval()
         self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
-        self._init_memory(self.model, model.config.to_dict(), model.config.num_hidden_layers)
+        self._init_memory(self.model, model.config.to_dict(), max(self.layers_per_device))
         self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad}, reducer)
 
     @classmethod
     def create(cls, spec: JobSpec) -> TorchEngine:
         return cls(spec)
+
+    def model_devices(self) -> list[torch.device]:
+        return list(dict.fromkeys(self.devices))
 
     @property
     def total_parameters(self) -> int:

@@ -51,6 +51,9 @@ def check_job_fits(spec: JobSpec, world_size: int, device: str) -> tuple[str, st
     if spec.device.split(":")[0] != device.split(":")[0]:
         return "config.device", (f"{spec.device!r} differs from the trainer's device {device!r}, which its "
                                  f"{world_size} ranks were started on (trainer.device)")
+    if spec.layer_devices > 1:
+        return "config.layer_devices", (f"a layer split ({spec.layer_devices} devices) runs in a one-rank trainer; "
+                                        f"this one has {world_size} ranks (trainer.ranks)")
     if spec.engine == "megatron":
         m = spec.megatron
         if world_size % (m.tensor_parallel_size * m.pipeline_parallel_size):

@@ -47,3 +47,28 @@ def test_adapter_served_by_the_transformers_engine_matches_peft(service: Rollout
     assert list(out.token_versions) == [1] * 12
     caps = service.stub.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
     assert caps.engine == "hf" and caps.supports_lora
+
+
+def test_the_loop_warns_when_the_rollout_serves_another_dtype(service: RolloutHarness, capsys) -> None:
+    """GetCapabilities names the served dtype; lorarl train's preflight warns on a job in another one."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lorarl.client.calls import NamedStub
+    from lorarl.client.preflight import rollout_warnings
+    from lorarl.common.channel import aio_channel
+    from lorarl.v1 import rollout_pb2_grpc
+    from tests.integration.rollout.harness import TOKEN
+
+    assert service.stub.GetCapabilities(rollout_pb2.GetCapabilitiesRequest()).dtype == "float32"
+
+    async def warnings(dtype: str) -> list[str]:
+        async with aio_channel(service.running.address, token=TOKEN) as channel:
+            replica = NamedStub(rollout_pb2_grpc.RolloutServiceStub(channel), "rollout", service.running.address)
+            return await rollout_warnings(SimpleNamespace(model=SimpleNamespace(dtype=dtype)), [replica])
+
+    assert asyncio.run(warnings("float32")) == []
+    (line,) = asyncio.run(warnings("bfloat16"))
+    assert f"the rollout at {service.running.address} serves float32" in line
+    assert "model.dtype" in line and "rollout.dtype=bfloat16" in line
+    assert "lorarl: warning: " in capsys.readouterr().err

@@ -11,13 +11,12 @@ from lorarl.client.commands.run import stack_sections, visible_devices
 from lorarl.client.job_config import load_job_config
 from lorarl.client.plan import KNOWN_SHAPES, count, human_bytes, human_count, place
 from lorarl.common.config import ConfigError
+from lorarl.trainer.engines.memory import stage_sizes
 
 ROOT = Path(__file__).resolve().parents[3]
 NPU_JOB_FILES = sorted((ROOT / "examples/npu").glob("*.yaml"))
-#: Checked for what Ascend refuses, but its trainer does not fit one 64 GiB NPU yet (see the file).
-NOT_YET_FITTING = {"qwen3-30b-a3b-merged.yaml"}
 JOB_FILES = (sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples/models").glob("*.yaml"))
-             + [p for p in NPU_JOB_FILES if p.name not in NOT_YET_FITTING])
+             + NPU_JOB_FILES)
 
 
 def dry_run(capsys, path: Path, *overrides: str) -> tuple[int, str]:
@@ -42,8 +41,14 @@ def test_npu_jobs_pass_the_ascend_checks_and_the_demo_settings_fail_them(capsys)
         cfg = load_job_config(str(path), [])  # validation, Ascend rules included
         assert (cfg.trainer.device, cfg.model.dtype, cfg.rollout.block_size) == ("npu", "bfloat16", 128)
     code, out = dry_run(capsys, ROOT / "examples/npu/qwen3-30b-a3b-merged.yaml")
-    assert code == 2 and "trainer: 58.1 GiB of 64.0 GiB per device: DOES NOT FIT" in out
+    assert code == 0 and "trainer: 34.0 GiB of 64.0 GiB per device: fits" in out
     assert "rollout: 40.4 GiB of 64.0 GiB per device: fits" in out
+    assert "node 0: trainer (devices 0-1), rollout-0 (devices 2-3)" in out
+    # On one 64 GiB NPU the whole bf16 base (56.9 GiB) and the smallest step do not fit.
+    code, out = dry_run(capsys, ROOT / "examples/npu/qwen3-30b-a3b-merged.yaml", "trainer.parallel.pipeline=1",
+                        "trainer.optimizer.micro_batch_tokens=2304", "trainer.memory.activation_checkpointing=on",
+                        "trainer.memory.logits_chunk_tokens=128")
+    assert code == 2 and "trainer: 58.1 GiB of 64.0 GiB per device: DOES NOT FIT" in out
     code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "trainer.device=npu")
     assert code == 2 and "model.dtype: float32 is not served on Ascend" in out
     assert "rollout.block_size: 16 tokens; Ascend's attention kernel takes 128-token blocks" in out
@@ -59,6 +64,36 @@ def test_a_nz_cast_setting_in_the_environment_fails_an_npu_job(capsys, monkeypat
     assert code == 2 and "VLLM_ASCEND_ENABLE_NZ=1 is set: vllm-ascend refuses RL weight updates" in out
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
     assert dry_run(capsys, ROOT / "examples/npu/qwen3-0.6b.yaml")[0] == 0
+
+
+def test_a_torch_layer_split_plans_its_fullest_device_and_runs_as_one_process(capsys) -> None:
+    """parallel.pipeline on the torch engine: whole layers per device, the embeddings and head on the
+    first (lorarl.trainer.engines.memory.stage_sizes), one trainer process, one device computing."""
+    path = ROOT / "examples/models/qwen3-8b.yaml"
+    _, whole = dry_run(capsys, path, "trainer.memory.activation_checkpointing=on", "trainer.parallel.data=1")
+    code, split = dry_run(capsys, path, "trainer.memory.activation_checkpointing=on", "trainer.parallel.data=1",
+                          "trainer.parallel.pipeline=2")
+    assert code == 0 and "decoder layers split across 2 devices" in split
+
+    def base(out: str) -> float:
+        return float(out.split("per device base ")[1].split(" GiB")[0])
+
+    shape = KNOWN_SHAPES["qwen3-8b"]
+    n = count(shape, 16)
+    # 36 layers of 0.193 B parameters and 1.24 B outside them (embeddings, head): 18/18 would put 4.72 B on
+    # the first device, 15/21 puts 4.14 B there and 4.05 B on the second, 14/22 4.24 B on the second.
+    per_layer = (n["base"] - n["outside_layers"]) / shape["num_hidden_layers"]
+    assert stage_sizes(n["outside_layers"], [per_layer] * 36, 2) == [15, 21]
+    fullest = n["outside_layers"] + 15 * per_layer
+    assert base(split) == pytest.approx(fullest * 2 / 2**30, abs=0.05)
+    assert base(split) < base(whole) * 0.6
+    cfg = load_job_config(str(path), ["trainer.parallel.data=1", "trainer.parallel.pipeline=2"])
+    assert cfg.trainer.parallel.ranks("torch") == 1 and cfg.trainer.parallel.ranks("megatron") == 2
+    assert "ranks" not in stack_sections(cfg, Path("/tmp"))["trainer"]
+    with pytest.raises(ConfigError, match=r"trainer\.parallel\.data"):
+        load_job_config(str(path), ["trainer.parallel.pipeline=2", "trainer.parallel.data=2"])
+    with pytest.raises(ConfigError, match=r"tensor/expert parallelism needs trainer\.engine=megatron"):
+        load_job_config(str(path), ["trainer.parallel.tensor=2"])
 
 
 def test_published_parameter_counts() -> None:
