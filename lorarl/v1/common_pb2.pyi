@@ -112,7 +112,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "job_id", "group_id", "prompt_token_ids", "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "rewards", "finish_reason", "metrics")
+    __slots__ = ("id", "job_id", "group_id", "prompt_token_ids", "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "rewards", "finish_reason", "metrics", "loss_mask", "turn_rewards")
     class RewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class Trajectory(_message.Message):
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     group_id: str
@@ -149,7 +151,9 @@ class Trajectory(_message.Message):
     rewards: _containers.ScalarMap[str, float]
     finish_reason: FinishReason
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., rewards: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    loss_mask: _containers.RepeatedScalarFieldContainer[bool]
+    turn_rewards: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., rewards: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turn_rewards: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "bucket", "offset", "nbytes", "checksum")

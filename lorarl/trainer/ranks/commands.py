@@ -100,6 +100,10 @@ def record_from_json(raw: Any, where: str) -> TrajectoryRecord:
             raise CommandError(f"{where}.{name} must hold integers")
     if not all(isinstance(v, float | int) for v in _list(record.behavior_logprobs, f"{where}.behavior_logprobs")):
         raise CommandError(f"{where}.behavior_logprobs must hold numbers")
+    if record.loss_mask is not None and not all(type(v) is bool for v in _list(record.loss_mask, f"{where}.loss_mask")):
+        raise CommandError(f"{where}.loss_mask must hold booleans")
+    if not all(isinstance(v, float | int) for v in _list(record.turn_rewards, f"{where}.turn_rewards")):
+        raise CommandError(f"{where}.turn_rewards must hold numbers")
     return record
 
 

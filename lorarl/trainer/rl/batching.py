@@ -29,7 +29,7 @@ class PackedBatch:
     attention_mask: torch.Tensor  # [B, L] long
     target_positions: torch.Tensor  # [B, T] long, index into L of the logit predicting each token
     completion_ids: torch.Tensor  # [B, T] long
-    mask: torch.Tensor  # [B, T] float, 1 on real completion tokens
+    mask: torch.Tensor  # [B, T] float, 1 on the completion tokens the loss trains (the policy's own)
     behavior_logp: torch.Tensor  # [B, T] float
     token_versions: torch.Tensor  # [B, T] long
     advantages: torch.Tensor  # [B] float
@@ -53,7 +53,7 @@ def shaped_rewards(records: Sequence[TrajectoryRecord], loss: LossSettings) -> t
     """Rewards with DAPO's soft overlong penalty applied (before advantages, as DAPO does)."""
     rewards = torch.tensor([float(r.reward) for r in records], dtype=torch.float32)
     if loss.overlong_buffer and loss.overlong_penalty:
-        lengths = torch.tensor([len(r.completion_token_ids) for r in records])
+        lengths = torch.tensor([r.trained_tokens for r in records])  # the policy's tokens, not the tools'
         rewards = rewards + overlong_penalty(lengths, loss.max_response_tokens, loss.overlong_buffer,
                                              loss.overlong_penalty)
     return rewards
@@ -87,11 +87,14 @@ def pack(records: Sequence[TrajectoryRecord], advantages: torch.Tensor | None = 
         attention_mask[b, : P + C] = 1
         target_positions[b, :C] = torch.arange(P - 1, P + C - 1)
         completion_ids[b, :C] = torch.tensor(r.completion_token_ids)
-        mask[b, :C] = 1.0
+        trained = torch.tensor(r.trained(), dtype=torch.bool)
+        mask[b, :C] = trained.float()
+        # A masked (tool/environment) token's logprob and version are never read: zeros keep its ratio and
+        # importance weight finite, so its zero mask also zeroes its gradient (inf * 0 would be NaN).
         if r.behavior_logprobs:
-            behavior[b, :C] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
+            behavior[b, :C] = torch.tensor(r.behavior_logprobs, dtype=torch.float32).where(trained, 0.0)
         if r.token_versions:
-            versions[b, :C] = torch.tensor(r.token_versions, dtype=torch.long)
+            versions[b, :C] = torch.tensor(r.token_versions, dtype=torch.long).where(trained, 0)
     adv = torch.zeros(B) if advantages is None else advantages.detach().float().reshape(B).clone()
     lengths = torch.tensor([len(r.completion_token_ids) for r in records], dtype=torch.long)
     return PackedBatch(input_ids, attention_mask, target_positions, completion_ids, mask, behavior, versions,

@@ -124,12 +124,12 @@ def loss_mask(batch: PackedBatch, settings: LossSettings, version: int) -> torch
 
 def batch_totals(records: Sequence[TrajectoryRecord], settings: LossSettings, version: int) -> BatchTotals:
     """This process's counts of ``records`` (before any reduction)."""
-    tokens = sum(len(r.completion_token_ids) for r in records)
+    tokens = sum(r.trained_tokens for r in records)
     loss_tokens = tokens
     if settings.max_staleness is not None:
-        loss_tokens = sum(1 for r in records for v in r.token_versions
-                          if staleness.fresh(version, v, settings.max_staleness))
-    norm = settings.max_response_tokens or max((len(r.completion_token_ids) for r in records), default=0)
+        loss_tokens = sum(1 for r in records for v, trained in zip(r.token_versions, r.trained(), strict=False)
+                          if trained and staleness.fresh(version, v, settings.max_staleness))
+    norm = settings.max_response_tokens or max((r.trained_tokens for r in records), default=0)
     return BatchTotals(float(len(records)), float(tokens), float(loss_tokens), int(norm))
 
 

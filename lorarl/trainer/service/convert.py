@@ -150,6 +150,7 @@ def trajectory_record(t: common_pb2.Trajectory) -> TrajectoryRecord:
         prompt_token_ids=list(t.prompt_token_ids), completion_token_ids=list(t.completion_token_ids),
         behavior_logprobs=list(t.behavior_logprobs), token_versions=list(t.token_versions), reward=t.reward,
         group_id=t.group_id, finish_reason=FINISH_REASONS.get(t.finish_reason, "?"), id=t.id,
+        loss_mask=list(t.loss_mask) or None, turn_rewards=list(t.turn_rewards),
     )
 
 

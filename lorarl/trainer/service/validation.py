@@ -49,6 +49,18 @@ def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version:
                                 f"has {len(rec.behavior_logprobs)} entries for {n} completion tokens")
     if len(rec.token_versions) != n:
         raise InvalidTrajectory("token_versions", f"has {len(rec.token_versions)} entries for {n} completion tokens")
+    if rec.loss_mask is not None and len(rec.loss_mask) != n:
+        raise InvalidTrajectory("loss_mask", f"has {len(rec.loss_mask)} entries for {n} completion tokens "
+                                             "(empty: every token is the policy's)")
+    if rec.trained_tokens == 0:
+        raise InvalidTrajectory("loss_mask", "marks no token as the policy's; there is nothing to learn from")
+    if rec.turn_rewards and len(rec.turn_rewards) != rec.policy_turns():
+        raise InvalidTrajectory("turn_rewards", f"has {len(rec.turn_rewards)} entries for {rec.policy_turns()} "
+                                                "policy turns (runs of loss_mask true)")
+    for i, value in enumerate(rec.turn_rewards):
+        if not math.isfinite(value):
+            raise InvalidTrajectory("turn_rewards", f"entry {i} is {value}, not a finite number")
+    trained = rec.trained()
     total = len(rec.prompt_token_ids) + n
     if total > limits.max_sequence_tokens:
         raise InvalidTrajectory("completion_token_ids",
@@ -57,11 +69,15 @@ def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version:
     _check_ids("prompt_token_ids", rec.prompt_token_ids, vocab_size)
     _check_ids("completion_token_ids", rec.completion_token_ids, vocab_size)
     for i, lp in enumerate(rec.behavior_logprobs):
+        if not trained[i]:
+            continue  # a tool or environment token: its logprob is not read
         if not math.isfinite(lp):
             raise InvalidTrajectory("behavior_logprobs", f"entry {i} is {lp}, not a finite number")
         if lp > LOGPROB_TOLERANCE:
             raise InvalidTrajectory("behavior_logprobs", f"entry {i} is {lp}; a log-probability must be <= 0")
     for i, v in enumerate(rec.token_versions):
+        if not trained[i]:
+            continue
         if v < 0:
             raise InvalidTrajectory("token_versions", f"entry {i} is negative ({v})")
         if v > current_version:
