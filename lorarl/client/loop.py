@@ -1,11 +1,14 @@
-"""The RL loop, in plain sight: sample groups, score them, train, publish, repeat.
+"""The RL loop, in plain sight: run episodes, train on them, publish, repeat.
 
     sync:   generate(batch s, policy s) -> train step s -> publish s+1 -> generate(batch s+1) ...
     async:  a producer keeps generating while the trainer trains; batch b may start only when the
             served policy is at least b - max_staleness (AReaL-style admission), and the trainer's
             decoupled loss corrects for the lag. Every token's policy version travels with it.
 
-The loop talks to the three services only through their gRPC stubs, so the same code drives the
+An episode is the job's workflow (lorarl.client.workflow: by default one prompt, a group of sampled
+completions and their rewards) run on one example, in a context pinned to the policy version serving
+when its batch was admitted; a batch's episodes run concurrently. The loop talks to the three services
+only through their gRPC stubs, so the same code drives the
 local stack of `lorarl run` and services running elsewhere (`lorarl train`). When a call fails in a
 way worth waiting out (lorarl.client.recovery), the loop drops its in-flight work, lets ``recover``
 bring the job back to its last resume point, and carries on from there.
@@ -24,15 +27,20 @@ from typing import TypeVar
 from lorarl.client.datasets import Example, TrainStream
 from lorarl.client.job_config import JobFileConfig, serving_length
 from lorarl.client.recovery import ActivationFailedError, RecoveryBudget, recoverable
-from lorarl.client.rewards import GuardedReward, RewardFn
+from lorarl.client.rewards import Reward, RewardFn
+from lorarl.client.workflow import Episode, Workflow, load_workflow
+from lorarl.client.workflow.chat import ChatRenderer
+from lorarl.client.workflow.coalesce import CoalescingRollout
+from lorarl.client.workflow.context import RolloutContext, SamplingDefaults
 from lorarl.contract import staleness
 from lorarl.contract.enums import LOSS_TYPES, SYNC_MODES
-from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
+from lorarl.v1 import common_pb2, trainer_pb2, weightsync_pb2
 from lorarl.weightsync.client.activation import await_outcome
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: Held-out episodes running at once.
 EVAL_CHUNK = 64
 #: The trainer's own default limit on prompt + completion tokens (lorarl.trainer.engines.api.Limits).
 DEFAULT_MAX_SEQUENCE_TOKENS = 4096
@@ -83,6 +91,8 @@ class Batch:
     tokens: int
     min_version: int
     reward_errors: int = 0  # samples scored 0 because the reward function failed on them
+    context_tokens: int = 0  # tokens tools and environments added to episodes (conditioned on, not trained)
+    unpinned: int = 0  # samples served by a later version than their episode's (merged weights moved on)
 
 
 @dataclass
@@ -109,12 +119,21 @@ Recover = Callable[[], Awaitable[LoopState]]
 class RLLoop:
     """Drives one job through the trainer, rollout and weight-sync services."""
 
-    def __init__(self, cfg: JobFileConfig, trainer, rollout, reward: RewardFn, train: list[Example],
+    def __init__(self, cfg: JobFileConfig, trainer, rollout, reward: RewardFn | Reward, train: list[Example],
                  test: list[Example], on_metrics: MetricSink, state: LoopState | None = None,
                  on_checkpoint: Checkpoint | None = None, weightsync=None, recover: Recover | None = None,
-                 on_rewind: Callable[[int], None] | None = None) -> None:
+                 on_rewind: Callable[[int], None] | None = None, workflow: Workflow | None = None) -> None:
         self.cfg, self.trainer, self.rollout = cfg, trainer, rollout
-        self.reward = GuardedReward(reward, cfg.data.reward_errors, cfg.data.reward)
+        self.sampler = CoalescingRollout(rollout)  # what episodes sample through
+        d = cfg.data
+        self._owns_reward = not isinstance(reward, Reward)
+        self.reward = reward if isinstance(reward, Reward) else Reward(reward, d.reward_errors, d.reward,
+                                                                        d.reward_workers)
+        job_dir = getattr(cfg, "job_dir", "")
+        self.workflow = workflow or load_workflow(cfg.workflow.name, cfg.workflow.settings, job_dir)
+        self.renderer = ChatRenderer(cfg.model.path, chat_template=d.chat_template, system_prompt=d.system_prompt,
+                                     enable_thinking=d.enable_thinking)
+        _ = self.renderer.tokenizer  # loaded now, not inside the first step (importing transformers takes seconds)
         # With the weight-sync stub, the async loop trains the next batch while a version activates.
         self.weightsync = weightsync
         self._activating: asyncio.Task[None] | None = None
@@ -131,65 +150,62 @@ class RLLoop:
 
     # ------------------------------------------------------------------ rollout
 
-    def _policy(self) -> rollout_pb2.PolicySelector:
-        """Version 0 is the base model (a fresh adapter is the identity); later ones the job's latest."""
-        if self.state.version == 0:
-            return rollout_pb2.PolicySelector()
-        return rollout_pb2.PolicySelector(job_id=self.cfg.job_id)
-
-    def _prompt(self, example: Example) -> rollout_pb2.Prompt:
-        return rollout_pb2.Prompt(text=example.prompt, apply_chat_template=self.cfg.data.chat_template)
+    def _context(self, version: int, request_id: str, seed: int, evaluating: bool = False, batch: str = ""
+                 ) -> RolloutContext:
+        """An episode's context, pinned to ``version`` (0: the base model)."""
+        r = self.cfg.rollout
+        sampling = SamplingDefaults(temperature=0.0 if evaluating else r.temperature,
+                                    top_p=1.0 if evaluating else r.top_p,
+                                    max_tokens=r.eval_max_tokens if evaluating else r.max_tokens)
+        return RolloutContext(self.sampler, self.cfg.job_id, version, self.renderer, self.reward, sampling,
+                              1 if evaluating else r.group_size, seed=seed, request_id=request_id,
+                              evaluating=evaluating, batch=batch)
 
     async def generate(self, index: int, examples: list[Example]) -> Batch:
-        r = self.cfg.rollout
-        sampling = common_pb2.SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                                             max_tokens=r.max_tokens, seed=self.cfg.data.seed * 100_003 + index)
+        """Batch ``index``: one episode per example, all at once, pinned to the version serving now."""
+        version = self.state.version
+        seed = self.cfg.data.seed * 100_003 + index * 1_009
+        contexts = [self._context(version, f"{self.cfg.job_id}-b{index}-p{p}", seed + p, batch=f"b{index}")
+                    for p in range(len(examples))]
         started = time.perf_counter()
-        response = await self.rollout.Generate(rollout_pb2.GenerateRequest(
-            prompts=[self._prompt(e) for e in examples], sampling=sampling, policy=self._policy(),
-            request_id=f"{self.cfg.job_id}-b{index}"))
+        results: list[list[Episode]] = await asyncio.gather(
+            *(self.workflow.run(ctx, example) for ctx, example in zip(contexts, examples, strict=True)))
         elapsed = time.perf_counter() - started
         trajectories, rewards = [], []
-        tokens, min_version = 0, 1 << 62
-        errors_before = self.reward.errors  # no await while scoring: the count is this batch's
-        for p, (example, result) in enumerate(zip(examples, response.results, strict=True)):
-            for c, completion in enumerate(result.completions):
-                reward = float(self.reward(completion.text, example.answer))
-                rewards.append(reward)
-                tokens += len(completion.token_ids)
-                if completion.token_versions:
-                    min_version = min(min_version, min(completion.token_versions))
-                if not completion.token_ids:
-                    continue
-                trajectories.append(common_pb2.Trajectory(
-                    id=f"b{index}-p{p}-c{c}", job_id=self.cfg.job_id, group_id=f"b{index}-p{p}",
-                    prompt_token_ids=result.prompt_token_ids, completion_token_ids=completion.token_ids,
-                    behavior_logprobs=completion.logprobs, token_versions=completion.token_versions,
-                    reward=reward, finish_reason=completion.finish_reason))
+        tokens = context_tokens = 0
+        min_version = 1 << 62
+        for p, episodes in enumerate(results):
+            for c, episode in enumerate(episodes):
+                rewards.append(float(episode.reward))
+                tokens += episode.policy_tokens
+                context_tokens += len(episode.completion_ids) - episode.policy_tokens
+                trained = [v for v, m in zip(episode.versions, episode.loss_mask, strict=True) if m]
+                if trained:
+                    min_version = min(min_version, min(trained))
+                if not episode.policy_tokens:
+                    continue  # nothing the policy sampled: nothing to learn from
+                trajectories.append(episode.to_proto(self.cfg.job_id, f"b{index}-p{p}-c{c}", f"b{index}-p{p}"))
         accuracy = sum(1.0 for x in rewards if x >= 1.0) / max(len(rewards), 1)
         return Batch(index, trajectories, rewards, accuracy, elapsed, tokens,
-                     min_version if min_version < 1 << 62 else 0, self.reward.errors - errors_before)
+                     min_version if min_version < 1 << 62 else 0, sum(c.reward_errors for c in contexts),
+                     context_tokens, sum(c.unpinned for c in contexts))
 
     async def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy and mean reward on the held-out split, with the current policy."""
-        sampling = common_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.rollout.eval_max_tokens)
-        chunks = [self.test[i: i + EVAL_CHUNK] for i in range(0, len(self.test), EVAL_CHUNK)]
-        policy = self._policy()
+        """Greedy accuracy and mean reward of the held-out episodes, with the current policy."""
+        version = self.state.version
+        limit = asyncio.Semaphore(EVAL_CHUNK)
+        contexts = [self._context(version, f"{self.cfg.job_id}-eval-v{version}-p{p}", p, evaluating=True,
+                                  batch=f"eval-{p // EVAL_CHUNK}") for p in range(len(self.test))]
 
-        async def run(chunk: list[Example]) -> tuple[list[float], int]:
-            response = await self.rollout.Generate(rollout_pb2.GenerateRequest(
-                prompts=[self._prompt(e) for e in chunk], sampling=sampling, policy=policy))
-            # no await while scoring: batches decoding meanwhile (async loops) cannot add to this count
-            errors_before = self.reward.errors
-            scores = [float(self.reward(r.completions[0].text, e.answer))
-                      for e, r in zip(chunk, response.results, strict=True)]
-            return scores, self.reward.errors - errors_before
+        async def run(ctx: RolloutContext, example: Example) -> list[Episode]:
+            async with limit:
+                return await self.workflow.run(ctx, example)
 
-        parts = await asyncio.gather(*(run(c) for c in chunks))
-        scores = [s for part, _ in parts for s in part]
+        results = await asyncio.gather(*(run(c, e) for c, e in zip(contexts, self.test, strict=True)))
+        scores = [float(episode.reward) for episodes in results for episode in episodes]
         return {"eval/accuracy": sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1),
                 "eval/mean_reward": sum(scores) / max(len(scores), 1),
-                "eval/reward_errors": float(sum(errors for _, errors in parts))}
+                "eval/reward_errors": float(sum(c.reward_errors for c in contexts))}
 
     # ------------------------------------------------------------------ trainer
 
@@ -265,6 +281,8 @@ class RLLoop:
                    "rollout/tokens": float(batch.tokens),
                    "rollout/tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9),
                    "rollout/reward_errors": float(batch.reward_errors),
+                   "rollout/context_tokens": float(batch.context_tokens),
+                   "rollout/unpinned_samples": float(batch.unpinned),
                    "policy/version_lag": float(version_before - batch.min_version), **train, **sync}
         self.state.history.append(metrics)
         self.on_metrics(metrics)
@@ -289,6 +307,13 @@ class RLLoop:
         return bool(limit) and time.perf_counter() - self.started > limit
 
     async def run(self) -> LoopState:
+        try:
+            return await self._run()
+        finally:
+            if self._owns_reward:
+                self.reward.close()
+
+    async def _run(self) -> LoopState:
         if self.state.step == 0:  # a resumed run logged its evaluation at this step already
             first = await self._recovering(self.evaluate)
             self.on_metrics({"step": float(self.state.step), "time_s": 0.0, **first})

@@ -322,7 +322,6 @@ def print_plan(cfg) -> int:
                                       speed.device_bandwidth_gbs), cfg)
         if device_memory:
             return _check_fit(trainer, rollout_base + kv, device_memory)
-    print("config OK")
     return 0
 
 
@@ -360,6 +359,5 @@ def _check_fit(trainer: TrainerMemory, rollout: float, memory: float) -> int:
         print(f"lorarl: bad config: rollout.kv_cache_gib: a rollout replica needs {human_bytes(rollout)} per device "
               f"of {human_bytes(limit)} usable (a smaller KV cache or a larger rollout.tensor_parallel_size)")
         return 2
-    print("config OK")
     return 0
 

@@ -79,15 +79,14 @@ def eval_command(args: argparse.Namespace) -> int:
 
 async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[dict, dict] | None
                    ) -> dict[str, float]:
-    from lorarl.client.datasets import load_examples
+    from lorarl.client.job_inputs import job_examples, job_reward
     from lorarl.client.loop import LoopState, RLLoop
-    from lorarl.client.rewards import load_reward
     from lorarl.common.channel import aio_channel
     from lorarl.contract.lora import LoraSpec
     from lorarl.rollout.client import load_weights_stream
     from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-    test = load_examples(cfg.data.source, "test", cfg.data.test_path)
+    test = job_examples(cfg, "test")
     async with aio_channel(rollout_address, token=token) as channel:
         rollout = rollout_pb2_grpc.RolloutServiceStub(channel)
         state = LoopState()
@@ -99,7 +98,7 @@ async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[
                                                           caps.base_model_fingerprint, lora))
             state.version = 1
         cfg.job_id = ADAPTER_JOB
-        loop = RLLoop(cfg, trainer=None, rollout=rollout, reward=load_reward(cfg.data.reward), train=test,
+        loop = RLLoop(cfg, trainer=None, rollout=rollout, reward=job_reward(cfg), train=test,
                       test=test, on_metrics=lambda m: None, state=state)
         return await loop.evaluate()
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,14 +176,32 @@ def local_stack(cfg, out: Path):
                       server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {})
 
 
-def run_command(args: argparse.Namespace) -> int:
+def dry_run(cfg) -> int:
+    """--dry-run: the memory and placement plan, then the job's own inputs (a few rows of its data, its
+    reward, its workflow); "config OK" only when both hold."""
+    from lorarl.client.job_inputs import check_inputs
     from lorarl.client.plan import print_plan
 
+    code = print_plan(cfg)
+    if code:
+        return code
+    try:
+        lines = check_inputs(cfg)
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}")
+        return 2
+    for line in lines:
+        print(line)
+    print("config OK")
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
     cfg = load(args)
     if cfg is None:
         return 2
     if args.dry_run:
-        return print_plan(cfg)
+        return dry_run(cfg)
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.placement.nodes > 1:
@@ -190,6 +210,8 @@ def run_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     stack = local_stack(cfg, out)
+    # The loop renders prompts with the model's tokenizer: import transformers while the services start.
+    threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True).start()
     try:
         with stack:
             rollouts = stack.addresses("rollout")
@@ -210,9 +232,7 @@ def train_command(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     if args.dry_run:
-        from lorarl.client.plan import print_plan
-
-        return print_plan(cfg)
+        return dry_run(cfg)
     try:
         token = client_token(args.token_file)
         tls = client_tls(args)
@@ -262,20 +282,18 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
                 give_up: Callable[[], None] | None = None, tls: ClientTls | None = None) -> int:
     """Creates (or resumes, or re-attaches to) the job, runs the loop, and writes the plot and summary."""
     from lorarl.client.calls import NamedStub
-    from lorarl.client.datasets import load_examples
+    from lorarl.client.job_inputs import job_examples, job_reward, job_workflow
     from lorarl.client.loop import RLLoop
     from lorarl.client.preflight import rollout_warnings
     from lorarl.client.recovery import wait_serving
-    from lorarl.client.rewards import load_reward
     from lorarl.client.rollout_pool import RolloutPool
     from lorarl.client.run_log import RunLog
     from lorarl.client.session import JobSession
     from lorarl.common.channel import aio_channel
     from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
-    reward = load_reward(cfg.data.reward)
-    train = load_examples(cfg.data.source, "train", cfg.data.train_path)
-    test = load_examples(cfg.data.source, "test", cfg.data.test_path)
+    reward, workflow = job_reward(cfg), job_workflow(cfg)
+    train, test = job_examples(cfg, "train"), job_examples(cfg, "test")
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     if isinstance(rollout_addresses, str):
         rollout_addresses = [rollout_addresses]
@@ -307,7 +325,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
             return await session.recover()
 
         loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=session.save,
-                      weightsync=weightsync, recover=recover, on_rewind=log.rewind)
+                      weightsync=weightsync, recover=recover, on_rewind=log.rewind, workflow=workflow)
         try:
             await loop.run()
         finally:

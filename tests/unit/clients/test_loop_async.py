@@ -8,6 +8,7 @@ the loop against the real services is tests/e2e/test_rl_loop.py.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -37,17 +38,21 @@ class Recorder:
 
     # rollout
     async def Generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:  # noqa: N802
-        if not request.request_id:  # a held-out evaluation
+        if "-eval-" in request.request_id:  # a held-out episode
             return rollout_pb2.GenerateResponse(results=[
                 rollout_pb2.PromptCompletions(completions=[rollout_pb2.Completion(text="0")])
                 for _ in request.prompts])
-        batch = int(request.request_id.rsplit("-b", 1)[1])
-        self.events.append(("generate-start", batch, self.version))
+        # one request per episode: <job>-b<batch>-p<prompt>-s<sample call>
+        match = re.search(r"-b(\d+)-p(\d+)-s\d+$", request.request_id)
+        batch, first = int(match.group(1)), match.group(2) == "0"  # events: the batch's first episode's
+        if first:
+            self.events.append(("generate-start", batch, self.version))
         served = self.version
         await asyncio.sleep(self.generate_s)
         if batch == self.fail_batch:
             raise RuntimeError(f"generation of batch {batch} failed")
-        self.events.append(("generate-end", batch, self.version))
+        if first:
+            self.events.append(("generate-end", batch, self.version))
         completion = rollout_pb2.Completion(token_ids=[5, 6], logprobs=[-1.0, -1.0], token_versions=[served] * 2,
                                             text="1")
         return rollout_pb2.GenerateResponse(results=[

@@ -131,7 +131,7 @@ class Flaky(Recorder):
         self.fail_at, self.times = fail_at, times
 
     async def Generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:  # noqa: N802
-        if request.request_id.endswith(f"-b{self.fail_at}") and self.times:
+        if f"-b{self.fail_at}-p0-" in request.request_id and self.times:  # the batch's first episode
             self.times -= 1
             raise ServiceCallError("rollout", "127.0.0.1:2", "Generate", grpc.StatusCode.UNAVAILABLE, "reset")
         return await super().Generate(request)
