@@ -157,6 +157,8 @@ class TrainerSection:
     loss: LossSection = field(default_factory=LossSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     memory: MemorySection = field(default_factory=MemorySection)
+    init_adapter: str = setting("", doc="A PEFT LoRA adapter directory to start from (warm start; torch engine); "
+                                        "its r, lora_alpha, target_modules and use_rslora must match trainer.lora.")
 
 
 @dataclass

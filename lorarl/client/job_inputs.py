@@ -8,6 +8,8 @@ from lorarl.client.datasets import Example, load_examples
 from lorarl.client.job_config import JobFileConfig, job_path
 from lorarl.client.rewards import RewardFn, load_reward
 from lorarl.client.workflow import Workflow, load_workflow
+from lorarl.common.config import ConfigError
+from lorarl.contract.peft_files import read_peft_config
 
 #: Rows of each split --dry-run reads.
 PEEK_ROWS = 3
@@ -29,6 +31,22 @@ def job_workflow(cfg: JobFileConfig) -> Workflow:
     return load_workflow(cfg.workflow.name, cfg.workflow.settings, getattr(cfg, "job_dir", ""))
 
 
+def check_warm_start(cfg: JobFileConfig) -> str:
+    """trainer.init_adapter: a PEFT LoRA directory the job's LoRA section matches; its path, or ConfigError."""
+    path = job_path(cfg, cfg.trainer.init_adapter)
+    if cfg.trainer.engine != "torch":
+        raise ConfigError("trainer.init_adapter", "a warm start needs trainer.engine=torch (Megatron cannot load "
+                                                  "a PEFT adapter yet)")
+    try:
+        config = read_peft_config(path)
+    except ValueError as e:
+        raise ConfigError("trainer.init_adapter", str(e)) from None
+    problems = cfg.trainer.lora.spec().warm_start_problems(config)
+    if problems:
+        raise ConfigError("trainer.init_adapter", f"{path}: " + "; ".join(problems))
+    return path
+
+
 def check_inputs(cfg: JobFileConfig) -> list[str]:
     """Reads the first rows of both splits, imports the reward, builds the workflow; raises ConfigError
     naming the key at the first problem, else returns one line per input for the plan."""
@@ -41,6 +59,8 @@ def check_inputs(cfg: JobFileConfig) -> list[str]:
         lines.append(f"data {split}: {cfg.data.source} {where}, {kind} prompts, columns {columns}")
     job_reward(cfg)
     lines.append(f"reward: {cfg.data.reward}")
+    if cfg.trainer.init_adapter:
+        lines.append(f"warm start: {check_warm_start(cfg)}")
     workflow = job_workflow(cfg)
     lines.append(f"workflow: {cfg.workflow.name} ({type(workflow).__module__}.{type(workflow).__qualname__})")
     return lines

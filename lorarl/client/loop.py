@@ -22,10 +22,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 from lorarl.client.datasets import Example, TrainStream
-from lorarl.client.job_config import JobFileConfig, serving_length
+from lorarl.client.job_config import JobFileConfig, job_path, serving_length
 from lorarl.client.recovery import ActivationFailedError, RecoveryBudget, recoverable
 from lorarl.client.rewards import Reward, RewardFn
 from lorarl.client.workflow import Episode, Workflow, load_workflow
@@ -64,6 +65,7 @@ def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConf
     return trainer_pb2.JobConfig(
         base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, seed=t.seed, engine=t.engine,
         megatron=megatron, layer_devices=t.parallel.pipeline if t.engine == "torch" else 0,
+        init_adapter_path=str(Path(job_path(cfg, t.init_adapter)).resolve()) if t.init_adapter else "",
         # The rollout never returns a prompt and completion longer than its context: the trainer takes them all.
         max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS),
         lora=t.lora.spec().to_proto(),

@@ -78,8 +78,21 @@ class JobSession:
             await self.trainer.DeleteJob(trainer_pb2.DeleteJobRequest(job_id=self.cfg.job_id))
             await self._create()
         state = LoopState()
+        if created.job.version > 0:  # a warm start: the starting adapter serves before the first batch
+            version = await self.publish()
+            state = LoopState(version=version, version_base=version)
         await self.save(state, RESUME)
         return state
+
+    async def publish(self) -> int:
+        """Publishes the trainer's current version and waits until the replicas serve it."""
+        published = await self.trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
+            job_id=self.cfg.job_id, mode=SYNC_MODES[self.cfg.sync.mode], wait_for_activation=True,
+            timeout_seconds=600))
+        if not published.activated:
+            raise ActivationFailedError(f"version {published.version} was not activated: {published.error} "
+                                        f"(failed replicas: {list(published.failed_replicas)})")
+        return int(published.version)
 
     async def recover(self) -> LoopState:
         """After a fault: the job (re-created if the trainer restarted) back at its last resume point."""
@@ -94,13 +107,7 @@ class JobSession:
             job_id=self.cfg.job_id, path=point.checkpoint))
         version = int(loaded.version)
         if version > 0:
-            published = await self.trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
-                job_id=self.cfg.job_id, mode=SYNC_MODES[self.cfg.sync.mode], wait_for_activation=True,
-                timeout_seconds=600))
-            if not published.activated:
-                raise ActivationFailedError(f"the restored policy (version {published.version}) was not activated: "
-                                       f"{published.error} (failed replicas: {list(published.failed_replicas)})")
-            version = int(published.version)
+            version = await self.publish()
         return LoopState(step=point.step, version=version, cursor=point.cursor, version_base=version - point.step)
 
     async def save(self, state: LoopState, name: str) -> None:

@@ -121,6 +121,39 @@ class LoraSpec:
             "init_lora_weights": True,
         }
 
+    def warm_start_problems(self, config: dict[str, Any]) -> list[str]:
+        """Why a PEFT adapter_config.json cannot start a job trained by this spec (empty: it can). Each line
+        names the PEFT field, and the job key to change where one would fix it."""
+        problems = []
+        if config.get("peft_type", "LORA") != "LORA":
+            problems.append(f"peft_type is {config.get('peft_type')!r}; only LORA adapters can start a job")
+        unsupported = {"use_dora": "DoRA", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
+                       "modules_to_save": "fully trained extra modules", "layers_to_transform": "a layer subset",
+                       "use_qalora": "QA-LoRA", "lora_bias": "LoRA biases", "trainable_token_indices": "trained tokens"}
+        for field, what in unsupported.items():
+            if config.get(field):
+                problems.append(f"{field} is set ({what}): not supported by lorarl's LoRA layers")
+        if config.get("bias", "none") != "none":
+            problems.append(f"bias is {config['bias']!r} (trained biases): not supported; use 'none'")
+        if config.get("fan_in_fan_out"):
+            problems.append("fan_in_fan_out is true (Conv1D weights): not a Qwen3 adapter")
+        for field, key, want, have in (("r", "trainer.lora.rank", self.rank, config.get("r")),
+                                       ("lora_alpha", "trainer.lora.alpha", self.alpha, config.get("lora_alpha")),
+                                       ("use_rslora", "trainer.lora.use_rslora", self.use_rslora,
+                                        bool(config.get("use_rslora", False)))):
+            if have is None or (float(have) != float(want) if field != "use_rslora" else have != want):
+                problems.append(f"{field} is {have!r} but the job's {key} is {want!r}: set {key}: {have}")
+        targets = config.get("target_modules") or []
+        if isinstance(targets, str):
+            targets = [ALL_LINEAR] if targets == ALL_LINEAR else [targets]
+        unknown = sorted(set(targets) - {ALL_LINEAR, *LINEAR_TARGETS})
+        if unknown:
+            problems.append(f"target_modules names {unknown}, which lorarl does not adapt")
+        elif ALL_LINEAR not in self.target_modules and not set(targets) <= self.targets():
+            problems.append(f"target_modules {sorted(targets)} are not all among the job's trainer.lora.target_modules "
+                            f"{sorted(self.target_modules)}")
+        return problems
+
     @classmethod
     def from_peft_config(cls, config: dict[str, Any]) -> LoraSpec:
         """The spec of a PEFT adapter_config.json (rank, alpha, targets, rsLoRA)."""

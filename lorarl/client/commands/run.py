@@ -176,6 +176,18 @@ def local_stack(cfg, out: Path):
                       server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {})
 
 
+def inputs_ok(cfg) -> bool:
+    """The job's data, reward, workflow and warm-start adapter, checked before any service starts."""
+    from lorarl.client.job_inputs import check_inputs
+
+    try:
+        check_inputs(cfg)
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def dry_run(cfg) -> int:
     """--dry-run: the memory and placement plan, then the job's own inputs (a few rows of its data, its
     reward, its workflow); "config OK" only when both hold."""
@@ -202,13 +214,15 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         return dry_run(cfg)
-    out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
     if cfg.placement.nodes > 1:
         print("lorarl: bad config: placement.nodes: `lorarl run` starts every service on this host; for several "
               "nodes start `lorarl serve` on each and run `lorarl train` (see examples/models/README.md)",
               file=sys.stderr)
         return 2
+    if not inputs_ok(cfg):
+        return 2
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
     stack = local_stack(cfg, out)
     # The loop renders prompts with the model's tokenizer: import transformers while the services start.
     threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True).start()
@@ -238,6 +252,8 @@ def train_command(args: argparse.Namespace) -> int:
         tls = client_tls(args)
     except ConfigError as e:
         print(f"lorarl train: {e}", file=sys.stderr)
+        return 2
+    if not inputs_ok(cfg):
         return 2
     out = Path(cfg.output.dir)
     rollouts = [a.strip() for a in args.rollout.split(",") if a.strip()]

@@ -142,7 +142,8 @@ class JobSpec:
     ``loss.behavior_weight_cap > 0`` or ``loss.max_staleness`` is set. ``megatron`` holds the
     model-parallel sizes of the Megatron engine (defaults for every other engine). ``layer_devices``
     splits the torch engine's decoder layers across that many devices of its one process
-    (lorarl.trainer.engines.layer_split).
+    (lorarl.trainer.engines.layer_split). ``init_adapter_path``: a PEFT adapter the adapters start from
+    (version 1 then; 0 stays the base model).
     """
 
     base_model_path: str
@@ -159,6 +160,7 @@ class JobSpec:
     megatron: MegatronSettings = field(default_factory=MegatronSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
     layer_devices: int = 1
+    init_adapter_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.base_model_path:
@@ -181,6 +183,9 @@ class JobSpec:
         if self.layer_devices > 1 and self.engine != "torch":
             raise ValueError(f"layer_devices splits the torch engine's layers; engine {self.engine!r} has "
                              "megatron.pipeline_parallel_size for that")
+        if self.init_adapter_path and (self.engine != "torch" or self.full_finetune):
+            raise ValueError("init_adapter_path (a warm start from a PEFT adapter) needs engine 'torch' and adapters "
+                             f"(engine {self.engine!r}, full_finetune {self.full_finetune})")
         if self.full_finetune and self.loss.kl_coef:
             raise ValueError("loss.kl_coef must be 0 with full_finetune (the reference is the base with adapters off)")
 

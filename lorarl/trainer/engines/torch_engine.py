@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from lorarl.contract.fingerprint import base_model_fingerprint
+from lorarl.contract.peft_files import read_peft_tensors
 from lorarl.trainer.engines.api import EngineStateError, JobSpec
 from lorarl.trainer.engines.export import save_merged_model, save_peft_adapter
 from lorarl.trainer.engines.head_logprobs import head_token_logprobs
@@ -40,7 +41,13 @@ from lorarl.trainer.engines.prefix_sharing import (
 )
 from lorarl.trainer.engines.recompute import DEFAULT_LOGITS_CHUNK_TOKENS
 from lorarl.trainer.rl.batching import PackedBatch
-from lorarl.trainer.rl.lora import adapters_disabled, inject_lora, iter_merged_weights, peft_state_dict
+from lorarl.trainer.rl.lora import (
+    adapters_disabled,
+    inject_lora,
+    iter_merged_weights,
+    load_peft_state_dict,
+    peft_state_dict,
+)
 from lorarl.trainer.rl.step import GradientReducer
 
 
@@ -93,12 +100,19 @@ class TorchEngine(PolicyEngine):
         else:
             # Injected on CPU (the init generator is a CPU one), then moved with the model.
             inject_lora(model, spec.lora, seed=spec.seed)
+            if spec.init_adapter_path:
+                try:
+                    load_peft_state_dict(model, read_peft_tensors(spec.init_adapter_path))
+                except ValueError as e:
+                    raise ValueError(f"init_adapter_path {spec.init_adapter_path!r}: {e}") from None
         self.layers_per_device = place_by_layers(model, self.devices)
         self.model = model
         self.model.eval()
         self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
         self._init_memory(self.model, model.config.to_dict(), max(self.layers_per_device))
         self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad}, reducer)
+        if spec.init_adapter_path:
+            self.renumber(1)  # the warm-start adapter is a policy of its own: version 0 stays the base model
 
     @classmethod
     def create(cls, spec: JobSpec) -> TorchEngine:

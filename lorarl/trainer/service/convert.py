@@ -112,6 +112,7 @@ def job_spec(cfg: trainer_pb2.JobConfig, default_device: str) -> JobSpec:
         optimizer=optimizer_settings(cfg.optimizer), full_finetune=cfg.full_finetune, seed=cfg.seed,
         engine=cfg.engine or "torch", limits=limits, megatron=megatron_settings(cfg.megatron),
         memory=memory_settings(cfg.memory), layer_devices=cfg.layer_devices or 1,
+        init_adapter_path=cfg.init_adapter_path,
     )
 
 
@@ -141,7 +142,7 @@ def job_config(spec: JobSpec) -> trainer_pb2.JobConfig:
         memory=trainer_pb2.MemoryConfig(
             activation_checkpointing=CHECKPOINTING_VALUES[spec.memory.activation_checkpointing],
             logits_chunk_tokens=spec.memory.logits_chunk_tokens),
-        layer_devices=spec.layer_devices,
+        layer_devices=spec.layer_devices, init_adapter_path=spec.init_adapter_path,
     )
 
 

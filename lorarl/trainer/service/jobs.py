@@ -29,6 +29,7 @@ from lorarl.common.errors import (
 )
 from lorarl.common.gc_heap import freeze_long_lived
 from lorarl.common.validation import check_id
+from lorarl.contract.peft_files import read_peft_config
 from lorarl.trainer.engines.api import JobSpec, Metrics, TrainEngine, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.service.validation import (
@@ -124,6 +125,22 @@ class JobManager:
                                        f"{spec.base_model_path!r} is not a Hugging Face model directory "
                                        "(no config.json)")
 
+    def _check_init_adapter(self, spec: JobSpec) -> None:
+        """A warm start's adapter: under the model roots (when set), a PEFT LoRA directory the job's LoRA
+        section matches (lorarl.contract.lora.LoraSpec.warm_start_problems)."""
+        if not spec.init_adapter_path:
+            return
+        if self.model_roots:
+            resolve_under(spec.init_adapter_path, self.model_roots, "config.init_adapter_path",
+                          Path(spec.init_adapter_path))
+        try:
+            config = read_peft_config(spec.init_adapter_path)
+        except ValueError as e:
+            raise InvalidArgumentError("config.init_adapter_path", str(e)) from None
+        problems = spec.lora.warm_start_problems(config)
+        if problems:
+            raise InvalidArgumentError("config.init_adapter_path", "; ".join(problems))
+
     async def create(self, job_id: str, spec: JobSpec, attach: bool = False) -> tuple[Job, bool]:
         """A new job, or with ``attach`` the existing one of the same configuration; True when attached."""
         check_job_id(job_id)
@@ -140,6 +157,7 @@ class JobManager:
         if len(self._jobs) + len(self._creating) >= self.max_jobs:
             raise ResourceExhaustedError(f"this trainer holds at most {self.max_jobs} jobs; delete one first")
         self._check_model_path(spec)
+        self._check_init_adapter(spec)
         self._creating.add(job_id)
         try:
             try:
