@@ -39,12 +39,38 @@ EOS_TOKEN_ID = 258
 MODEL_MAX_LENGTH = 2048
 
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool.function if tool.function is defined else tool) | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>\\n{\"name\": <name>, \"arguments\": <json object>}\\n"
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- ('\\n' if message.content or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + fn.name"
+    " + '\", \"arguments\": ' + (fn.arguments if fn.arguments is string else fn.arguments | tojson)"
+    " + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-"""ChatML as in Qwen's templates, without default system prompt or thinking block."""
+"""ChatML as in Qwen's templates, without default system prompt or thinking block; tools, tool calls and
+tool responses in Qwen3's format (<tools>, <tool_call>{"name", "arguments"}</tool_call>, <tool_response>),
+with a shorter tool header than Qwen3's (byte-level tokens make every character one token)."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -181,6 +181,8 @@ class RolloutSection:
     replicas: int = setting(1, check=in_range(1, 1024), doc="Rollout services (vLLM engines) in the job.")
     max_num_seqs: int = setting(0, check=in_range(0, 4096),
                                 doc="Sequences a vLLM engine decodes at once (0: a whole step's batch, >= 64).")
+    openai: bool = setting(False, doc="Serve the OpenAI-compatible endpoint on every replica (rollout.openai_port), "
+                                       "for workflows whose agent code uses the openai client (ctx.openai_client()).")
     tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices per rollout replica (vLLM TP).")
     block_size: int = setting(
         0, check=all_of(in_range(0), multiple_of(16)),

@@ -30,10 +30,10 @@ from lorarl.client.job_config import JobFileConfig, job_path, serving_length
 from lorarl.client.recovery import ActivationFailedError, RecoveryBudget, recoverable
 from lorarl.client.rewards import Reward, RewardFn
 from lorarl.client.workflow import Episode, Workflow, load_workflow
-from lorarl.client.workflow.chat import ChatRenderer
 from lorarl.client.workflow.coalesce import CoalescingRollout
 from lorarl.client.workflow.context import RolloutContext, SamplingDefaults
 from lorarl.contract import staleness
+from lorarl.contract.chat import ChatRenderer
 from lorarl.contract.enums import LOSS_TYPES, SYNC_MODES
 from lorarl.v1 import common_pb2, trainer_pb2, weightsync_pb2
 from lorarl.weightsync.client.activation import await_outcome
@@ -124,9 +124,11 @@ class RLLoop:
     def __init__(self, cfg: JobFileConfig, trainer, rollout, reward: RewardFn | Reward, train: list[Example],
                  test: list[Example], on_metrics: MetricSink, state: LoopState | None = None,
                  on_checkpoint: Checkpoint | None = None, weightsync=None, recover: Recover | None = None,
-                 on_rewind: Callable[[int], None] | None = None, workflow: Workflow | None = None) -> None:
+                 on_rewind: Callable[[int], None] | None = None, workflow: Workflow | None = None,
+                 openai_urls: Callable[[], list[str]] | None = None, token: str | None = None) -> None:
         self.cfg, self.trainer, self.rollout = cfg, trainer, rollout
         self.sampler = CoalescingRollout(rollout)  # what episodes sample through
+        self.openai_urls, self.token = openai_urls or (lambda: []), token
         d = cfg.data
         self._owns_reward = not isinstance(reward, Reward)
         self.reward = reward if isinstance(reward, Reward) else Reward(reward, d.reward_errors, d.reward,
@@ -152,8 +154,8 @@ class RLLoop:
 
     # ------------------------------------------------------------------ rollout
 
-    def _context(self, version: int, request_id: str, seed: int, evaluating: bool = False, batch: str = ""
-                 ) -> RolloutContext:
+    def _context(self, version: int, request_id: str, seed: int, evaluating: bool = False, batch: str = "",
+                 episode: int = 0) -> RolloutContext:
         """An episode's context, pinned to ``version`` (0: the base model)."""
         r = self.cfg.rollout
         sampling = SamplingDefaults(temperature=0.0 if evaluating else r.temperature,
@@ -161,14 +163,20 @@ class RLLoop:
                                     max_tokens=r.eval_max_tokens if evaluating else r.max_tokens)
         return RolloutContext(self.sampler, self.cfg.job_id, version, self.renderer, self.reward, sampling,
                               1 if evaluating else r.group_size, seed=seed, request_id=request_id,
-                              evaluating=evaluating, batch=batch)
+                              evaluating=evaluating, batch=batch, openai_url=self._openai_url(episode),
+                              token=self.token)
+
+    def _openai_url(self, episode: int) -> str:
+        """The endpoint an episode's agent talks to: one replica for its whole life (sessions live there)."""
+        urls = self.openai_urls()
+        return urls[episode % len(urls)] if urls else ""
 
     async def generate(self, index: int, examples: list[Example]) -> Batch:
         """Batch ``index``: one episode per example, all at once, pinned to the version serving now."""
         version = self.state.version
         seed = self.cfg.data.seed * 100_003 + index * 1_009
-        contexts = [self._context(version, f"{self.cfg.job_id}-b{index}-p{p}", seed + p, batch=f"b{index}")
-                    for p in range(len(examples))]
+        contexts = [self._context(version, f"{self.cfg.job_id}-b{index}-p{p}", seed + p, batch=f"b{index}",
+                                  episode=index * len(examples) + p) for p in range(len(examples))]
         started = time.perf_counter()
         results: list[list[Episode]] = await asyncio.gather(
             *(self.workflow.run(ctx, example) for ctx, example in zip(contexts, examples, strict=True)))
@@ -197,7 +205,7 @@ class RLLoop:
         version = self.state.version
         limit = asyncio.Semaphore(EVAL_CHUNK)
         contexts = [self._context(version, f"{self.cfg.job_id}-eval-v{version}-p{p}", p, evaluating=True,
-                                  batch=f"eval-{p // EVAL_CHUNK}") for p in range(len(self.test))]
+                                  batch=f"eval-{p // EVAL_CHUNK}", episode=p) for p in range(len(self.test))]
 
         async def run(ctx: RolloutContext, example: Example) -> list[Episode]:
             async with limit:

@@ -48,6 +48,7 @@ class ServiceProcess:
     service: str = ""
     section: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
+    info: dict[str, Any] = field(default_factory=dict)  # what its ready file said
 
 
 class ServiceFailedError(RuntimeError):
@@ -102,6 +103,12 @@ class LocalStack:
     def addresses(self, service: str) -> list[str]:
         """Every process of ``service`` (all rollout replicas), in start order."""
         return [p.address for p in self.processes.values() if p.service == service]
+
+    def openai_urls(self) -> list[str]:
+        """Each rollout replica's OpenAI-compatible endpoint (rollout.openai_port), as now: a restarted
+        replica may listen on another port."""
+        return [f"http://{p.address.rsplit(':', 1)[0]}:{p.info['openai_port']}/v1" for p in self.processes.values()
+                if p.service == "rollout" and p.info.get("openai_port")]
 
     def env(self) -> dict[str, str]:
         # The token goes to the services as a file (token_file), never in their environment.
@@ -166,7 +173,7 @@ class LocalStack:
             process.kill()
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{name} service did not start: {e}\n--- {log_path} ---\n{tail}") from None
-        return ServiceProcess(name, process, info["address"], log_path, service, section)
+        return ServiceProcess(name, process, info["address"], log_path, service, section, info=info)
 
     # ------------------------------------------------------------------ supervision
 

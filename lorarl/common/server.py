@@ -19,7 +19,7 @@ import inspect
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,7 @@ class RunningServer:
     metrics: RpcMetrics
     service_names: tuple[str, ...]
     metrics_endpoint: MetricsEndpoint | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
     on_shutdown: ShutdownHook | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: asyncio.Task[None] | None = None
@@ -128,6 +129,7 @@ class RunningServer:
             "address": self.address,
             "tls": self.config.tls.enabled,
             "services": list(self.service_names),
+            **self.extra,
         }
 
     async def set_serving(self, serving: bool, service: str | None = None) -> None:
@@ -178,8 +180,10 @@ async def start_server(
     on_shutdown: ShutdownHook | None = None,
     metrics: RpcMetrics | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ready_extra: Mapping[str, Any] | None = None,
 ) -> RunningServer:
-    """Starts a server for service `name` and reports it SERVING; see the module docstring.
+    """Starts a server for service `name` and reports it SERVING; see the module docstring. ``ready_extra``:
+    more for the ready file (the rollout's OpenAI-compatible port).
 
     Raises ConfigError (bad or missing token) or StartupError (cannot bind) before serving.
     """
@@ -226,6 +230,7 @@ async def start_server(
         metrics=metrics,
         service_names=service_names,
         on_shutdown=on_shutdown,
+        extra=dict(ready_extra or {}),
     )
     if config.metrics_enabled:
         assert config.metrics_port is not None
@@ -269,6 +274,7 @@ async def serve(
     metrics: RpcMetrics | None = None,
     on_started: Callable[[RunningServer], Awaitable[None] | None] | None = None,
     watch: Callable[[], Awaitable[str]] | None = None,
+    ready_extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Runs service `name` until SIGTERM or SIGINT, then shuts down gracefully and returns.
 
@@ -297,7 +303,8 @@ async def serve(
     for signum in signals:
         loop.add_signal_handler(signum, request_stop, signum)
     try:
-        running = await start_server(name, config, register, on_shutdown=on_shutdown, metrics=metrics)
+        running = await start_server(name, config, register, on_shutdown=on_shutdown, metrics=metrics,
+                                     ready_extra=ready_extra)
         if on_started is not None:
             result = on_started(running)
             if inspect.isawaitable(result):

@@ -89,6 +89,12 @@ class RolloutSettings:
     )
     sync_host: str = setting("", doc="Address the trainer's collective group reaches this replica at "
                                      "(empty: the local address of the route to weight sync).")
+    openai_port: int | None = setting(
+        None, check=in_range(0, 65535), doc="Port of the OpenAI-compatible HTTP endpoint (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /v1/sessions/ID) on server.host, with the same bearer token; 0: any free "
+        "port (in the ready file as openai_port); null: off.")
+    openai_max_sessions: int = setting(4096, check=in_range(1), doc="Sessions (episodes) the endpoint keeps the "
+                                                                     "turns of; the least recently used go first.")
     receive_in_worker: Literal["auto", "on", "off"] = setting(
         "auto", doc="vLLM: the engine's worker joins the weight-transfer group itself and receives into its own "
         "device memory, this service keeping the control plane ('auto': on NPUs and GPUs, off on CPU). "

@@ -137,7 +137,18 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
                                  tls=peer_tls(config.server.peer_tls))
         await wait_connected(agent, 60.0)
 
+    openai = None
+    if core is not None and config.rollout.openai_port is not None:
+        from lorarl.common.auth import server_token
+        from lorarl.rollout.openai.http_server import start_openai_server
+
+        openai = await start_openai_server(core, config.server.host, config.rollout.openai_port,
+                                           server_token(config.server.auth, host=config.server.host),
+                                           config.rollout.openai_max_sessions)
+
     async def shutdown() -> None:
+        if openai is not None:
+            await openai.stop()
         if agent is not None:
             agent.stop()
         if core is not None:
@@ -145,4 +156,5 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
 
     # The engine's death ends the service (NOT_SERVING, exit 1): its supervisor restarts it whole.
     await serve(NAME, config.server, registration(servicer), on_shutdown=shutdown,
-                watch=core.wait_dead if core is not None else None)
+                watch=core.wait_dead if core is not None else None,
+                ready_extra={"openai_port": openai.port} if openai is not None else None)

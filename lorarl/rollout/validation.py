@@ -16,7 +16,7 @@ from lorarl.rollout.prompts import PromptRenderer
 from lorarl.rollout.schema import EngineInfo, GenerateInput, PolicyRef, Sampling
 from lorarl.v1 import common_pb2, rollout_pb2
 
-MAX_TEMPERATURE = 100.0
+MAX_TEMPERATURE = 2.0  # vLLM refuses more (and OpenAI allows 0..2)
 MAX_STOP_STRINGS = 32
 MAX_SEED = 2**63 - 1
 

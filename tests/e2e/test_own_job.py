@@ -110,3 +110,50 @@ def test_a_users_data_reward_and_workflow_train_and_a_second_job_starts_from_the
     assert first_eval["step"] == 0 and first_eval["eval/accuracy"] == final_eval["eval/accuracy"]
     # the warm adapter served as version 1 before any step; the first step published version 2
     assert [r["sync/version"] for r in second if "rollout/reward_mean" in r] == [2]
+
+
+AGENT = '''
+from lorarl.client.workflow import Workflow
+
+TOOLS = [{"type": "function", "function": {"name": "check", "description": "checks an answer",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"answer": {"type": "string"}}}}}]
+
+
+class Agent(Workflow):
+    """Agent code as written for any OpenAI endpoint: ask, let a tool reply, ask again; trained from the
+    session's exact tokens."""
+
+    async def run(self, ctx, example):
+        client = ctx.openai_client()
+        messages = [{"role": "user", "content": example.prompt}]
+        first = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
+                                                     max_tokens=8, temperature=1.0)
+        reply = first.choices[0].message
+        messages += [reply.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": "none", "content": "try again"}]
+        second = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
+                                                      max_tokens=6, temperature=1.0)
+        (episode,) = await ctx.session_episodes()
+        (episode.reward,) = await ctx.score(example, [second.choices[0].message.content or ""])
+        return [episode]
+'''
+
+
+def test_an_agent_on_the_openai_endpoint_trains_from_its_sessions_exact_tokens(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "agentjob")
+    (tmp_path / "agentjob" / "myagent.py").write_text(AGENT)
+    settings = json.loads(job.read_text())
+    job.write_text(json.dumps({**settings, "workflow": {"name": "myagent:Agent"}}))
+    out = tmp_path / "out"
+    done = run(job, tmp_path, f"output.dir={out}", "rollout.openai=true",
+               "sync.mode=adapter", "loop.mode=async", "loop.max_staleness=1", "loop.steps=3")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [r for r in rows(out) if "rollout/reward_mean" in r]
+    assert [r["sync/version"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["rollout/context_tokens"] > 0  # the tool's reply, between the two policy turns, masked
+        assert r["train/tokens"] == r["rollout/tokens"] > 0
+        assert r["rollout/reward_errors"] == 0
+    # versions stayed pinned per episode: what the agent sampled came from the version its batch started on
+    assert all(r["rollout/unpinned_samples"] == 0 for r in steps)

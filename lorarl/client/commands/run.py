@@ -47,6 +47,8 @@ def add_parsers(subparsers: Any) -> None:
                        help="one or more rollout replicas (comma-separated); prompts are split across them")
     train.add_argument("--weightsync", required=True, metavar="HOST:PORT",
                        help="the weight-sync service the trainer and rollouts use (checked for reachability)")
+    train.add_argument("--openai", metavar="URL[,URL...]", help="each rollout replica's OpenAI-compatible endpoint "
+                       "(http://HOST:PORT/v1; rollout.openai_port), for workflows whose agents use it")
     add_token_file(train)
     train.set_defaults(handler=train_command)
 
@@ -116,6 +118,7 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.rollout.max_lora_rank,
                     "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0",
                     "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                    **({"openai_port": 0} if cfg.rollout.openai else {}),
                     **({"block_size": cfg.rollout.block_size} if cfg.rollout.block_size else {}),
                     **({"max_model_len": length} if (length := serving_length(cfg)) else {}),
                     **{key: getattr(cfg.rollout, key) for key in ("enforce_eager", "gpu_memory_utilization")
@@ -233,7 +236,8 @@ def run_command(args: argparse.Namespace) -> int:
                   f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
             stack.supervise(cfg.recovery.restarts if cfg.recovery.enabled else 0)
             return asyncio.run(drive(cfg, stack.address("trainer"), rollouts, stack.token, out,
-                                     stack.address("weightsync"), fresh=args.fresh, give_up=stack.raise_if_failed))
+                                     stack.address("weightsync"), fresh=args.fresh, give_up=stack.raise_if_failed,
+                                     openai_urls=stack.openai_urls))
     except KeyboardInterrupt:
         print("lorarl: interrupted; services stopped. Run the same command again to resume.", file=sys.stderr)
         return 130
@@ -259,8 +263,9 @@ def train_command(args: argparse.Namespace) -> int:
     rollouts = [a.strip() for a in args.rollout.split(",") if a.strip()]
     out.mkdir(parents=True, exist_ok=True)
     try:
+        openai_urls = [u.strip() for u in (args.openai or "").split(",") if u.strip()]
         return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync, fresh=args.fresh,
-                                 tls=tls))
+                                 tls=tls, openai_urls=lambda: openai_urls))
     except KeyboardInterrupt:
         print("lorarl: interrupted. Run the same command again to resume.", file=sys.stderr)
         return 130
@@ -295,7 +300,8 @@ def visible_devices(cfg) -> dict[str, dict[str, str]]:
 
 async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], token: str | None,
                 out: Path, weightsync_address: str | None = None, fresh: bool = False,
-                give_up: Callable[[], None] | None = None, tls: ClientTls | None = None) -> int:
+                give_up: Callable[[], None] | None = None, tls: ClientTls | None = None,
+                openai_urls: Callable[[], list[str]] | None = None) -> int:
     """Creates (or resumes, or re-attaches to) the job, runs the loop, and writes the plot and summary."""
     from lorarl.client.calls import NamedStub
     from lorarl.client.job_inputs import job_examples, job_reward, job_workflow
@@ -341,7 +347,8 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
             return await session.recover()
 
         loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=session.save,
-                      weightsync=weightsync, recover=recover, on_rewind=log.rewind, workflow=workflow)
+                      weightsync=weightsync, recover=recover, on_rewind=log.rewind, workflow=workflow,
+                      openai_urls=openai_urls, token=token)
         try:
             await loop.run()
         finally:

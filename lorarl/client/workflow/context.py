@@ -20,9 +20,10 @@ import grpc
 from lorarl.client.calls import ServiceCallError
 from lorarl.client.datasets import Example
 from lorarl.client.rewards import Reward
-from lorarl.client.workflow.api import EpisodeContext, Sampled
-from lorarl.client.workflow.chat import ChatRenderer
+from lorarl.client.workflow.api import Episode, EpisodeContext, Sampled
 from lorarl.client.workflow.coalesce import CoalescingRollout
+from lorarl.client.workflow.sessions import session_episodes
+from lorarl.contract.chat import ChatRenderer
 from lorarl.v1 import common_pb2, rollout_pb2
 
 #: What a replica answers for a pinned version it no longer serves (NOT_FOUND: not loaded; FAILED_PRECONDITION:
@@ -44,11 +45,12 @@ class RolloutContext(EpisodeContext):
 
     def __init__(self, rollout: Any, job_id: str, version: int, renderer: ChatRenderer, reward: Reward,
                  sampling: SamplingDefaults, group_size: int, *, seed: int, request_id: str,
-                 evaluating: bool = False, batch: str = "") -> None:
+                 evaluating: bool = False, batch: str = "", openai_url: str = "", token: str | None = None) -> None:
         self.rollout, self.job_id, self.version = rollout, job_id, version
         self.renderer, self.reward, self.sampling = renderer, reward, sampling
         self.group_size, self.evaluating = group_size, evaluating
         self.seed, self.request_id, self.batch = seed, request_id, batch
+        self.openai_url, self.token = openai_url, token
         self.calls = 0  # samples asked for; each gets its own seed and request id
         self.unpinned = 0  # samples served by a later version than the pinned one
         self.reward_errors = 0  # samples this episode scored 0 for a failed reward
@@ -90,6 +92,45 @@ class RolloutContext(EpisodeContext):
 
     def prompt_ids(self, example: Example) -> list[int]:
         return self.renderer.prompt_ids(example.prompt)
+
+    # ------------------------------------------------------------ agents on the OpenAI-compatible endpoint
+
+    @property
+    def session_id(self) -> str:
+        return self.request_id
+
+    @property
+    def model(self) -> str:
+        """The ``model`` that asks the endpoint for this episode's pinned policy."""
+        return "base" if self.version == 0 else f"{self.job_id}:v{self.version}"
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` on this episode's replica, its calls in this episode's session."""
+        if not self.openai_url:
+            raise RuntimeError("no OpenAI-compatible endpoint: set rollout.openai: true in the job (lorarl run), or "
+                               "pass --openai to lorarl train")
+        import openai
+
+        headers = {"X-Session-Id": self.session_id, **kwargs.pop("default_headers", {})}
+        return openai.AsyncOpenAI(base_url=self.openai_url, api_key=self.token or "none", default_headers=headers,
+                                  **kwargs)
+
+    async def session_episodes(self, forget: bool = True) -> list[Episode]:
+        """What the agent sampled in this episode's session, as trajectories (the environment's tokens masked);
+        ``forget``: the replica drops the session once read."""
+        import httpx
+
+        url = f"{self.openai_url}/sessions/{self.session_id}"
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with httpx.AsyncClient(timeout=60) as http:
+            reply = await http.get(url, headers=headers)
+            if reply.status_code == 404:
+                return []
+            reply.raise_for_status()
+            turns = reply.json()["turns"]
+            if forget:
+                await http.delete(url, headers=headers)
+        return session_episodes(turns)
 
     def render(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> list[int]:

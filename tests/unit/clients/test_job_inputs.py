@@ -21,8 +21,8 @@ from lorarl.client.datasets import Example, load_examples
 from lorarl.client.job_config import load_job_config
 from lorarl.client.job_inputs import job_examples, job_workflow
 from lorarl.client.rewards import Reward, RewardError, load_reward
-from lorarl.client.workflow.chat import ChatRenderer
 from lorarl.common.config import ConfigError
+from lorarl.contract.chat import ChatRenderer
 
 ROOT = Path(__file__).resolve().parents[3]
 

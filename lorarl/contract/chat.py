@@ -1,10 +1,10 @@
-"""Prompts and chat turns as token ids, on the orchestration side, with the model's own tokenizer.
+"""Prompts and chat turns as token ids, with the model's own tokenizer and chat template.
 
-Episodes build their sequences from token ids (lorarl.client.workflow.api.Episode), so the prompt and
-every turn an environment adds are rendered here, with the tokenizer files of the model directory the
-trainer and rollout load too: the same text gives the same ids everywhere. Whether a prompt is a chat
-is decided by its type (a list of messages) or by ``data.chat_template`` for a plain string, never by
-parsing text.
+Episodes build their sequences from token ids (lorarl.client.workflow.api.Episode) and the rollout's
+OpenAI-compatible endpoint extends a session's exact tokens turn by turn (lorarl.rollout.openai): both
+render here, from the tokenizer files of the model directory every process loads, so the same
+conversation gives the same ids everywhere. Whether a prompt is a chat is decided by its type (a list of
+messages) or by ``data.chat_template`` for a plain string, never by parsing text.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import threading
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
-
-from lorarl.common.config import ConfigError
 
 Messages = Sequence[dict[str, Any]]
 
@@ -60,7 +58,7 @@ class ChatRenderer:
     def render(self, messages: Messages, *, tools: Sequence[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ConfigError("data.chat_template", f"the tokenizer in {self.model_path} has no chat template")
+            raise ValueError(f"the tokenizer in {self.model_path} has no chat template")
         kwargs: dict[str, Any] = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         ids = self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
                                                  add_generation_prompt=add_generation_prompt, tokenize=True,

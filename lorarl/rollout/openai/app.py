@@ -1,0 +1,435 @@
+"""``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and the session record, over the rollout core.
+
+A thin layer: each request becomes the same token-id ``GenerateRequest`` the gRPC service takes, checked by
+the same validation (lorarl.rollout.validation) and served by the same core, so an agent's tokens carry
+their policy versions like every other completion. What differs from OpenAI, on purpose:
+
+- ``model`` names a policy: the base model (its directory name, or ``base``), a job (its latest version)
+  or ``job:vN`` (that version, while the replica holds it);
+- the session (an episode) is the ``X-Session-Id`` header, else the ``user`` field; its turns, with their
+  exact token ids, logprobs and versions, are at ``GET /v1/sessions/{id}`` (``DELETE`` forgets them);
+- each choice carries ``lorarl: {token_ids, versions}`` beside the OpenAI fields.
+
+Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad field (named
+in ``param``), 401 without the bearer token, 404 for a policy or session this replica does not have.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lorarl.common.auth import tokens_match
+from lorarl.common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from lorarl.contract.chat import ChatRenderer
+from lorarl.rollout import validation
+from lorarl.rollout.core import RolloutCore
+from lorarl.rollout.openai.sessions import SessionStore, Turn, normalized
+from lorarl.rollout.openai.tool_calls import OPEN, parse_tool_calls
+from lorarl.rollout.schema import Finish
+from lorarl.v1 import common_pb2, rollout_pb2
+
+SESSION_HEADER = "x-session-id"
+MAX_BODY_BYTES = 8 << 20
+STATUS = {InvalidArgumentError: 400, NotFoundError: 404, FailedPreconditionError: 409,
+          ResourceExhaustedError: 429, UnavailableError: 503}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+@dataclass
+class Endpoint:
+    """What the routes share: the core, the chat renderer, the sessions, the token and the base model's name."""
+
+    core: RolloutCore
+    renderer: ChatRenderer
+    sessions: SessionStore
+    token: str | None
+    base_name: str
+
+    def limits(self) -> validation.Limits:
+        return validation.Limits.of(self.core.info, self.core.settings)
+
+    def policy(self, model: Any) -> rollout_pb2.PolicySelector:
+        """``model`` -> which policy serves: base, a job's latest, or ``job:vN``."""
+        if not isinstance(model, str) or not model:
+            raise HttpError(400, "model is required: the base model's name, a job id, or job:vN", "model")
+        if model in (self.base_name, "base"):
+            return rollout_pb2.PolicySelector()
+        job, sep, version = model.rpartition(":v")
+        if sep and job and version.isdigit():
+            return rollout_pb2.PolicySelector(job_id=job, version=int(version))
+        return rollout_pb2.PolicySelector(job_id=model)
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise HttpError(400, f"{name} must be {_kind_names(kinds)}, got a boolean", name)
+    if not isinstance(value, kinds):
+        raise HttpError(400, f"{name} must be {_kind_names(kinds)}, got {type(value).__name__}", name)
+    return value
+
+
+def _kind_names(kinds: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+
+
+def sampling_params(body: dict[str, Any], chat: bool) -> tuple[common_pb2.SamplingParams, bool]:
+    """The OpenAI sampling fields as the rollout's SamplingParams (their ranges checked by validation), and
+    whether the reply carries logprobs (every sampled token's logprob is kept anyway)."""
+    stop = _field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise HttpError(400, "stop must be a string or a list of strings", "stop")
+    max_tokens = _field(body, "max_completion_tokens", int) if chat else None
+    max_tokens = max_tokens if max_tokens is not None else _field(body, "max_tokens", int, 0)
+    if chat:
+        wanted = bool(_field(body, "logprobs", bool, False))
+        logprobs = _field(body, "top_logprobs", int, 0) if wanted else 0
+    else:
+        logprobs = _field(body, "logprobs", int, 0)
+        wanted = bool(logprobs)
+    if logprobs < 0:
+        raise HttpError(400, f"logprobs must be >= 0, got {logprobs}", "top_logprobs" if chat else "logprobs")
+    params = common_pb2.SamplingParams(
+        n=_field(body, "n", int, 1), temperature=float(_field(body, "temperature", (int, float), 1.0)),
+        top_p=float(_field(body, "top_p", (int, float), 1.0)), max_tokens=max(max_tokens, 0), stop=stop,
+        logprobs=logprobs)
+    if max_tokens < 0:
+        raise HttpError(400, f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+    seed = _field(body, "seed", int)
+    if seed is not None:
+        if seed < 0:
+            raise HttpError(400, f"seed must be >= 0, got {seed}", "seed")
+        params.seed = seed
+    return params, wanted
+
+
+def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HttpError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
+            raise HttpError(400, f"messages[{i}] needs a role of system, user, assistant or tool", f"messages[{i}]")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise HttpError(400, f"messages[{i}].content: only text parts are served", f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if content is not None and not isinstance(content, str):
+            raise HttpError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
+        if content is None and not message.get("tool_calls"):
+            raise HttpError(400, f"messages[{i}] has neither content nor tool_calls", f"messages[{i}].content")
+        clean: dict[str, Any] = {"role": message["role"], "content": content}
+        if message.get("tool_calls"):
+            calls = message["tool_calls"]
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise HttpError(400, f"messages[{i}].tool_calls must be a list of function calls",
+                                f"messages[{i}].tool_calls")
+            clean["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
+                                    "function": {"name": c["function"]["name"],
+                                                 "arguments": c["function"].get("arguments", "{}")}} for c in calls]
+        if message.get("tool_call_id"):
+            clean["tool_call_id"] = str(message["tool_call_id"])
+        out.append(clean)
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise HttpError(400, "tools must be a list of tool objects", "tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise HttpError(400, "tool_choice: only 'auto' and 'none' are served", "tool_choice")
+    return out, (tools or None) if choice != "none" else None
+
+
+# --------------------------------------------------------------------------------------------- replies
+
+
+def finish_reason(finish: Finish, calls: list) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if finish is Finish.LENGTH else "stop"
+
+
+def chat_logprobs(renderer: ChatRenderer, token_ids: list[int], logprobs: list[float],
+                  tops: list[dict[int, float]]) -> dict[str, Any]:
+    content = []
+    for i, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+        text = renderer.tokenizer.decode([token])
+        top = tops[i] if i < len(tops) else {}
+        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": renderer.tokenizer.decode([t]), "logprob": lp,
+                                          "bytes": list(renderer.tokenizer.decode([t]).encode())}
+                                         for t, lp in top.items()]})
+    return {"content": content}
+
+
+def create_app(endpoint: Endpoint) -> FastAPI:
+    app = FastAPI(title="lorarl rollout (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if endpoint.token is not None:
+            header = request.headers.get("authorization", "")
+            scheme, _, presented = header.partition(" ")
+            if scheme.lower() != "bearer" or not tokens_match(presented.strip(), endpoint.token):
+                return error_response(401, "missing or invalid bearer token (Authorization: Bearer <token>, the "
+                                           "rollout service's token)", kind="authentication_error")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
+        try:
+            return await call_next(request)
+        except HttpError as e:
+            return error_response(e.status, e.message, e.param, e.kind)
+        except tuple(STATUS) as e:
+            field = getattr(e, "field", None) or None
+            return error_response(STATUS[type(e)], f"{field}: {e}" if field else str(e), field)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"the request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object")
+        return body
+
+    def session_of(request: Request, body: dict[str, Any]) -> str:
+        session = request.headers.get(SESSION_HEADER) or body.get("user") or ""
+        if not isinstance(session, str) or len(session) > 256:
+            raise HttpError(400, "the session id (X-Session-Id or user) must be a string of at most 256 characters",
+                            "user")
+        return session
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        ids = [endpoint.base_name, *(f"{job}" for job in sorted(endpoint.core.active_versions())),
+               *(f"{job}:v{version}" for job, version in sorted(endpoint.core.active_versions().items()))]
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "lorarl"}
+                                           for i in ids]}
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session(session_id: str) -> dict[str, Any]:
+        turns = endpoint.sessions.turns(session_id)
+        if turns is None:
+            raise HttpError(404, f"no session {session_id!r} on this replica", kind="not_found_error")
+        return {"session": session_id, "turns": [t.as_json() for t in turns]}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def forget(session_id: str) -> Response:
+        if not endpoint.sessions.pop(session_id):
+            raise HttpError(404, f"no session {session_id!r} on this replica", kind="not_found_error")
+        return Response(status_code=204)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        body = await body_of(request)
+        messages, tools = chat_messages(body)
+        session_id = session_of(request, body)
+        keys = [normalized(m) for m in messages]
+        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        earlier = endpoint.sessions.continued(session_id, keys, tools_key) if session_id else None
+        try:
+            if earlier is None:
+                prompt = endpoint.renderer.render(messages, tools=tools)
+            else:
+                turn, start = earlier
+                ended = turn.token_ids[-1:] == [endpoint.renderer.end_of_turn_id]
+                prompt = [*turn.prompt_ids, *turn.token_ids, *([] if ended else [endpoint.renderer.end_of_turn_id]),
+                          *endpoint.renderer.render_followup(messages[start:], tools=tools)]
+        except ValueError as e:  # the template could not render these messages
+            raise HttpError(400, f"messages: {e}", "messages") from None
+        except Exception as e:  # jinja's own errors (a missing field the template reads)
+            raise HttpError(400, f"messages: the chat template cannot render them: {type(e).__name__}: {e}",
+                            "messages") from None
+        params, with_logprobs = sampling_params(body, chat=True)
+        model = body.get("model")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generate = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=prompt)], sampling=params,
+                                               policy=endpoint.policy(model), request_id=request_id)
+
+        def remember(index: int, token_ids: list[int], logprobs: list[float], versions: list[int], reply: dict,
+                     reason: str) -> None:
+            if session_id:
+                endpoint.sessions.record(session_id, Turn(keys, tools_key, normalized(reply), list(prompt),
+                                                          token_ids, logprobs, versions, reason, str(model)))
+
+        if _field(body, "stream", bool, False):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(stream_chat(endpoint, generate, request_id, str(model), bool(tools),
+                                                 with_logprobs, include_usage, remember),
+                                     media_type="text/event-stream")
+        request_input = validation.generate_input(generate, endpoint.limits(), None)
+        (result,) = await endpoint.core.generate(request_input)
+        choices = []
+        for index, c in enumerate(result.completions):
+            text = endpoint.renderer.decode(c.token_ids)
+            content, calls = parse_tool_calls(text) if tools else (text, [])
+            reason = finish_reason(c.finish, calls)
+            reply = {"role": "assistant", "content": content if (content or not calls) else None,
+                     **({"tool_calls": calls} if calls else {})}
+            remember(index, c.token_ids, c.logprobs, c.versions, reply, reason)
+            choices.append({"index": index, "message": reply, "finish_reason": reason,
+                            "logprobs": chat_logprobs(endpoint.renderer, c.token_ids, c.logprobs, c.top_logprobs)
+                            if with_logprobs else None,
+                            "lorarl": {"token_ids": c.token_ids, "versions": c.versions}})
+        completion_tokens = sum(len(c.token_ids) for c in result.completions)
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+                                              "total_tokens": len(prompt) + completion_tokens}}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await body_of(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = endpoint.renderer.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            ids = prompt
+        else:
+            raise HttpError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        if body.get("echo"):
+            raise HttpError(400, "echo is not served", "echo")
+        params, with_logprobs = sampling_params(body, chat=False)
+        model = body.get("model")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generate = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=ids)], sampling=params,
+                                               policy=endpoint.policy(model), request_id=request_id)
+        if _field(body, "stream", bool, False):
+            return StreamingResponse(stream_completion(endpoint, generate, request_id, str(model)),
+                                     media_type="text/event-stream")
+        (result,) = await endpoint.core.generate(validation.generate_input(generate, endpoint.limits(), None))
+        choices = []
+        for index, c in enumerate(result.completions):
+            logprobs = None
+            if with_logprobs:
+                tokens = [endpoint.renderer.tokenizer.decode([t]) for t in c.token_ids]
+                logprobs = {"tokens": tokens, "token_logprobs": c.logprobs,
+                            "top_logprobs": [{endpoint.renderer.tokenizer.decode([t]): lp for t, lp in top.items()}
+                                             for top in c.top_logprobs],
+                            "text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]}
+            choices.append({"index": index, "text": endpoint.renderer.decode(c.token_ids),
+                            "finish_reason": "length" if c.finish is Finish.LENGTH else "stop",
+                            "logprobs": logprobs, "lorarl": {"token_ids": c.token_ids, "versions": c.versions}})
+        completion_tokens = sum(len(c.token_ids) for c in result.completions)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                                              "total_tokens": len(ids) + completion_tokens}}
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------------ streams
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+def _stream_request(generate: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateStreamRequest:
+    return rollout_pb2.GenerateStreamRequest(prompt=generate.prompts[0], sampling=generate.sampling,
+                                             policy=generate.policy, request_id=generate.request_id)
+
+
+async def stream_chat(endpoint: Endpoint, generate: rollout_pb2.GenerateRequest, request_id: str, model: str,
+                      with_tools: bool, with_logprobs: bool, include_usage: bool, remember) -> AsyncIterator[bytes]:
+    """Chat chunks as tokens arrive; text from a ``<tool_call>`` on is held back and sent as ``tool_calls``."""
+    request_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)
+    created = int(time.time())
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    n = request_input.sampling.n
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    versions: list[list[int]] = [[] for _ in range(n)]
+    sent = [0] * n  # characters of content already sent
+    for index in range(n):
+        yield _sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None}]})
+    async for chunk in endpoint.core.generate_stream(request_input):
+        i = chunk.index
+        tokens[i] += chunk.token_ids
+        logprobs[i] += chunk.logprobs
+        versions[i] += chunk.versions
+        text = endpoint.renderer.decode(tokens[i])
+        held = text.find(OPEN) if with_tools else -1
+        visible = text if held < 0 else text[:held]
+        if len(visible) > sent[i] and not visible.endswith("\ufffd"):
+            delta: dict[str, Any] = {"content": visible[sent[i]:]}
+            sent[i] = len(visible)
+            choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": None}
+            if with_logprobs:
+                choice["logprobs"] = chat_logprobs(endpoint.renderer, chunk.token_ids, chunk.logprobs,
+                                                   chunk.top_logprobs)
+            yield _sse({**base, "choices": [choice]})
+        if chunk.finish is not None:
+            content, calls = parse_tool_calls(text) if with_tools else (text, [])
+            if calls:
+                yield _sse({**base, "choices": [{"index": i, "delta": {"tool_calls": [
+                    {"index": k, **call} for k, call in enumerate(calls)]}, "finish_reason": None}]})
+            elif len(text) > sent[i]:
+                yield _sse({**base, "choices": [{"index": i, "delta": {"content": text[sent[i]:]},
+                                                 "finish_reason": None}]})
+            reason = finish_reason(chunk.finish, calls)
+            reply = {"role": "assistant", "content": content if (content or not calls) else None,
+                     **({"tool_calls": calls} if calls else {})}
+            remember(i, tokens[i], logprobs[i], versions[i], reply, reason)
+            yield _sse({**base, "choices": [{"index": i, "delta": {}, "finish_reason": reason,
+                                             "lorarl": {"token_ids": tokens[i], "versions": versions[i]}}]})
+    if include_usage:
+        completion = sum(len(t) for t in tokens)
+        prompt = len(generate.prompts[0].token_ids)
+        yield _sse({**base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                                     "total_tokens": prompt + completion}})
+    yield b"data: [DONE]\n\n"
+
+
+async def stream_completion(endpoint: Endpoint, generate: rollout_pb2.GenerateRequest, request_id: str,
+                            model: str) -> AsyncIterator[bytes]:
+    request_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)
+    base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    tokens: dict[int, list[int]] = {}
+    sent: dict[int, int] = {}
+    async for chunk in endpoint.core.generate_stream(request_input):
+        i = chunk.index
+        tokens.setdefault(i, []).extend(chunk.token_ids)
+        text = endpoint.renderer.decode(tokens[i])
+        delta = "" if text.endswith("\ufffd") and chunk.finish is None else text[sent.get(i, 0):]
+        sent[i] = sent.get(i, 0) + len(delta)
+        reason = None if chunk.finish is None else ("length" if chunk.finish is Finish.LENGTH else "stop")
+        if delta or reason:
+            yield _sse({**base, "choices": [{"index": i, "text": delta, "finish_reason": reason, "logprobs": None}]})
+    yield b"data: [DONE]\n\n"

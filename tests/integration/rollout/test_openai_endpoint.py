@@ -1,0 +1,177 @@
+"""The rollout's OpenAI-compatible endpoint on real vLLM, driven by the official `openai` client: chat and
+text completions (n, temperature, max_tokens, logprobs, streaming), the policy chosen by `model`, tools in
+the chat template, errors as the client raises them, and sessions that keep every turn's exact tokens so an
+episode's trajectory is what the engine generated, turn after turn."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from lorarl.client.workflow.sessions import session_episodes
+from lorarl.contract.chat import ChatRenderer
+from lorarl.rollout.config import RolloutSettings
+from lorarl.rollout.openai.http_server import OpenAIServer, start_openai_server
+from lorarl.rollout.openai.tool_calls import parse_tool_calls
+from lorarl.v1 import common_pb2, rollout_pb2
+from tests.integration.rollout.harness import TOKEN, RolloutHarness
+from tests.unit.rollout.models import dense_model_dir
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+QUESTION = [{"role": "user", "content": "12+34="}]
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluates arithmetic",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expr": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[RolloutHarness, OpenAIServer]]:
+    settings = RolloutSettings(model_path=str(dense_model_dir()), engine="vllm", dtype="float32", max_model_len=512,
+                               kv_cache_gib=0.5, max_loras=2, adapter_window=1)
+    harness = RolloutHarness(settings).start()
+    server = harness.call(start_openai_server(harness.core, "127.0.0.1", 0, TOKEN))
+    yield harness, server
+    harness.call(server.stop())
+    harness.close()
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    _, server = served
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=TOKEN, max_retries=0)
+
+
+def engine_greedy(harness: RolloutHarness, prompt: list[int], max_tokens: int) -> rollout_pb2.Completion:
+    """What the engine generates for these token ids over gRPC: the reference the endpoint must equal."""
+    response = harness.stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=prompt)],
+        sampling=common_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)))
+    return response.results[0].completions[0]
+
+
+def session(served, session_id: str) -> list[dict]:
+    _, server = served
+    reply = httpx.get(f"http://127.0.0.1:{server.port}/v1/sessions/{session_id}",
+                      headers={"Authorization": f"Bearer {TOKEN}"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["turns"]
+
+
+def test_models_name_the_base(client: openai.OpenAI) -> None:
+    assert "qwen3-tiny" in [m.id for m in client.models.list().data]
+
+
+def test_a_chat_completion_is_what_the_engine_generates_and_the_session_keeps_it(served, client) -> None:
+    harness, _ = served
+    reply = client.chat.completions.create(model="qwen3-tiny", messages=QUESTION, max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=2, user="ep-1")
+    (choice,) = reply.choices
+    prompt = ChatRenderer(str(dense_model_dir())).render(QUESTION)
+    want = engine_greedy(harness, prompt, 8)
+    assert choice.lorarl["token_ids"] == list(want.token_ids)
+    assert choice.message.content == ChatRenderer(str(dense_model_dir())).decode(list(want.token_ids))
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(list(want.logprobs), abs=1e-5)
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(want.token_ids)
+    (turn,) = session(served, "ep-1")
+    assert turn["prompt_token_ids"] == prompt and turn["token_ids"] == list(want.token_ids)
+    assert turn["logprobs"] == pytest.approx(list(want.logprobs), abs=1e-5) and set(turn["versions"]) == {0}
+
+
+def test_a_multi_turn_session_is_one_token_sequence_with_the_environment_masked(served, client) -> None:
+    """Turn 2 continues turn 1's exact tokens (not a re-rendering of its text); the tool's answer is context."""
+    first = client.chat.completions.create(model="qwen3-tiny", messages=QUESTION, tools=TOOLS, max_tokens=6,
+                                           temperature=0, extra_headers={"X-Session-Id": "ep-2"})
+    assistant = first.choices[0].message.model_dump(exclude_none=True)
+    follow = [*QUESTION, assistant, {"role": "user", "content": "Check it."}]
+    second = client.chat.completions.create(model="qwen3-tiny", messages=follow, tools=TOOLS, max_tokens=5,
+                                            temperature=0, extra_headers={"X-Session-Id": "ep-2"})
+    turns = session(served, "ep-2")
+    assert len(turns) == 2
+    one, two = turns
+    start = one["prompt_token_ids"] + one["token_ids"]
+    assert two["prompt_token_ids"][: len(start)] == start
+    assert two["token_ids"] == second.choices[0].lorarl["token_ids"]
+    renderer = ChatRenderer(str(dense_model_dir()))
+    assert "# Tools\n<tools>" in renderer.decode(one["prompt_token_ids"])  # tools went through the template
+    (episode,) = session_episodes(turns)
+    assert episode.prompt_ids == one["prompt_token_ids"]
+    assert episode.completion_ids == two["prompt_token_ids"][len(one["prompt_token_ids"]):] + two["token_ids"]
+    context = len(two["prompt_token_ids"]) - len(start)
+    assert episode.loss_mask == [True] * len(one["token_ids"]) + [False] * context + [True] * len(two["token_ids"])
+    # an agent that edits its earlier turn gets the conversation rendered from text: a new trajectory
+    edited = [*QUESTION, {"role": "assistant", "content": "something else"}, {"role": "user", "content": "Again."}]
+    client.chat.completions.create(model="qwen3-tiny", messages=edited, max_tokens=3, temperature=0,
+                                   extra_headers={"X-Session-Id": "ep-2"})
+    assert len(session_episodes(session(served, "ep-2"))) == 2
+
+
+def test_streaming_gives_the_same_text_and_tokens(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="qwen3-tiny", messages=QUESTION, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model="qwen3-tiny", messages=QUESTION, max_tokens=10,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert last.choices[0].lorarl["token_ids"] == whole.choices[0].lorarl["token_ids"]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_text_completions_n_and_seed(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model="base", prompt="12+34=", max_tokens=6, temperature=0, logprobs=1)
+    assert len(greedy.choices[0].logprobs.token_logprobs) == len(greedy.choices[0].lorarl["token_ids"])
+    sampled = [client.completions.create(model="base", prompt="12+34=", max_tokens=6, temperature=1.0, n=3,
+                                         seed=7) for _ in range(2)]
+    assert len(sampled[0].choices) == 3
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]  # seeded: reproducible
+
+
+def test_bad_requests_are_refused_as_the_client_expects(served, client) -> None:
+    _, server = served
+    stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.models.list()
+    with pytest.raises(openai.BadRequestError, match=r"sampling\.temperature"):
+        client.chat.completions.create(model="base", messages=QUESTION, temperature=99)
+    with pytest.raises(openai.BadRequestError, match="messages must be a non-empty list"):
+        client.chat.completions.create(model="base", messages=[])
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="base", messages=QUESTION, tools=TOOLS, tool_choice="required")
+    with pytest.raises(openai.NotFoundError, match="no policy of job 'nojob'"):
+        client.chat.completions.create(model="nojob", messages=QUESTION, max_tokens=2)
+    reply = httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", content=b"{not json",
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+    assert reply.status_code == 400 and "not JSON" in reply.json()["error"]["message"]
+    assert httpx.get(f"http://127.0.0.1:{server.port}/v1/sessions/none",
+                     headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+
+
+def test_tool_calls_in_qwen3_format_become_openai_tool_calls() -> None:
+    text = 'Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "12+34"}}\n</tool_call>'
+    content, (call,) = parse_tool_calls(text)
+    assert content == "Let me compute." and call["function"] == {"name": "calc", "arguments": '{"expr": "12+34"}'}
+    assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
+
+
+def test_concurrent_sessions_stay_apart(served, client) -> None:
+    async def one(i: int) -> None:
+        async_client = openai.AsyncOpenAI(base_url=client.base_url, api_key=TOKEN, max_retries=0)
+        await async_client.chat.completions.create(model="base", messages=QUESTION, max_tokens=3, temperature=0,
+                                                   user=f"par-{i}")
+
+    async def all_of() -> None:
+        await asyncio.gather(*(one(i) for i in range(6)))
+
+    asyncio.run(all_of())
+    assert all(len(session(served, f"par-{i}")) == 1 for i in range(6))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_dir_exists() -> Path:
+    return dense_model_dir()
