@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR, TASKS_DIR, TOKENIZER_DIR
+from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR, TASKS_DIR, TOKENIZER_DIR, TOOLS_MODEL_DIR
 from lorarl.assets.pretrain import SFTConfig
 
-PARTS = ("tokenizer", "tasks", "dense", "moe")
+PARTS = ("tokenizer", "tasks", "dense", "moe", "tools")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -42,6 +42,9 @@ class TinyRecipe:
 RECIPES: dict[str, TinyRecipe] = {
     "dense": TinyRecipe(shape="qwen3-tiny", out_dir=DENSE_MODEL_DIR, sft=SFTConfig(seed=0)),
     "moe": TinyRecipe(shape="qwen3-moe-tiny", out_dir=MOE_MODEL_DIR, sft=SFTConfig(seed=0)),
+    # The tool task (lorarl.assets.tool_task): the dense shape, whole conversations with the calculator.
+    "tools": TinyRecipe(shape="qwen3-tiny", out_dir=TOOLS_MODEL_DIR,
+                        sft=SFTConfig(seed=0, steps=1500, clean_steps=600, slip_rate=0.7)),
 }
 
 
@@ -56,6 +59,8 @@ def build_tiny_model(recipe: TinyRecipe) -> dict[str, Any]:
         print(f"[{recipe.shape}] {message}", flush=True)
 
     start = time.monotonic()
+    if recipe.out_dir == TOOLS_MODEL_DIR:
+        return build_tool_model(recipe, log, start)
     model, summary = pretrain(shape_config(recipe.shape), load_split("train"), recipe.sft, log=log)
     save_model(model, recipe.out_dir)
     greedy = evaluate_greedy(model, "test")
@@ -73,6 +78,25 @@ def build_tiny_model(recipe: TinyRecipe) -> dict[str, Any]:
         f"greedy {greedy.accuracy:.3f}, pass@8 {sampled['pass@8']:.3f}, built in {time.monotonic() - start:.0f}s"
         f" -> {recipe.out_dir}"
     )
+    return info
+
+
+def build_tool_model(recipe: TinyRecipe, log, start: float) -> dict[str, Any]:
+    """The tool task's policy: pretrained on its fallible agent's conversations, measured greedily."""
+    from lorarl.assets.evaluate import evaluate_tool_greedy
+    from lorarl.assets.models import count_parameters, save_model, shape_config
+    from lorarl.assets.pretrain import ToolTeacher, pretrain
+    from lorarl.assets.tool_task import load_tool_split
+
+    model, summary = pretrain(shape_config(recipe.shape), load_tool_split("train"), recipe.sft, log=log,
+                              teacher_class=ToolTeacher)
+    save_model(model, recipe.out_dir)
+    greedy = evaluate_tool_greedy(model, load_tool_split("test"))
+    info = {"shape": recipe.shape, "task": "tools", "parameters": count_parameters(model), **summary,
+            "test_greedy": {k: round(v, 4) for k, v in greedy.items()}}
+    (recipe.out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"greedy success {greedy['success']:.3f}, calls {greedy['call_rate']:.3f}, built in "
+        f"{time.monotonic() - start:.0f}s -> {recipe.out_dir}")
     return info
 
 
@@ -96,9 +120,11 @@ def build_assets(parts: Sequence[str] = PARTS) -> None:
     if "tokenizer" in parts:
         print(f"tokenizer -> {save_tokenizer(TOKENIZER_DIR)}")
     if "tasks" in parts:
-        for split, path in write_splits(TASKS_DIR).items():
+        from lorarl.assets.tool_task import write_splits as write_tool_splits
+
+        for split, path in [*write_splits(TASKS_DIR).items(), *write_tool_splits().items()]:
             print(f"{split} split -> {path}")
-    models = [name for name in ("dense", "moe") if name in parts]
+    models = [name for name in ("dense", "moe", "tools") if name in parts]
     if models:
         build_tiny_models(models)
     print(f"built {', '.join(parts)} in {time.monotonic() - start:.0f}s")

@@ -6,12 +6,14 @@ A policy is given either as a transformers causal LM (decoded here, batched, lef
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lorarl.assets.paths import TOKENIZER_DIR
 from lorarl.assets.tasks import Problem, exact_reward, load_split
 from lorarl.assets.tokenizer import default_tokenizer, prompt_token_ids
 
@@ -150,3 +152,39 @@ def pass_at_k(
         "sample_accuracy": sum(hits) / max(len(hits), 1),
         "eos_rate": sum(ended) / max(len(ended), 1),
     }
+
+
+@torch.inference_mode()
+def evaluate_tool_greedy(model: Any, problems: Sequence[Any], batch_size: int = 100) -> dict[str, float]:
+    """The tool task's episodes decoded greedily, as the agent workflow runs them: turn 1; if it calls the
+    calculator, its result follows and turn 2 answers. Success rate, call rate, and misreads among calls."""
+    from lorarl.assets.tool_task import TOOLS, calculate, final_answer
+    from lorarl.contract.chat import ChatRenderer
+    from lorarl.rollout.openai.tool_calls import parse_tool_calls
+
+    tokenizer = default_tokenizer()
+    renderer = ChatRenderer(str(TOKENIZER_DIR))
+    prompts = [renderer.render([{"role": "user", "content": p.prompt}], tools=TOOLS) for p in problems]
+    first = generate_token_ids(model, prompts, max_new_tokens=96, batch_size=batch_size)
+    answers: list[str | None] = []
+    calls, follow_prompts, follow_index = 0, [], []
+    for i, (prompt, turn) in enumerate(zip(prompts, first, strict=True)):
+        _, tool_calls = parse_tool_calls(tokenizer.decode(turn, skip_special_tokens=True))
+        if not tool_calls:
+            answers.append(final_answer(tokenizer.decode(turn, skip_special_tokens=True)))
+            continue
+        calls += 1
+        result = calculate(json.loads(tool_calls[0]["function"]["arguments"]).get("expr", ""))
+        ended = turn if turn[-1:] == [renderer.end_of_turn_id] else [*turn, renderer.end_of_turn_id]
+        follow_prompts.append([*prompt, *ended, *renderer.render_followup(
+            [{"role": "tool", "tool_call_id": "call_0", "content": result}], tools=TOOLS)])
+        follow_index.append(i)
+        answers.append(None)
+    for i, turn in zip(follow_index, generate_token_ids(model, follow_prompts, max_new_tokens=12,
+                                                        batch_size=batch_size), strict=True):
+        answers[i] = final_answer(tokenizer.decode(turn, skip_special_tokens=True))
+    right = sum(a == p.answer for a, p in zip(answers, problems, strict=True))
+    called_right = sum(a == p.answer for i, (a, p) in enumerate(zip(answers, problems, strict=True))
+                       if i in set(follow_index))
+    return {"success": right / len(problems), "call_rate": calls / len(problems),
+            "success_when_called": called_right / max(calls, 1)}

@@ -64,15 +64,64 @@ class FallibleTeacher:
 
     def batch(self, indices: Sequence[int], slip_rate: float, rng: random.Random) -> tuple[torch.Tensor, ...]:
         rows = [self.slipped[i] if rng.random() < slip_rate else self.gold[i] for i in indices]
-        width = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, (ids, labs) in enumerate(rows):
-            input_ids[r, : len(ids)] = torch.tensor(ids)
-            labels[r, : len(labs)] = torch.tensor(labs)
-            mask[r, : len(ids)] = 1
-        return input_ids, labels, mask
+        return _padded(rows)
+
+
+class ToolTeacher:
+    """The fallible agent of the tool task (lorarl.assets.tool_task): whole conversations rendered by the chat
+    template with the calculator tool, labels on the assistant turns (through their ``<|im_end|>``). A slip
+    (probability ``slip_rate``) is a skipped call (``skip_share`` of slips) or a misread result."""
+
+    skip_share = 0.35
+
+    def __init__(self, problems: Sequence[Any], tokenizer: Any) -> None:
+        from lorarl.assets.tool_task import TOOLS, conversation
+
+        self.problems = list(problems)
+        self.encoded = {behaviour: [encode_conversation(tokenizer, conversation(p, behaviour), TOOLS)
+                                    for p in self.problems] for behaviour in ("gold", "skip", "misread")}
+
+    def batch(self, indices: Sequence[int], slip_rate: float, rng: random.Random) -> tuple[torch.Tensor, ...]:
+        rows = []
+        for i in indices:
+            coin = rng.random()
+            behaviour = "gold" if coin >= slip_rate else "skip" if coin < slip_rate * self.skip_share else "misread"
+            rows.append(self.encoded[behaviour][i])
+        return _padded(rows)
+
+
+def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Any
+                        ) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a whole chat; labels on each assistant turn's tokens through ``<|im_end|>``
+    (the newline the template puts after it is context, as in an episode)."""
+
+    def render(upto: int, opening: bool) -> list[int]:
+        ids = tokenizer.apply_chat_template(list(messages[:upto]), tools=tools, add_generation_prompt=opening,
+                                            tokenize=True, return_dict=False)
+        return [int(i) for i in ids]
+
+    ids = render(len(messages), False)
+    labels = [IGNORE_INDEX] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start, end = len(render(i, True)), len(render(i + 1, False))
+        labels[start:end] = ids[start:end]
+        if ids[end - 1] != EOS_TOKEN_ID:  # the template's newline after <|im_end|>
+            labels[end - 1] = IGNORE_INDEX
+    return ids, labels
+
+
+def _padded(rows: Sequence[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, (ids, labs) in enumerate(rows):
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        labels[r, : len(labs)] = torch.tensor(labs)
+        mask[r, : len(ids)] = 1
+    return input_ids, labels, mask
 
 
 def _lr_factor(step: int, cfg: SFTConfig) -> float:
@@ -106,16 +155,18 @@ def _optimizer(model: PreTrainedModel, cfg: SFTConfig) -> torch.optim.Optimizer:
 
 def pretrain(
     config: PreTrainedConfig,
-    problems: Sequence[Problem],
+    problems: Sequence[Any],
     cfg: SFTConfig = SFTConfig(),
     log: Callable[[str], None] | None = print,
     log_every: int = 100,
+    teacher_class: type = FallibleTeacher,
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
-    """Train a fresh model of ``config`` on ``problems``; returns it (eval mode) and a run summary."""
+    """Train a fresh model of ``config`` on ``problems`` (served by ``teacher_class``: the single-turn
+    tasks' FallibleTeacher, or the tool task's ToolTeacher); returns it (eval mode) and a run summary."""
     with deterministic_torch(cfg.threads):
         model = init_model(config, seed=cfg.seed)
         model.train()
-        teacher = FallibleTeacher(problems, default_tokenizer())
+        teacher = teacher_class(problems, default_tokenizer())
         optimizer = _optimizer(model, cfg)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, cfg))
         rng = random.Random(cfg.seed)

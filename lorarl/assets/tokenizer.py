@@ -42,10 +42,9 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n<tools>' }}"
+    "{{- '<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool.function if tool.function is defined else tool) | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall a tool with <tool_call>\\n{\"name\": <name>, \"arguments\": <json object>}\\n"
-    "</tool_call><|im_end|>\\n' }}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -70,7 +69,8 @@ CHAT_TEMPLATE = (
 )
 """ChatML as in Qwen's templates, without default system prompt or thinking block; tools, tool calls and
 tool responses in Qwen3's format (<tools>, <tool_call>{"name", "arguments"}</tool_call>, <tool_response>),
-with a shorter tool header than Qwen3's (byte-level tokens make every character one token)."""
+with a shorter tool header than Qwen3's: the tools' JSON only, no instructions (byte-level tokens make every
+character one token)."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -91,12 +91,13 @@ def _dataset_rows(path: str, split: str, key: str, limit: int | None = None) -> 
         else:
             with _offline():
                 rows = datasets.load_dataset(path, split=split, streaming=False)
+        taken = list(islice(rows, limit))
     except ConfigError:
         raise
     except Exception as e:  # datasets raises many kinds: FileNotFoundError, DatasetNotFoundError, ArrowInvalid...
         where = "no such file or folder, and no cached hub dataset of that name" if not local.exists() else "unreadable"
         raise ConfigError(key, f"{path!r} ({split}): {where}: {type(e).__name__}: {str(e)[:300]}") from None
-    yield from islice(rows, limit)
+    yield from taken
 
 
 @contextlib.contextmanager

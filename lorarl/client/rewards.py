@@ -176,6 +176,8 @@ class Reward:
 
     async def score(self, example: Any, completions: Sequence[str]) -> tuple[list[float], int]:
         """One score per completion of ``example``, and how many of them failed."""
+        if isinstance(completions, str | bytes):
+            raise TypeError("score takes a list of completions, not one string: score(example, [text])")
         if not completions:
             return [], 0
         if self.form == "pair":
@@ -189,8 +191,8 @@ class Reward:
                                      **{k: [v] * n for k, v in self._columns(example).items()})
             if isinstance(batch, BaseException):
                 outcomes = [batch] * n
-            elif isinstance(batch, str | bytes) or not isinstance(batch, Sequence) or len(batch) != n:
-                size = len(batch) if isinstance(batch, Sequence) else type(batch).__name__
+            elif isinstance(batch, str | bytes) or not hasattr(batch, "__len__") or len(batch) != n:
+                size = len(batch) if hasattr(batch, "__len__") else type(batch).__name__
                 outcomes = [ValueError(f"returned {size} for a batch of {n} completions")] * n
             else:
                 outcomes = list(batch)

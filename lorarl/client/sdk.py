@@ -48,7 +48,11 @@ Trajectoryish = Episode | Mapping[str, Any] | common_pb2.Trajectory
 
 def _config(config: str | Path | JobFileConfig | None, overrides: Sequence[str]) -> JobFileConfig:
     if isinstance(config, JobFileConfig):
-        return config if not overrides else load_job_config(None, [*_as_overrides(config), *overrides])
+        if not overrides:
+            return config
+        cfg = load_job_config(None, [*_as_overrides(config), *overrides])
+        cfg.job_dir = getattr(config, "job_dir", "")
+        return cfg
     return load_job_config(str(config) if config is not None else None, list(overrides))
 
 

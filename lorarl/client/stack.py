@@ -107,8 +107,8 @@ class LocalStack:
     def openai_urls(self) -> list[str]:
         """Each rollout replica's OpenAI-compatible endpoint (rollout.openai_port), as now: a restarted
         replica may listen on another port."""
-        return [f"http://{p.address.rsplit(':', 1)[0]}:{p.info['openai_port']}/v1" for p in self.processes.values()
-                if p.service == "rollout" and p.info.get("openai_port")]
+        return [f"{p.info.get('openai_scheme', 'http')}://{p.address.rsplit(':', 1)[0]}:{p.info['openai_port']}/v1"
+                for p in self.processes.values() if p.service == "rollout" and p.info.get("openai_port")]
 
     def env(self) -> dict[str, str]:
         # The token goes to the services as a file (token_file), never in their environment.

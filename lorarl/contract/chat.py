@@ -69,17 +69,20 @@ class ChatRenderer:
 
     def render_followup(self, messages: Messages, *, tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """What follows an assistant turn that ended with its end-of-turn token: the template's glue after
-        that token (ChatML's newline), ``messages``, then the next assistant turn's opening. Found as the
-        difference of two renderings, so it is what the template itself would produce."""
+        that token (ChatML's newline), ``messages``, then the next assistant turn's opening. Found in a
+        rendering of a short conversation followed by ``messages``: what comes after the head's last
+        end-of-turn token. (Not as the difference of two renderings: Qwen3's thinking template writes an
+        empty think block into the last assistant turn only, so a shorter rendering is no prefix.)"""
         head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
         before = self.render(head, tools=tools, add_generation_prompt=False)
         after = self.render([*head, *messages], tools=tools, add_generation_prompt=True)
-        if after[: len(before)] != before:
-            raise ValueError("the chat template renders a conversation differently once turns follow it; "
-                             "render the whole conversation with ctx.render instead")
         end = self.end_of_turn_id
-        glue = before[len(before) - before[::-1].index(end):] if end in before else []
-        return glue + after[len(before):]
+        ends = [i for i, token in enumerate(after) if token == end]
+        count = before.count(end)
+        if count == 0 or len(ends) < count:
+            raise ValueError("the chat template ends no assistant turn with the tokenizer's EOS token; render the "
+                             "whole conversation with ctx.render instead")
+        return after[ends[count - 1] + 1:]
 
     @property
     def end_of_turn_id(self) -> int:

@@ -125,13 +125,21 @@ class LoraSpec:
         """Why a PEFT adapter_config.json cannot start a job trained by this spec (empty: it can). Each line
         names the PEFT field, and the job key to change where one would fix it."""
         problems = []
+        kinds = {"r": int, "lora_alpha": (int, float), "use_rslora": bool, "target_modules": (list, str, type(None))}
+        for field, kind in kinds.items():
+            if field in config and (not isinstance(config[field], kind) or (isinstance(config[field], bool)
+                                    and kind is not bool)):
+                problems.append(f"{field} is {config[field]!r}: not a valid value")
+        if problems:
+            return problems
         if config.get("peft_type", "LORA") != "LORA":
             problems.append(f"peft_type is {config.get('peft_type')!r}; only LORA adapters can start a job")
         unsupported = {"use_dora": "DoRA", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
                        "modules_to_save": "fully trained extra modules", "layers_to_transform": "a layer subset",
                        "use_qalora": "QA-LoRA", "lora_bias": "LoRA biases", "trainable_token_indices": "trained tokens"}
         for field, what in unsupported.items():
-            if config.get(field):
+            value = config.get(field)
+            if value is not None and value is not False and not (isinstance(value, list | dict | str) and not value):
                 problems.append(f"{field} is set ({what}): not supported by lorarl's LoRA layers")
         if config.get("bias", "none") != "none":
             problems.append(f"bias is {config['bias']!r} (trained biases): not supported; use 'none'")
@@ -152,6 +160,9 @@ class LoraSpec:
         elif ALL_LINEAR not in self.target_modules and not set(targets) <= self.targets():
             problems.append(f"target_modules {sorted(targets)} are not all among the job's trainer.lora.target_modules "
                             f"{sorted(self.target_modules)}")
+        elif ALL_LINEAR in self.target_modules and ALL_LINEAR not in targets and not set(DENSE_TARGETS) <= set(targets):
+            problems.append(f"target_modules {sorted(targets)} adapt fewer modules than the job's all-linear: set "
+                            f"trainer.lora.target_modules: {sorted(targets)}")
         return problems
 
     @classmethod

@@ -144,7 +144,7 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
 
         openai = await start_openai_server(core, config.server.host, config.rollout.openai_port,
                                            server_token(config.server.auth, host=config.server.host),
-                                           config.rollout.openai_max_sessions)
+                                           config.rollout.openai_max_sessions, config.server.tls)
 
     async def shutdown() -> None:
         if openai is not None:
@@ -157,4 +157,4 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
     # The engine's death ends the service (NOT_SERVING, exit 1): its supervisor restarts it whole.
     await serve(NAME, config.server, registration(servicer), on_shutdown=shutdown,
                 watch=core.wait_dead if core is not None else None,
-                ready_extra={"openai_port": openai.port} if openai is not None else None)
+                ready_extra=None if openai is None else {"openai_port": openai.port, "openai_scheme": openai.scheme})

@@ -67,7 +67,9 @@ def test_the_readme_recipe_runs_as_written(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert "warning" not in done.stderr, done.stderr
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert [r["sync/version"] for r in rows if "rollout/reward_mean" in r] == [1, 2]
+        versions = [r["sync/version"] for r in rows if "rollout/reward_mean" in r]
+        # weight sync keeps versions in runs/weightsync across runs: numbers go on from an earlier run's
+        assert len(versions) == 2 and versions[1] == versions[0] + 1 >= 2
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGTERM)

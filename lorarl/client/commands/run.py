@@ -335,9 +335,9 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
         if weightsync_address:
             weightsync = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(
                 await channel("weightsync", weightsync_address)), "weightsync", weightsync_address)
-        await rollout_warnings(cfg, rollout.stubs)
         session = JobSession(cfg, trainer, out)
         state = await session.start(fresh=fresh)
+        await rollout_warnings(cfg, rollout.stubs)
         log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
                      progress=cfg.output.progress, config=to_dict(cfg))
         log.rewind(state.step if state.step else -1)  # rows past the resume point are redone; a fresh run starts clean

@@ -13,7 +13,7 @@ version that was serving when the episode was admitted, and sends what comes bac
             episode.add_policy(turn)
             ...                                   # call the tool the turn asked for
             episode.add_context(ctx.render_followup([{"role": "tool", "content": result}]))
-            episode.reward = await ctx.score(example, final_text)
+            (episode.reward,) = await ctx.score(example, [final_text])
             return [episode]
 
 An `Episode` keeps the exact token ids: the policy's turns (trained, with the logprobs and versions the
@@ -71,6 +71,16 @@ class Episode:
     @property
     def policy_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    def policy_turns(self) -> list[list[int]]:
+        """The token ids of each run of policy tokens (each turn the policy sampled), in order."""
+        turns: list[list[int]] = []
+        for i, (token, trained) in enumerate(zip(self.completion_ids, self.loss_mask, strict=True)):
+            if trained:
+                if i == 0 or not self.loss_mask[i - 1]:
+                    turns.append([])
+                turns[-1].append(token)
+        return turns
 
     def add_policy(self, sampled: Sampled, reward: float | None = None) -> None:
         """Appends a turn the policy sampled (trained); ``reward``: this turn's own, if the episode gives them."""
@@ -144,8 +154,9 @@ class EpisodeContext(abc.ABC):
         """Text of token ids, special tokens dropped."""
 
     @abc.abstractmethod
-    async def score(self, example: Example, completion: str) -> float:
-        """The job's reward for ``completion`` of ``example`` (failures counted as the job says)."""
+    async def score(self, example: Example, completions: Sequence[str]) -> list[float]:
+        """The job's reward for each of ``completions`` of ``example`` (one call for a batched reward;
+        failures scored and counted as the job says)."""
 
 
 class Workflow(abc.ABC):

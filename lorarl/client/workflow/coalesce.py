@@ -34,7 +34,15 @@ class CoalescingRollout:
             return await self.rollout.Generate(request)
         sampling = rollout_pb2.GenerateRequest(sampling=request.sampling, policy=request.policy, request_id=group)
         sampling.sampling.ClearField("seed")
-        key = sampling.SerializeToString(deterministic=True)
+        base = sampling.SerializeToString(deterministic=True)
+        # The merged request has one seed, and the engine seeds completions by their index within a prompt:
+        # two calls for the same prompt would get the same completions. They go out in separate requests.
+        prompt = tuple(request.prompts[0].token_ids)
+        slot = 0
+        while any(tuple(r.prompts[0].token_ids) == prompt and r.prompts[0].text == request.prompts[0].text
+                  for r, _ in self._pending.get(base + bytes([slot % 256]) + slot.to_bytes(4, "big"), [])):
+            slot += 1
+        key = base + bytes([slot % 256]) + slot.to_bytes(4, "big")
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         waiting = self._pending.setdefault(key, [])
         waiting.append((request, future))
@@ -59,6 +67,8 @@ class CoalescingRollout:
                                              prompts=[request.prompts[0] for request, _ in members])
         try:
             response = await self.rollout.Generate(merged)
+            if len(response.results) != len(members):
+                raise RuntimeError(f"the rollout answered {len(response.results)} results for {len(members)} prompts")
         except BaseException as error:  # every member fails as its own call would have
             for _, future in members:
                 if not future.done():

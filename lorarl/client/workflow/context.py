@@ -6,11 +6,13 @@ a multi-turn episode is one policy's from its first turn to its last. A replica 
 the last few versions loaded (rollout.adapter_window); merged weights hold one version only, so once a
 newer one replaces it (or a version left the window) the episode carries on with the latest, counted in
 ``unpinned``: its tokens still carry the versions that made them, and the trainer's staleness bound masks
-any that are too old.
+any that are too old. Agent code on the OpenAI-compatible endpoint asks for ``ctx.model`` (``job:vN``)
+and has no such fallback: run agent jobs in adapter mode, whose window holds the versions in flight.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +53,7 @@ class RolloutContext(EpisodeContext):
         self.group_size, self.evaluating = group_size, evaluating
         self.seed, self.request_id, self.batch = seed, request_id, batch
         self.openai_url, self.token = openai_url, token
+        self._nonce = uuid.uuid4().hex[:8]
         self.calls = 0  # samples asked for; each gets its own seed and request id
         self.unpinned = 0  # samples served by a later version than the pinned one
         self.reward_errors = 0  # samples this episode scored 0 for a failed reward
@@ -93,11 +96,21 @@ class RolloutContext(EpisodeContext):
     def prompt_ids(self, example: Example) -> list[int]:
         return self.renderer.prompt_ids(example.prompt)
 
+    @property
+    def temperature(self) -> float:
+        """The job's sampling temperature (0 while evaluating: greedy)."""
+        return self.sampling.temperature
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
     # ------------------------------------------------------------ agents on the OpenAI-compatible endpoint
 
     @property
     def session_id(self) -> str:
-        return self.request_id
+        """This episode's session: unique per attempt, so a batch redone after a fault starts clean."""
+        return f"{self.request_id}-{self._nonce}"
 
     @property
     def model(self) -> str:

@@ -17,7 +17,7 @@ from lorarl.client.workflow.api import Episode, Sampled
 from lorarl.v1 import common_pb2
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "tool_calls": common_pb2.FINISH_REASON_STOP,
-          "length": common_pb2.FINISH_REASON_LENGTH}
+          "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
 
 
 def session_episodes(turns: Sequence[Mapping[str, Any]]) -> list[Episode]:

@@ -16,6 +16,7 @@ in ``param``), 401 without the bearer token, 404 for a policy or session this re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -178,6 +179,9 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict
 
 
 def finish_reason(finish: Finish, calls: list) -> str:
+    """OpenAI's finish reasons, plus ``abort`` for a completion the replica cut short (its policy went away)."""
+    if finish is Finish.ABORT:
+        return "abort"
     if calls:
         return "tool_calls"
     return "length" if finish is Finish.LENGTH else "stop"
@@ -216,6 +220,8 @@ def create_app(endpoint: Endpoint) -> FastAPI:
         except tuple(STATUS) as e:
             field = getattr(e, "field", None) or None
             return error_response(STATUS[type(e)], f"{field}: {e}" if field else str(e), field)
+        except (ValueError, TypeError, OverflowError) as e:  # a value the wire types cannot hold (protobuf ranges)
+            return error_response(400, f"invalid request: {e}")
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
@@ -263,13 +269,16 @@ def create_app(endpoint: Endpoint) -> FastAPI:
         tools_key = json.dumps(tools, sort_keys=True) if tools else ""
         earlier = endpoint.sessions.continued(session_id, keys, tools_key) if session_id else None
         try:
-            if earlier is None:
-                prompt = endpoint.renderer.render(messages, tools=tools)
-            else:
+            prompt = None
+            if earlier is not None:
                 turn, start = earlier
                 ended = turn.token_ids[-1:] == [endpoint.renderer.end_of_turn_id]
-                prompt = [*turn.prompt_ids, *turn.token_ids, *([] if ended else [endpoint.renderer.end_of_turn_id]),
-                          *endpoint.renderer.render_followup(messages[start:], tools=tools)]
+                with contextlib.suppress(ValueError):  # a template without a usable end of turn: render it all
+                    prompt = [*turn.prompt_ids, *turn.token_ids,
+                              *([] if ended else [endpoint.renderer.end_of_turn_id]),
+                              *endpoint.renderer.render_followup(messages[start:], tools=tools)]
+            if prompt is None:
+                prompt = endpoint.renderer.render(messages, tools=tools)
         except ValueError as e:  # the template could not render these messages
             raise HttpError(400, f"messages: {e}", "messages") from None
         except Exception as e:  # jinja's own errors (a missing field the template reads)
@@ -288,8 +297,10 @@ def create_app(endpoint: Endpoint) -> FastAPI:
                                                           token_ids, logprobs, versions, reason, str(model)))
 
         if _field(body, "stream", bool, False):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream_chat(endpoint, generate, request_id, str(model), bool(tools),
+            options = _field(body, "stream_options", dict, {})
+            include_usage = bool(options.get("include_usage"))
+            stream_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)  # before 200
+            return StreamingResponse(stream_chat(endpoint, stream_input, request_id, str(model), bool(tools),
                                                  with_logprobs, include_usage, remember),
                                      media_type="text/event-stream")
         request_input = validation.generate_input(generate, endpoint.limits(), None)
@@ -330,7 +341,8 @@ def create_app(endpoint: Endpoint) -> FastAPI:
         generate = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=ids)], sampling=params,
                                                policy=endpoint.policy(model), request_id=request_id)
         if _field(body, "stream", bool, False):
-            return StreamingResponse(stream_completion(endpoint, generate, request_id, str(model)),
+            stream_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)  # before 200
+            return StreamingResponse(stream_completion(endpoint, stream_input, request_id, str(model)),
                                      media_type="text/event-stream")
         (result,) = await endpoint.core.generate(validation.generate_input(generate, endpoint.limits(), None))
         choices = []
@@ -365,10 +377,9 @@ def _stream_request(generate: rollout_pb2.GenerateRequest) -> rollout_pb2.Genera
                                              policy=generate.policy, request_id=generate.request_id)
 
 
-async def stream_chat(endpoint: Endpoint, generate: rollout_pb2.GenerateRequest, request_id: str, model: str,
+async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, model: str,
                       with_tools: bool, with_logprobs: bool, include_usage: bool, remember) -> AsyncIterator[bytes]:
     """Chat chunks as tokens arrive; text from a ``<tool_call>`` on is held back and sent as ``tool_calls``."""
-    request_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     n = request_input.sampling.n
@@ -411,15 +422,14 @@ async def stream_chat(endpoint: Endpoint, generate: rollout_pb2.GenerateRequest,
                                              "lorarl": {"token_ids": tokens[i], "versions": versions[i]}}]})
     if include_usage:
         completion = sum(len(t) for t in tokens)
-        prompt = len(generate.prompts[0].token_ids)
+        prompt = len(request_input.prompts[0])
         yield _sse({**base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                                      "total_tokens": prompt + completion}})
     yield b"data: [DONE]\n\n"
 
 
-async def stream_completion(endpoint: Endpoint, generate: rollout_pb2.GenerateRequest, request_id: str,
+async def stream_completion(endpoint: Endpoint, request_input: Any, request_id: str,
                             model: str) -> AsyncIterator[bytes]:
-    request_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     tokens: dict[int, list[int]] = {}
     sent: dict[int, int] = {}

@@ -20,7 +20,8 @@ from typing import Any
 
 
 def normalized(message: dict[str, Any]) -> tuple:
-    """What identifies a message: role, text, tool calls (name and canonical arguments), tool call id."""
+    """What identifies a message: role, text (stripped), tool calls (id, name, canonical arguments), tool
+    call id. The ids tell apart the branches of an ``n > 1`` reply that differ only in spacing."""
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
@@ -28,8 +29,10 @@ def normalized(message: dict[str, Any]) -> tuple:
         with contextlib.suppress(json.JSONDecodeError):
             arguments = json.dumps(json.loads(arguments), sort_keys=True) if isinstance(arguments, str) else \
                 json.dumps(arguments, sort_keys=True)
-        calls.append((function.get("name"), arguments))
-    return message.get("role"), message.get("content") or "", tuple(calls), message.get("tool_call_id") or ""
+        calls.append((call.get("id") or "", function.get("name"), arguments))
+    content = message.get("content") or ""
+    return message.get("role"), content.strip() if isinstance(content, str) else content, tuple(calls), \
+        message.get("tool_call_id") or ""
 
 
 @dataclass

@@ -72,15 +72,28 @@ def place_by_layers(model: nn.Module, devices: Sequence[torch.device]) -> list[i
     layers: nn.ModuleList = decoder.layers
     per_layer = [_parameter_bytes(layer) for layer in layers]
     sizes = stage_sizes(_parameter_bytes(model) - sum(per_layer), per_layer, len(devices))
-    model.to(devices[0])
     index = 0
-    for device, size in zip(devices, sizes, strict=True):
+    for device, size in zip(devices, sizes, strict=True):  # layer by layer: the whole base is never on one device
         for layer in layers[index:index + size]:
             layer.to(device)
             _hook(layer, device)
         index += size
+    _move_outside(model, layers, devices[0])
     _hook(decoder.norm, devices[0])  # back to the first device for the head
     return sizes
+
+
+def _move_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    """Every parameter and buffer that is not a decoder layer's onto ``device`` (tied weights move once)."""
+    inside = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and id(param) not in inside and param.device != device:
+                    param.data = param.data.to(device)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and id(buffer) not in inside and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
 
 
 def _hook(module: nn.Module, device: torch.device) -> None:

@@ -131,6 +131,8 @@ class JobManager:
         if not spec.init_adapter_path:
             return
         if self.model_roots:
+            if not Path(spec.init_adapter_path).is_absolute():
+                raise InvalidArgumentError("config.init_adapter_path", "must be an absolute path on the trainer")
             resolve_under(spec.init_adapter_path, self.model_roots, "config.init_adapter_path",
                           Path(spec.init_adapter_path))
         try:

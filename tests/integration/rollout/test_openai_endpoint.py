@@ -98,7 +98,7 @@ def test_a_multi_turn_session_is_one_token_sequence_with_the_environment_masked(
     assert two["prompt_token_ids"][: len(start)] == start
     assert two["token_ids"] == second.choices[0].lorarl["token_ids"]
     renderer = ChatRenderer(str(dense_model_dir()))
-    assert "# Tools\n<tools>" in renderer.decode(one["prompt_token_ids"])  # tools went through the template
+    assert "<tools>\n{\"name\": \"calc\"" in renderer.decode(one["prompt_token_ids"])  # tools went through the template
     (episode,) = session_episodes(turns)
     assert episode.prompt_ids == one["prompt_token_ids"]
     assert episode.completion_ids == two["prompt_token_ids"][len(one["prompt_token_ids"]):] + two["token_ids"]

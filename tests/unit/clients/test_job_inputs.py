@@ -191,3 +191,62 @@ def test_prompts_render_by_their_type_with_the_system_prompt_and_thinking_switch
     off, default = ChatRenderer(str(model), enable_thinking=False), ChatRenderer(str(model))
     assert tok.decode(off.prompt_ids("q")).endswith("NOTHINK") and not tok.decode(default.prompt_ids("q")).endswith(
         "NOTHINK")
+
+
+def test_a_batched_reward_may_return_any_sized_sequence_and_score_wants_a_list() -> None:
+    import numpy as np
+
+    async def run(fn, completions):
+        reward = Reward(fn)
+        try:
+            return await reward.score(Example("p", "4"), completions)
+        finally:
+            reward.close()
+
+    assert asyncio.run(run(lambda prompts, completions, **c: np.array([1.0, 0.0]), ["4", "5"])) == ([1.0, 0.0], 0)
+    with pytest.raises(TypeError, match="a list of completions"):
+        asyncio.run(run(lambda completion, answer: 1.0, "4"))
+
+
+def test_a_followup_renders_under_a_template_that_changes_the_last_assistant_turn(tmp_path: Path) -> None:
+    """Qwen3's thinking template writes an empty think block into the last assistant turn only, so a shorter
+    rendering is no prefix of a longer one; what follows the head's end of turn is still the followup."""
+    model = tmp_path / "thinking"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
+        (model / name).write_bytes((DENSE_MODEL_DIR / name).read_bytes())
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+        "{%- if m.role == 'assistant' and loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        "{{- m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    renderer = ChatRenderer(str(model))
+    followup = renderer.decode(renderer.render_followup([{"role": "user", "content": "again"}]))
+    assert renderer.tokenizer.decode(renderer.render_followup([{"role": "user", "content": "again"}])) == \
+        "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n" and "again" in followup
+
+
+def test_same_turn_samples_of_one_prompt_are_not_merged_into_one_seed() -> None:
+    from lorarl.client.workflow.coalesce import CoalescingRollout
+    from lorarl.v1 import common_pb2, rollout_pb2
+
+    sent: list[list[tuple[int, ...]]] = []
+
+    class Rollout:
+        async def Generate(self, request):  # noqa: N802
+            sent.append([tuple(p.token_ids) for p in request.prompts])
+            return rollout_pb2.GenerateResponse(results=[rollout_pb2.PromptCompletions() for _ in request.prompts])
+
+    async def scenario() -> None:
+        sampler = CoalescingRollout(Rollout())
+
+        def request(ids: list[int]) -> rollout_pb2.GenerateRequest:
+            return rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=ids)],
+                                               sampling=common_pb2.SamplingParams(n=1, seed=len(sent)))
+
+        await asyncio.gather(*(sampler.Generate(request(ids), group="b0") for ids in ([1, 2], [1, 2], [3], [1, 2])))
+
+    asyncio.run(scenario())
+    assert sorted(map(sorted, sent)) == [[(1, 2)], [(1, 2)], [(1, 2), (3,)]]  # one of each prompt per request

@@ -111,3 +111,14 @@ def test_a_warm_start_needs_the_torch_engine_and_adapters(dense_dir: Path, adapt
         make_spec(dense_dir, engine="megatron", init_adapter_path=str(adapter))
     with pytest.raises(ValueError, match="needs engine 'torch' and adapters"):
         make_spec(dense_dir, full_finetune=True, init_adapter_path=str(adapter))
+
+
+def test_malformed_fields_and_a_narrower_adapter_than_all_linear_are_problems() -> None:
+    spec = LoraSpec(rank=4, alpha=8)
+    assert any("r is '4': not a valid value" in p for p in spec.warm_start_problems({"r": "4", "lora_alpha": 8}))
+    assert any("not a valid value" in p for p in spec.warm_start_problems({"r": 4, "lora_alpha": 8,
+                                                                          "target_modules": 5}))
+    narrow = spec.warm_start_problems({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    assert any("set trainer.lora.target_modules: ['q_proj', 'v_proj']" in p for p in narrow)
+    assert any("layers_to_transform is set" in p for p in spec.warm_start_problems(
+        {"r": 4, "lora_alpha": 8, "layers_to_transform": 0}))
