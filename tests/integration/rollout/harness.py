@@ -7,6 +7,7 @@ Tests talk to it with blocking stubs (concurrency through `stub.X.future`) and r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -150,3 +151,19 @@ def generate(stub: rollout_pb2_grpc.RolloutServiceStub, prompt: tuple[int, ...],
 
 def field_of(error: grpc.RpcError) -> str | None:
     return dict(error.trailing_metadata() or ()).get("lorarl-field")
+
+
+@contextlib.contextmanager
+def openai_served(model_dir: Path) -> Iterator[tuple[RolloutHarness, Any]]:
+    """A vLLM rollout on ``model_dir`` with its OpenAI-compatible endpoint on a free loopback port."""
+    from lorarl.rollout.openai.http_server import start_openai_server
+
+    settings = RolloutSettings(model_path=str(model_dir), engine="vllm", dtype="float32", max_model_len=512,
+                               kv_cache_gib=0.5, max_loras=2, adapter_window=1)
+    harness = RolloutHarness(settings).start()
+    server = harness.call(start_openai_server(harness.core, "127.0.0.1", 0, TOKEN))
+    try:
+        yield harness, server
+    finally:
+        harness.call(server.stop())
+        harness.close()

@@ -15,11 +15,10 @@ import pytest
 
 from lorarl.client.workflow.sessions import session_episodes
 from lorarl.contract.chat import ChatRenderer
-from lorarl.rollout.config import RolloutSettings
-from lorarl.rollout.openai.http_server import OpenAIServer, start_openai_server
+from lorarl.rollout.openai.http_server import OpenAIServer
 from lorarl.rollout.openai.tool_calls import parse_tool_calls
 from lorarl.v1 import common_pb2, rollout_pb2
-from tests.integration.rollout.harness import TOKEN, RolloutHarness
+from tests.integration.rollout.harness import TOKEN, RolloutHarness, openai_served
 from tests.unit.rollout.models import dense_model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,13 +30,8 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evalu
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[RolloutHarness, OpenAIServer]]:
-    settings = RolloutSettings(model_path=str(dense_model_dir()), engine="vllm", dtype="float32", max_model_len=512,
-                               kv_cache_gib=0.5, max_loras=2, adapter_window=1)
-    harness = RolloutHarness(settings).start()
-    server = harness.call(start_openai_server(harness.core, "127.0.0.1", 0, TOKEN))
-    yield harness, server
-    harness.call(server.stop())
-    harness.close()
+    with openai_served(dense_model_dir()) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

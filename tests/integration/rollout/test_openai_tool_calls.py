@@ -15,23 +15,17 @@ from lorarl.assets.paths import TOOLS_MODEL_DIR
 from lorarl.assets.tool_task import TOOLS, calculate
 from lorarl.client.workflow.sessions import session_episodes
 from lorarl.contract.chat import ChatRenderer
-from lorarl.rollout.config import RolloutSettings
-from lorarl.rollout.openai.http_server import OpenAIServer, start_openai_server
+from lorarl.rollout.openai.http_server import OpenAIServer
 from lorarl.v1 import common_pb2, rollout_pb2
-from tests.integration.rollout.harness import TOKEN, RolloutHarness
+from tests.integration.rollout.harness import TOKEN, RolloutHarness, openai_served
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[RolloutHarness, OpenAIServer]]:
-    settings = RolloutSettings(model_path=str(TOOLS_MODEL_DIR), engine="vllm", dtype="float32", max_model_len=512,
-                               kv_cache_gib=0.5, max_loras=2, adapter_window=1)
-    harness = RolloutHarness(settings).start()
-    server = harness.call(start_openai_server(harness.core, "127.0.0.1", 0, TOKEN))
-    yield harness, server
-    harness.call(server.stop())
-    harness.close()
+    with openai_served(TOOLS_MODEL_DIR) as served:
+        yield served
 
 
 def test_a_tool_call_round_trip_is_the_engines_tokens(served) -> None:
