@@ -184,7 +184,8 @@ def evaluate_tool_greedy(model: Any, problems: Sequence[Any], batch_size: int = 
                                                         batch_size=batch_size), strict=True):
         answers[i] = final_answer(tokenizer.decode(turn, skip_special_tokens=True))
     right = sum(a == p.answer for a, p in zip(answers, problems, strict=True))
+    called = set(follow_index)
     called_right = sum(a == p.answer for i, (a, p) in enumerate(zip(answers, problems, strict=True))
-                       if i in set(follow_index))
+                       if i in called)
     return {"success": right / len(problems), "call_rate": calls / len(problems),
             "success_when_called": called_right / max(calls, 1)}

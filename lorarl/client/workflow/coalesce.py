@@ -40,9 +40,9 @@ class CoalescingRollout:
         prompt = tuple(request.prompts[0].token_ids)
         slot = 0
         while any(tuple(r.prompts[0].token_ids) == prompt and r.prompts[0].text == request.prompts[0].text
-                  for r, _ in self._pending.get(base + bytes([slot % 256]) + slot.to_bytes(4, "big"), [])):
+                  for r, _ in self._pending.get(base + slot.to_bytes(4, "big"), [])):
             slot += 1
-        key = base + bytes([slot % 256]) + slot.to_bytes(4, "big")
+        key = base + slot.to_bytes(4, "big")
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         waiting = self._pending.setdefault(key, [])
         waiting.append((request, future))

@@ -99,11 +99,3 @@ def _move_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device)
 def _hook(module: nn.Module, device: torch.device) -> None:
     if getattr(module, _HOOK, None) is None:
         setattr(module, _HOOK, module.register_forward_pre_hook(_inputs_to(device), with_kwargs=True))
-
-
-def module_devices(model: nn.Module) -> list[torch.device]:
-    """Every device ``model``'s parameters are on, in first-seen order."""
-    seen: dict[torch.device, None] = {}
-    for p in model.parameters():
-        seen.setdefault(p.device, None)
-    return list(seen)
