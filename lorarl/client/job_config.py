@@ -249,6 +249,33 @@ class PlacementSection:
 
 
 @dataclass
+class LauncherSection:
+    """What starts the services for `lorarl run`: this host ('local'), or a Ray cluster ('ray')."""
+
+    kind: Literal["local", "ray"] = setting("local", doc="'local': every service a process on this host; 'ray': "
+                                            "services placed on a Ray cluster's nodes by placement groups "
+                                            "(pip install 'lorarl[ray]').")
+    address: str = setting("auto", doc="The Ray cluster: 'auto' ($RAY_ADDRESS, else the cluster `ray start` "
+                                       "began on this host) or the head's host:port.")
+    connect_timeout_s: float = setting(30.0, check=in_range(1.0), doc="How long to try reaching the Ray cluster.")
+    place_timeout_s: float = setting(120.0, check=in_range(1.0), doc="How long to wait for the cluster to grant "
+                                     "the placement groups (a shortfall is refused before that when it shows in "
+                                     "the cluster's totals).")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = setting(
+        "SPREAD", doc="Ray placement strategy of the rollout replicas' bundles (one bundle per replica); "
+        "weight sync and the trainer share one node (STRICT_PACK).")
+    cpus_per_service: float = setting(1.0, check=in_range(0.0), doc="CPUs each service's bundle asks for.")
+    trainer_resources: dict[str, float] = setting(default_factory=dict, doc="Custom Ray resources the trainer's "
+                                                  "(and weight sync's) bundle asks for, to pin it to nodes that "
+                                                  "advertise them (`ray start --resources`).")
+    rollout_resources: dict[str, float] = setting(default_factory=dict, doc="Custom Ray resources each rollout "
+                                                  "replica's bundle asks for.")
+    workdir: str = setting("", doc="Folder on each node for the services' configs, ready files and logs "
+                                   "(empty: <output.dir>/services/nodes); their logs are streamed to "
+                                   "<output.dir>/services/ on the host running `lorarl run` either way.")
+
+
+@dataclass
 class JobFileConfig:
     """The whole job file."""
 
@@ -263,6 +290,7 @@ class JobFileConfig:
     sync: SyncSection = field(default_factory=SyncSection)
     output: OutputSection = field(default_factory=OutputSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
+    launcher: LauncherSection = field(default_factory=LauncherSection)
 
     def validate(self) -> None:
         import re

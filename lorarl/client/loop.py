@@ -148,6 +148,7 @@ class RLLoop:
         self.on_metrics = on_metrics
         self.on_checkpoint = on_checkpoint
         self.recover, self.on_rewind = recover, on_rewind
+        self._served_by: list[str] = []
         self.budget = RecoveryBudget(cfg.recovery.max_recoveries, cfg.recovery.wait_s)
         self.started = time.perf_counter()
         self._published = asyncio.Event()
@@ -294,6 +295,12 @@ class RLLoop:
                    "rollout/context_tokens": float(batch.context_tokens),
                    "rollout/unpinned_samples": float(batch.unpinned),
                    "policy/version_lag": float(version_before - batch.min_version), **train, **sync}
+        if hasattr(self.rollout, "take_usage"):  # a pool: which replicas served the latest generation
+            usage, redone = self.rollout.take_usage()
+            if usage and sorted(usage) != self._served_by:  # none since the last step (async): as before
+                self._served_by = sorted(usage)
+                logger.info("step %d: prompts served by %s", step, ", ".join(self._served_by))
+            metrics.update({"rollout/replicas": float(len(self._served_by)), "rollout/redone_prompts": float(redone)})
         self.state.history.append(metrics)
         self.on_metrics(metrics)
 

@@ -80,6 +80,8 @@ class LocalStack:
     failure: ServiceFailedError | None = None
     #: (process name, exit code, seconds from exit to serving again) per restart, for reports and benchmarks.
     restart_log: list[tuple[str, int, float]] = field(default_factory=list)
+    #: The address every service binds and is reached at (a Ray node's own address under the Ray launcher).
+    host: str = "127.0.0.1"
     _watcher: threading.Thread | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
 
@@ -151,7 +153,7 @@ class LocalStack:
     def _launch(self, name: str, section: dict[str, Any], service: str = "", port: int = 0) -> ServiceProcess:
         service = service or name
         config = {
-            "server": {"host": "127.0.0.1", "port": port, "metrics_port": -1, "log_format": "text",
+            "server": {"host": self.host, "port": port, "metrics_port": -1, "log_format": "text",
                        "shutdown_grace_s": 5, "auth": {"token_file": str(self.token_file), "token_env": None,
                                                          "required": True},
                        **self.server_sections.get(name, {})},

@@ -181,9 +181,11 @@ async def start_server(
     metrics: RpcMetrics | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ready_extra: Mapping[str, Any] | None = None,
+    before_ready: Callable[[RunningServer], Awaitable[None]] | None = None,
 ) -> RunningServer:
     """Starts a server for service `name` and reports it SERVING; see the module docstring. ``ready_extra``:
-    more for the ready file (the rollout's OpenAI-compatible port).
+    more for the ready file (the rollout's OpenAI-compatible port). ``before_ready(running)`` runs once the
+    port is bound, before SERVING and the ready file (the rollout subscribes to weight sync with its address).
 
     Raises ConfigError (bad or missing token) or StartupError (cannot bind) before serving.
     """
@@ -241,6 +243,15 @@ async def start_server(
             await server.stop(0)
             where = format_address(config.metrics_host, config.metrics_port)
             raise StartupError(f"cannot serve metrics on {where}: {exc}") from None
+    if before_ready is not None:
+        try:
+            await before_ready(running)
+        except BaseException:
+            if running.metrics_endpoint is not None:
+                running.metrics_endpoint.close()
+            await server.stop(0)
+            raise
+        running.extra.update(ready_extra or {})  # the hook may have filled it in
     await running.set_serving(True)
     if config.ready_file:
         write_ready_file(config.ready_file, running.ready_info())
@@ -275,6 +286,7 @@ async def serve(
     on_started: Callable[[RunningServer], Awaitable[None] | None] | None = None,
     watch: Callable[[], Awaitable[str]] | None = None,
     ready_extra: Mapping[str, Any] | None = None,
+    before_ready: Callable[[RunningServer], Awaitable[None]] | None = None,
 ) -> None:
     """Runs service `name` until SIGTERM or SIGINT, then shuts down gracefully and returns.
 
@@ -304,7 +316,7 @@ async def serve(
         loop.add_signal_handler(signum, request_stop, signum)
     try:
         running = await start_server(name, config, register, on_shutdown=on_shutdown, metrics=metrics,
-                                     ready_extra=ready_extra)
+                                     ready_extra=ready_extra, before_ready=before_ready)
         if on_started is not None:
             result = on_started(running)
             if inspect.isawaitable(result):

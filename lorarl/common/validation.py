@@ -39,6 +39,15 @@ def check_finite(field: str, value: float) -> float:
     return value
 
 
+def check_address(field: str, value: str) -> str:
+    """host:port (an IPv6 host in brackets), as a client would dial it."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(value) > 300 \
+            or any(c.isspace() or c in "/\x00" for c in value):
+        raise InvalidArgumentError(field, f"{quote(value)} is not host:port")
+    return value
+
+
 def check_path(field: str, value: str, max_chars: int = MAX_PATH_CHARS) -> str:
     """A path as text: no NUL byte, at most ``max_chars`` characters (where it may point is the caller's rule)."""
     if "\x00" in value:

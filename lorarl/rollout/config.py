@@ -87,6 +87,10 @@ class RolloutSettings:
         default_factory=lambda: ["gloo"], doc="Collective backends this replica can join ('gloo', 'nccl', 'hccl'); "
         "empty: inline transfers only."
     )
+    advertise_address: str = setting("", doc="host:port (or host, with the bound port) the RL loop and other "
+                                     "clients reach this replica's gRPC at, advertised through weight sync; empty: "
+                                     "server.host, or the local address of the route to weight sync when bound to "
+                                     "every interface.")
     sync_host: str = setting("", doc="Address the trainer's collective group reaches this replica at "
                                      "(empty: the local address of the route to weight sync).")
     openai_port: int | None = setting(

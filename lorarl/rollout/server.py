@@ -125,26 +125,32 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
 
         core = await start_core(config.rollout)
     servicer = RolloutServicer(config.rollout, core)
-    agent = None
-    if core is not None and config.rollout.weightsync_address:
+    agent = openai = None
+    ready_extra: dict[str, object] = {}
+
+    async def connect(running: RunningServer) -> None:
+        """Once the port is bound, before the ready file: subscribe to weight sync with the address clients
+        reach this replica at (the RL loop learns the fleet from it), and open the OpenAI-compatible endpoint."""
+        nonlocal agent, openai
         from lorarl.common.auth import server_token
-        from lorarl.rollout.sync import start_sync_agent, wait_connected
 
         token = server_token(config.server.auth, host=config.server.host)
-        agent = start_sync_agent(core, target=config.rollout.weightsync_address, replica_id=servicer.replica_id,
-                                 token=token, backends=config.rollout.collective_backends,
-                                 host=config.rollout.sync_host, device=config.rollout.device,
-                                 tls=peer_tls(config.server.peer_tls))
-        await wait_connected(agent, 60.0)
+        if core is not None and config.rollout.weightsync_address:
+            from lorarl.rollout.sync import advertised_address, start_sync_agent, wait_connected
 
-    openai = None
-    if core is not None and config.rollout.openai_port is not None:
-        from lorarl.common.auth import server_token
-        from lorarl.rollout.openai.http_server import start_openai_server
+            address = advertised_address(config.rollout.advertise_address, config.server.host, running.port,
+                                         config.rollout.weightsync_address)
+            agent = start_sync_agent(core, target=config.rollout.weightsync_address, replica_id=servicer.replica_id,
+                                     token=token, backends=config.rollout.collective_backends,
+                                     host=config.rollout.sync_host, device=config.rollout.device,
+                                     tls=peer_tls(config.server.peer_tls), serve_address=address)
+            await wait_connected(agent, 60.0)
+        if core is not None and config.rollout.openai_port is not None:
+            from lorarl.rollout.openai.http_server import start_openai_server
 
-        openai = await start_openai_server(core, config.server.host, config.rollout.openai_port,
-                                           server_token(config.server.auth, host=config.server.host),
-                                           config.rollout.openai_max_sessions, config.server.tls)
+            openai = await start_openai_server(core, config.server.host, config.rollout.openai_port, token,
+                                               config.rollout.openai_max_sessions, config.server.tls)
+            ready_extra.update(openai_port=openai.port, openai_scheme=openai.scheme)
 
     async def shutdown() -> None:
         if openai is not None:
@@ -156,5 +162,4 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
 
     # The engine's death ends the service (NOT_SERVING, exit 1): its supervisor restarts it whole.
     await serve(NAME, config.server, registration(servicer), on_shutdown=shutdown,
-                watch=core.wait_dead if core is not None else None,
-                ready_extra=None if openai is None else {"openai_port": openai.port, "openai_scheme": openai.scheme})
+                watch=core.wait_dead if core is not None else None, ready_extra=ready_extra, before_ready=connect)

@@ -15,6 +15,7 @@ from lorarl.rollout.core import RolloutCore
 from lorarl.rollout.sink import RolloutSink
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.client.agent import AgentThread, WeightSyncAgent
+from lorarl.weightsync.wire.net import local_address_towards
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +33,26 @@ def replica_capabilities(core: RolloutCore, backends: list[str]) -> weightsync_p
 
 def start_sync_agent(core: RolloutCore, *, target: str, replica_id: str, token: str | None, backends: list[str],
                      host: str | None = None, device: str = "cpu", wait_s: float = 30.0,
-                     tls: ClientTls | None = None) -> AgentThread:
+                     tls: ClientTls | None = None, serve_address: str = "") -> AgentThread:
     """Subscribes this replica to every job weight sync knows (job_ids empty) and keeps it in sync."""
     sink = RolloutSink(core, asyncio.get_running_loop())
     agent = WeightSyncAgent(target, sink, replica_id=replica_id, capabilities=replica_capabilities(core, backends),
-                            token=token, host=host or None, device=device, tls=tls)
+                            token=token, host=host or None, device=device, tls=tls,
+                            serve_address=serve_address)
     thread = AgentThread(agent)
     thread.start()  # subscription is awaited by wait_connected without blocking the service's loop
     return thread
+
+
+def advertised_address(advertise: str, bind_host: str, port: int, weightsync: str) -> str:
+    """host:port clients reach this replica at: rollout.advertise_address (a host alone takes the bound
+    port), else the bound host, else (bound to every interface) the local address of the route to weight
+    sync, the interface the rest of the job sees this host by."""
+    if advertise:
+        return advertise if advertise.rpartition(":")[2].isdigit() and not advertise.endswith("]") \
+            else f"{advertise}:{port}"
+    host = bind_host if bind_host not in ("0.0.0.0", "::", "") else local_address_towards(weightsync)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def wait_connected(thread: AgentThread, timeout_s: float) -> None:

@@ -106,7 +106,7 @@ class ReplicaCapabilities(_message.Message):
     def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., collective_backends: _Optional[_Iterable[_Union[_common_pb2.CollectiveBackend, str]]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("replica_id", "job_ids", "capabilities", "host", "active_versions")
+    __slots__ = ("replica_id", "job_ids", "capabilities", "host", "active_versions", "serve_address")
     class ActiveVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,12 +119,14 @@ class SubscribeRequest(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     job_ids: _containers.RepeatedScalarFieldContainer[str]
     capabilities: ReplicaCapabilities
     host: str
     active_versions: _containers.ScalarMap[str, int]
-    def __init__(self, replica_id: _Optional[str] = ..., job_ids: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[ReplicaCapabilities, _Mapping]] = ..., host: _Optional[str] = ..., active_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    serve_address: str
+    def __init__(self, replica_id: _Optional[str] = ..., job_ids: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[ReplicaCapabilities, _Mapping]] = ..., host: _Optional[str] = ..., active_versions: _Optional[_Mapping[str, int]] = ..., serve_address: _Optional[str] = ...) -> None: ...
 
 class StageEvent(_message.Message):
     __slots__ = ("manifest", "rank", "serve_mode")
@@ -235,18 +237,20 @@ class GetSyncStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("replica_id", "active_version", "staged_version", "connected", "last_error")
+    __slots__ = ("replica_id", "active_version", "staged_version", "connected", "last_error", "serve_address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SERVE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     active_version: int
     staged_version: int
     connected: bool
     last_error: str
-    def __init__(self, replica_id: _Optional[str] = ..., active_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., connected: _Optional[bool] = ..., last_error: _Optional[str] = ...) -> None: ...
+    serve_address: str
+    def __init__(self, replica_id: _Optional[str] = ..., active_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., connected: _Optional[bool] = ..., last_error: _Optional[str] = ..., serve_address: _Optional[str] = ...) -> None: ...
 
 class JobSyncStatus(_message.Message):
     __slots__ = ("job_id", "latest_version", "mode", "replicas", "active_version", "mode_reason")
@@ -265,10 +269,12 @@ class JobSyncStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., active_version: _Optional[int] = ..., mode_reason: _Optional[str] = ...) -> None: ...
 
 class GetSyncStatusResponse(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "fleet")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobSyncStatus]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobSyncStatus, _Mapping]]] = ...) -> None: ...
+    fleet: _containers.RepeatedCompositeFieldContainer[ReplicaState]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobSyncStatus, _Mapping]]] = ..., fleet: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ...) -> None: ...
 
 class AwaitActivationRequest(_message.Message):
     __slots__ = ("job_id", "version", "timeout_seconds")

@@ -43,8 +43,10 @@ def add_parsers(subparsers: Any) -> None:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(train)
     train.add_argument("--trainer", required=True, metavar="HOST:PORT")
-    train.add_argument("--rollout", required=True, metavar="HOST:PORT[,HOST:PORT...]",
-                       help="one or more rollout replicas (comma-separated); prompts are split across them")
+    train.add_argument("--rollout", metavar="HOST:PORT[,HOST:PORT...]",
+                       help="a static list of rollout replicas (comma-separated); prompts are split across them. "
+                       "Without it the loop learns the replicas from weight sync: those that join mid-run are used, "
+                       "those that leave are dropped")
     train.add_argument("--weightsync", required=True, metavar="HOST:PORT",
                        help="the weight-sync service the trainer and rollouts use (checked for reachability)")
     train.add_argument("--openai", metavar="URL[,URL...]", help="each rollout replica's OpenAI-compatible endpoint "
@@ -179,6 +181,27 @@ def local_stack(cfg, out: Path):
                       server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {})
 
 
+def launch_stack(cfg, out: Path):
+    """The services of this job, not yet started: on this host, or placed on a Ray cluster (launcher.kind)."""
+    if cfg.launcher.kind == "ray":
+        from lorarl.client.ray_stack import RayStack
+
+        out = out.resolve()  # the actors' working folders are not this process's
+        threads = 1 if cfg.trainer.device == "cpu" else max(1, int(cfg.launcher.cpus_per_service))
+        return RayStack(cfg, out, stack_sections(cfg, out), threads_per_service=threads)
+    return local_stack(cfg, out)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (scancel, kubectl delete, a supervisor) stops the run as Ctrl-C does: services stopped, resumable."""
+    import signal
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def inputs_ok(cfg) -> bool:
     """The job's data, reward, workflow and warm-start adapter, checked before any service starts."""
     from lorarl.client.job_inputs import check_inputs
@@ -217,16 +240,17 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         return dry_run(cfg)
-    if cfg.placement.nodes > 1:
+    if cfg.placement.nodes > 1 and cfg.launcher.kind == "local":
         print("lorarl: bad config: placement.nodes: `lorarl run` starts every service on this host; for several "
-              "nodes start `lorarl serve` on each and run `lorarl train` (see examples/models/README.md)",
+              "nodes use launcher.kind=ray, or deploy/k8s or deploy/slurm (see examples/models/README.md)",
               file=sys.stderr)
         return 2
     if not inputs_ok(cfg):
         return 2
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
-    stack = local_stack(cfg, out)
+    stack = launch_stack(cfg, out)
+    stop_on_sigterm()
     # The loop renders prompts with the model's tokenizer: import transformers while the services start.
     threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True).start()
     try:
@@ -235,12 +259,15 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {', '.join(rollouts)}, "
                   f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
             stack.supervise(cfg.recovery.restarts if cfg.recovery.enabled else 0)
-            return asyncio.run(drive(cfg, stack.address("trainer"), rollouts, stack.token, out,
+            return asyncio.run(drive(cfg, stack.address("trainer"), None, stack.token, out,
                                      stack.address("weightsync"), fresh=args.fresh, give_up=stack.raise_if_failed,
                                      openai_urls=stack.openai_urls))
     except KeyboardInterrupt:
         print("lorarl: interrupted; services stopped. Run the same command again to resume.", file=sys.stderr)
         return 130
+    except ConfigError as e:  # the launcher's: no Ray, no cluster at the address, not enough of it
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return 2
     except RUN_ENDING_ERRORS as e:
         return report(e, out, stack)
 
@@ -260,7 +287,7 @@ def train_command(args: argparse.Namespace) -> int:
     if not inputs_ok(cfg):
         return 2
     out = Path(cfg.output.dir)
-    rollouts = [a.strip() for a in args.rollout.split(",") if a.strip()]
+    rollouts = [a.strip() for a in (args.rollout or "").split(",") if a.strip()]
     out.mkdir(parents=True, exist_ok=True)
     try:
         openai_urls = [u.strip() for u in (args.openai or "").split(",") if u.strip()]
@@ -298,12 +325,17 @@ def visible_devices(cfg) -> dict[str, dict[str, str]]:
     return masks
 
 
-async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], token: str | None,
+async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | None, token: str | None,
                 out: Path, weightsync_address: str | None = None, fresh: bool = False,
                 give_up: Callable[[], None] | None = None, tls: ClientTls | None = None,
                 openai_urls: Callable[[], list[str]] | None = None) -> int:
-    """Creates (or resumes, or re-attaches to) the job, runs the loop, and writes the plot and summary."""
+    """Creates (or resumes, or re-attaches to) the job, runs the loop, and writes the plot and summary.
+
+    ``rollout_addresses`` empty: the loop learns the rollout replicas from weight sync (lorarl.client.fleet),
+    so replicas may join and leave during the run; else that static list (prompts of a replica that fails
+    are redone on the others either way)."""
     from lorarl.client.calls import NamedStub
+    from lorarl.client.fleet import weightsync_fleet
     from lorarl.client.job_inputs import job_examples, job_reward, job_workflow
     from lorarl.client.loop import RLLoop
     from lorarl.client.preflight import rollout_warnings
@@ -319,6 +351,9 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     if isinstance(rollout_addresses, str):
         rollout_addresses = [rollout_addresses]
+    rollout_addresses = list(rollout_addresses or [])
+    if not rollout_addresses and not weightsync_address:
+        raise ConfigError("--rollout", "name the rollout replicas, or the weight-sync service to learn them from")
     async with contextlib.AsyncExitStack() as stack:
         channels = {}  # service name -> channel, for the health checks after a fault (same TLS, same token)
 
@@ -327,16 +362,29 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
                 aio_channel(address, token=token, tls=tls))
             return channels[f"{service} at {address}"]
 
+        replicas: dict[str, NamedStub] = {}  # address -> stub: a replica that leaves and comes back keeps its channel
+
+        async def connect_rollout(address: str) -> NamedStub:
+            if address not in replicas:
+                ch = await stack.enter_async_context(aio_channel(address, token=token, tls=tls))
+                replicas[address] = NamedStub(rollout_pb2_grpc.RolloutServiceStub(ch), "rollout", address)
+            return replicas[address]
+
         trainer = NamedStub(trainer_pb2_grpc.TrainerServiceStub(await channel("trainer", trainer_address)),
                             "trainer", trainer_address)
-        rollout = RolloutPool([NamedStub(rollout_pb2_grpc.RolloutServiceStub(await channel("rollout", a)),
-                                         "rollout", a) for a in rollout_addresses])
         weightsync = None
         if weightsync_address:
             weightsync = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(
                 await channel("weightsync", weightsync_address)), "weightsync", weightsync_address)
+        if rollout_addresses:  # a static fleet: every replica is waited for after a fault
+            rollout = RolloutPool([NamedStub(rollout_pb2_grpc.RolloutServiceStub(await channel("rollout", a)),
+                                             "rollout", a) for a in rollout_addresses])
+        else:
+            rollout = RolloutPool(discover=weightsync_fleet(weightsync, cfg.job_id), connect=connect_rollout)
         session = JobSession(cfg, trainer, out)
         state = await session.start(fresh=fresh)
+        if not rollout_addresses:
+            await rollout.wait_members(cfg.recovery.wait_s)
         await rollout_warnings(cfg, rollout.stubs)
         log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
                      progress=cfg.output.progress, config=to_dict(cfg))
@@ -344,6 +392,8 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str], t
 
         async def recover():
             await wait_serving(channels, cfg.recovery.wait_s, give_up)
+            if not rollout_addresses:
+                await rollout.wait_members(cfg.recovery.wait_s)
             return await session.recover()
 
         loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=session.save,

@@ -67,19 +67,20 @@ class WeightSyncAgent:
 
     host: the address this replica's collective endpoint is reachable at (default: the local address
     of the route to the service). capabilities.collective_backends empty: inline transfers only.
+    serve_address: where clients reach the replica's RolloutService, advertised so the RL loop finds it.
     """
 
     def __init__(self, target: str, sink: PolicySink, *, replica_id: str,
                  capabilities: weightsync_pb2.ReplicaCapabilities, job_ids: Sequence[str] = (),
                  host: str | None = None, token: str | None = None, tls: ClientTls | None = None,
                  device: str = "cpu", reconnect_min_s: float = 0.2, reconnect_max_s: float = 5.0,
-                 receive_hook: ReceiveHook | None = None) -> None:
+                 receive_hook: ReceiveHook | None = None, serve_address: str = "") -> None:
         self.target, self.sink, self.replica_id = target, sink, replica_id
         self.capabilities, self.job_ids = capabilities, list(job_ids)
         self.host = host or local_address_towards(target)
         self.token, self.tls, self.device = token, tls, device
         self.reconnect_min_s, self.reconnect_max_s = reconnect_min_s, reconnect_max_s
-        self.receive_hook = receive_hook
+        self.receive_hook, self.serve_address = receive_hook, serve_address
         self.staged: dict[str, int] = {}
         self.timings: dict[tuple[str, int], dict[str, float]] = {}
         self.subscriptions = 0
@@ -135,7 +136,7 @@ class WeightSyncAgent:
         active = await asyncio.to_thread(self.sink.active_versions)
         request = weightsync_pb2.SubscribeRequest(replica_id=self.replica_id, job_ids=self.job_ids,
                                                   capabilities=self.capabilities, host=self.host,
-                                                  active_versions=active)
+                                                  active_versions=active, serve_address=self.serve_address)
         call = self._stub.Subscribe(request)
         self._call = call
         await call.wait_for_connection()

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lorarl.v1 import weightsync_pb2
-from lorarl.weightsync.service.results import ActivationResult, JobSyncStatus, Published, RegisteredJob
+from lorarl.weightsync.service.results import (
+    ActivationResult,
+    JobSyncStatus,
+    Published,
+    RegisteredJob,
+    ReplicaSyncStatus,
+)
 
 
 def registered(job: RegisteredJob) -> weightsync_pb2.RegisterJobResponse:
@@ -23,12 +31,16 @@ def activation(result: ActivationResult) -> weightsync_pb2.AwaitActivationRespon
                                                    error=r.error, transport=r.transport) for r in result.replicas])
 
 
-def sync_status(jobs: list[JobSyncStatus]) -> weightsync_pb2.GetSyncStatusResponse:
+def sync_status(jobs: list[JobSyncStatus], fleet: Sequence[ReplicaSyncStatus] = ()
+                ) -> weightsync_pb2.GetSyncStatusResponse:
     response = weightsync_pb2.GetSyncStatusResponse()
+    for r in fleet:
+        response.fleet.add(replica_id=r.replica_id, connected=r.connected, serve_address=r.serve_address)
     for job in jobs:
         entry = response.jobs.add(job_id=job.job_id, latest_version=job.latest_version, mode=job.mode,
                                   active_version=job.active_version, mode_reason=job.mode_reason)
         for r in job.replicas:
             entry.replicas.add(replica_id=r.replica_id, active_version=r.active_version,
-                               staged_version=r.staged_version, connected=r.connected, last_error=r.last_error)
+                               staged_version=r.staged_version, connected=r.connected, last_error=r.last_error,
+                               serve_address=r.serve_address)
     return response

@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, ServiceError
-from lorarl.common.validation import check_id
+from lorarl.common.validation import check_address, check_id
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.config import WeightSyncSettings
 from lorarl.weightsync.service.modes import choose_mode
@@ -240,6 +240,8 @@ class WeightSyncCore:
                                                   f"{MAX_SUBSCRIBED_JOBS}")
         for job_id in request.job_ids:
             check_id("job_ids", job_id)
+        if request.serve_address:
+            check_address("serve_address", request.serve_address)
         replica = self.directory.connect(request)
         logger.info("replica %s subscribed (%s, host %s, active %s)", replica.replica_id,
                     replica.capabilities.engine or "engine?", replica.host or "?", dict(request.active_versions),
@@ -297,6 +299,11 @@ class WeightSyncCore:
 
     # -------------------------------------------------------------------------------- status
 
+    def fleet(self) -> list[ReplicaSyncStatus]:
+        """Every replica ever subscribed, job-independent: who serves, where (versions left 0)."""
+        return [ReplicaSyncStatus(r.replica_id, 0, 0, r.connected, "", r.serve_address)
+                for _, r in sorted(self.directory.replicas.items())]
+
     def status(self, job_id: str = "") -> list[JobSyncStatus]:
         """Every job's versions and replicas ("": all jobs)."""
         jobs = [self.registry.job(job_id)] if job_id else [self.registry.jobs[j] for j in sorted(self.registry.jobs)]
@@ -306,7 +313,8 @@ class WeightSyncCore:
             for replica in self.directory.subscribers(job.job_id, connected_only=False):
                 state = replica.state(job.job_id)
                 replicas.append(ReplicaSyncStatus(replica.replica_id, state.active_version, state.staged_version,
-                                                  replica.connected, state.last_error))
+                                                  replica.connected, state.last_error,
+                                                  replica.serve_address))
             out.append(JobSyncStatus(job.job_id, job.latest_version, job.active_version, job.mode, job.reason,
                                      replicas))
         return out

@@ -41,6 +41,7 @@ class Replica:
     session: int = 0
     outbox: Outbox | None = None
     jobs: dict[str, JobReplicaState] = field(default_factory=dict)
+    serve_address: str = ""  # where clients reach its RolloutService ("": not advertised)
 
     def wants(self, job_id: str) -> bool:
         """Subscribed to `job_id` (an empty job list means every job)."""
@@ -69,6 +70,7 @@ class ReplicaDirectory:
             replica.outbox.put_nowait(None)  # ends the stream this one replaces
         replica.capabilities.CopyFrom(request.capabilities)
         replica.host, replica.job_ids = request.host, frozenset(request.job_ids)
+        replica.serve_address = request.serve_address
         replica.connected, replica.session, replica.outbox = True, self._sessions, self._outbox_factory()
         for job_id, state in replica.jobs.items():
             state.active_version = request.active_versions.get(job_id, 0)

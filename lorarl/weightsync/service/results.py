@@ -51,6 +51,7 @@ class ReplicaSyncStatus:
     staged_version: int
     connected: bool
     last_error: str
+    serve_address: str = ""
 
 
 @dataclass(frozen=True)

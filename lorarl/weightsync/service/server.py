@@ -99,7 +99,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
 
     async def GetSyncStatus(self, request: weightsync_pb2.GetSyncStatusRequest, context: Context
                             ) -> weightsync_pb2.GetSyncStatusResponse:
-        return convert.sync_status(self.core.status(request.job_id))
+        return convert.sync_status(self.core.status(request.job_id), self.core.fleet())
 
     async def AwaitActivation(self, request: weightsync_pb2.AwaitActivationRequest, context: Context
                               ) -> weightsync_pb2.AwaitActivationResponse:

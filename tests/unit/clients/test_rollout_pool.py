@@ -53,3 +53,95 @@ def test_single_replica_passes_through_and_empty_pool_is_refused() -> None:
     assert replica.requests[0].request_id == "r"
     with pytest.raises(ValueError):
         RolloutPool([])
+
+
+class Dead(Replica):
+    """A replica whose process is gone: every call fails as a killed server's does."""
+
+    def __init__(self, name: str, code=None) -> None:
+        super().__init__(name)
+        import grpc
+
+        self.code = code or grpc.StatusCode.UNAVAILABLE
+
+    async def Generate(self, request, **kwargs):  # noqa: N802
+        from lorarl.client.calls import ServiceCallError
+
+        self.requests.append(request)
+        raise ServiceCallError("rollout", self.name, "Generate", self.code, "Socket closed")
+
+
+def prompts(count: int) -> rollout_pb2.GenerateRequest:
+    request = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text=str(i)) for i in range(count)],
+                                          request_id="job-b1")
+    request.sampling.n = 1
+    return request
+
+
+def test_a_dead_replicas_prompts_are_redone_on_the_others_in_order() -> None:
+    live, dead, other = Replica("a"), Dead("b"), Replica("c")
+    pool = RolloutPool([live, dead, other])
+    response = asyncio.run(pool.Generate(prompts(6)))
+    texts = [r.completions[0].text for r in response.results]
+    # b's slice (2, 3) went to a and c on the second attempt; every prompt answered once, in order.
+    assert [t.split(":")[1] for t in texts] == [str(i) for i in range(6)]
+    assert texts[2:4] == ["a:2", "c:3"]
+    assert [r.request_id for r in live.requests] == ["job-b1-r0", "job-b1-a1r0"]
+    usage, redone = pool.take_usage()
+    assert redone == 2 and usage == {"replica-0": 3, "replica-2": 3}
+    # The failed replica is set aside: the next call does not try it.
+    asyncio.run(pool.Generate(prompts(2)))
+    assert len(dead.requests) == 1
+
+
+def test_request_errors_are_not_redone_and_a_lone_dead_replica_fails_the_call() -> None:
+    import grpc
+
+    from lorarl.client.calls import ServiceCallError
+
+    pool = RolloutPool([Replica("a"), Dead("b", grpc.StatusCode.INVALID_ARGUMENT)])
+    with pytest.raises(ServiceCallError, match="INVALID_ARGUMENT"):
+        asyncio.run(pool.Generate(prompts(4)))
+    with pytest.raises(ServiceCallError, match="UNAVAILABLE"):  # nowhere to redo: the loop's recovery decides
+        asyncio.run(RolloutPool([Dead("x")]).Generate(prompts(2)))
+    both = RolloutPool([Dead("x"), Dead("y")])
+    with pytest.raises(ServiceCallError, match="UNAVAILABLE"):
+        asyncio.run(both.Generate(prompts(2)))
+    with pytest.raises(ServiceCallError, match="every rollout replica failed"):  # both set aside now
+        asyncio.run(both.Generate(prompts(2)))
+
+
+def test_discovered_fleet_joins_once_caught_up_and_drops_leavers() -> None:
+    from lorarl.client.rollout_pool import Fleet, FleetReplica
+
+    stubs = {"h:1": Replica("one"), "h:2": Replica("two")}
+    fleet = Fleet(3, (FleetReplica("one", "h:1", 3),))
+
+    async def discover():
+        return fleet
+
+    async def connect(address):
+        return stubs[address]
+
+    async def scenario() -> list[int]:
+        nonlocal fleet
+        pool = RolloutPool(discover=discover, connect=connect, refresh_s=0)
+        await pool.wait_members(1)
+        seen = [len(pool.live())]
+        fleet = Fleet(3, (*fleet.replicas, FleetReplica("two", "h:2", 0)))  # joined, not caught up yet
+        await pool.Generate(prompts(4))
+        seen.append(len(pool.live()))
+        fleet = Fleet(3, (fleet.replicas[0], FleetReplica("two", "h:2", 3)))  # caught up: used at once
+        await pool.Generate(prompts(4))
+        seen.append(len(pool.live()))
+        assert pool.take_usage()[0] == {"one": 6, "two": 2}
+        fleet = Fleet(4, (FleetReplica("two", "h:2", 4),))  # one left
+        await pool.Generate(prompts(2))
+        seen.append(len(pool.live()))
+        assert pool.take_usage()[0] == {"two": 2}
+        fleet = Fleet(4, ())
+        with pytest.raises(RuntimeError, match="no rollout replica serves the job"):
+            await pool.wait_members(0.1)
+        return seen
+
+    assert asyncio.run(scenario()) == [1, 1, 2, 1]
