@@ -92,6 +92,7 @@ class RolloutPool:
         self.set_aside: dict[str, float] = {}  # address -> when its call failed
         self.usage: Counter[str] = Counter()  # prompts served per address since take_usage()
         self.redone = 0  # prompts redone on another replica since take_usage()
+        self.served: set[str] = set()  # addresses that have taken prompts
         self._refreshed = float("-inf")
         self._lock = asyncio.Lock()
 
@@ -169,6 +170,10 @@ class RolloutPool:
                                        f"every rollout replica failed in the last {self.quarantine_s:g} s")
             slices = split_evenly(len(todo), len(members))
             tags = [f"r{i}" if not attempt else f"a{attempt}r{i}" for i in range(len(slices))]
+            for address, _ in members[:len(slices)]:
+                if address not in self.served:
+                    self.served.add(address)
+                    logger.warning("rollout replica %s is sent its first prompts", self.names.get(address, address))
             outcomes = await asyncio.gather(*(self._one(members[i][1], request, todo[start:end], tags[i], **kwargs)
                                               for i, (start, end) in enumerate(slices)), return_exceptions=True)
             failed: list[tuple[str, BaseException, list[int]]] = []

@@ -238,3 +238,41 @@ def test_upload_is_verified_and_restart_reloads_everything(tmp_path: Path) -> No
             assert (await pub.publish("job", 3, adapter=trainer.adapter())).activation.ok
 
     run(scenario())
+
+
+def test_fleet_lists_advertised_replicas_and_the_pool_follows_it(tmp_path: Path) -> None:
+    """Replicas advertise where they serve; weight sync lists them before any job publishes, with their
+    versions once one does; a dropped stream leaves the fleet; a bad address is refused naming the field."""
+    from lorarl.client.calls import NamedStub
+    from lorarl.client.fleet import weightsync_fleet
+    from lorarl.common.channel import aio_channel
+    from lorarl.v1 import weightsync_pb2_grpc
+
+    async def scenario() -> None:
+        async with running_service(tmp_path / "ws") as (running, _):
+            async with aio_channel(running.address, token=TOKEN) as channel:
+                stub = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(channel), "weightsync", running.address)
+                discover = weightsync_fleet(stub, "job")
+                async with agent(running.address, "r-a", serve_address="127.0.0.1:7001"), \
+                        agent(running.address, "r-b", serve_address="[::1]:7002"), agent(running.address, "r-quiet"):
+                    fleet = await discover()
+                    assert fleet.active_version == 0  # no job yet: every replica at 0
+                    assert [(r.replica_id, r.address) for r in fleet.replicas] == [("r-a", "127.0.0.1:7001"),
+                                                                                    ("r-b", "[::1]:7002")]
+                    async with agent(running.address, "r-gone", serve_address="127.0.0.1:7003"):
+                        assert len((await discover()).replicas) == 3
+                    await eventually(lambda: _count(discover, 2), 10, "r-gone dropped")
+                bad = weightsync_pb2.SubscribeRequest(replica_id="r-bad", serve_address="no-port")
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in weightsync_pb2_grpc.WeightSyncServiceStub(channel).Subscribe(
+                            bad, metadata=(("authorization", f"Bearer {TOKEN}"),)):
+                        pass
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "serve_address" in refused.value.details()
+
+    run(scenario())
+
+
+async def _count(discover, n: int) -> bool:
+    fleet = await discover()
+    return fleet is not None and len(fleet.replicas) == n
