@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from lorarl.client.commands import demo, evaluate, run, serve
+from lorarl.client.commands import demo, evaluate, run, serve, slurm
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parsers(subcommands)
     evaluate.add_parsers(subcommands)
     demo.add_parser(subcommands)
+    slurm.add_parser(subcommands)
     return parser
 
 

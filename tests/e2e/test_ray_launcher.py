@@ -78,7 +78,8 @@ def test_ray_launcher_places_learns_and_rides_a_changing_fleet(cluster: RayClust
     out = tmp_path / "run"
     run = subprocess.Popen([*lorarl_command(), "run", "examples/demo.yaml", "--fresh", "launcher.kind=ray",
                             f"launcher.address={cluster.address}", "rollout.replicas=2", *PLACEMENT,
-                            f"output.dir={out}", "loop.steps=60", "loop.prompts_per_step=32", "loop.eval_every=0", "output.progress=false",
+                            f"output.dir={out}", "loop.steps=60", "loop.prompts_per_step=32", "loop.eval_every=0",
+                            "output.progress=false",
                             "output.tensorboard=false"],
                            cwd=ROOT, env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True)

@@ -249,8 +249,8 @@ def test_fleet_lists_advertised_replicas_and_the_pool_follows_it(tmp_path: Path)
     from lorarl.v1 import weightsync_pb2_grpc
 
     async def scenario() -> None:
-        async with running_service(tmp_path / "ws") as (running, _):
-            async with aio_channel(running.address, token=TOKEN) as channel:
+        async with running_service(tmp_path / "ws") as (running, _), \
+                aio_channel(running.address, token=TOKEN) as channel:
                 stub = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(channel), "weightsync", running.address)
                 discover = weightsync_fleet(stub, "job")
                 async with agent(running.address, "r-a", serve_address="127.0.0.1:7001"), \
