@@ -124,6 +124,23 @@ def check_resources(cfg, bundles: Bundles, have: dict[str, float], address: str)
                                       + "; ".join(short))
 
 
+def check_fit(bundles: Bundles, nodes: list[dict[str, float]], address: str) -> None:
+    """ConfigError when a bundle fits on no single node (a trainer's devices, one replica's TP group, weight sync
+    beside the trainer): the totals may suffice while no node can hold it."""
+    def fits(need: dict[str, float], node: dict[str, float]) -> bool:
+        return all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+
+    head = {k: bundles.weightsync.get(k, 0.0) + bundles.trainer.get(k, 0.0)
+            for k in {*bundles.weightsync, *bundles.trainer}}
+    for what, need in (("weight sync + the trainer (one node)", head), ("a rollout replica", bundles.rollout)):
+        if not any(fits(need, node) for node in nodes):
+            largest = max(nodes, key=lambda n: sum(n.get(k, 0.0) for k in need), default={})
+            raise ConfigError("launcher", f"no node of the Ray cluster at {address} can hold {what}: it needs "
+                                          f"{need}, the largest node has "
+                                          f"{ {k: largest.get(k, 0.0) for k in need} } (the trainer runs on one "
+                                          "node; for one across nodes use `lorarl slurm` or torchrun)")
+
+
 @dataclass
 class RayService:
     name: str
@@ -191,6 +208,7 @@ class RayStack:
         connect(ray, launcher.address, launcher.connect_timeout_s)
         where = gcs_address(launcher.address) or "auto"
         check_resources(self.cfg, bundles, ray.cluster_resources(), where)
+        check_fit(bundles, [n["Resources"] for n in ray.nodes() if n.get("Alive")], where)
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -93,6 +93,8 @@ class RolloutPool:
         self.usage: Counter[str] = Counter()  # prompts served per address since take_usage()
         self.redone = 0  # prompts redone on another replica since take_usage()
         self.served: set[str] = set()  # addresses that have taken prompts
+        self.started = bool(stubs)  # past the first wait for a replica: later joins are announced
+        self.late: set[str] = set()  # replicas that joined mid-run
         self._refreshed = float("-inf")
         self._lock = asyncio.Lock()
 
@@ -117,6 +119,7 @@ class RolloutPool:
             for address in [a for a in self.members if a not in listed]:
                 logger.warning("rollout replica %s at %s left the fleet", self.names.get(address, address), address)
                 del self.members[address]
+                self.set_aside.pop(address, None)  # when it comes back, it is a fresh joiner
             for address, replica in listed.items():
                 if address in self.members:
                     continue
@@ -126,8 +129,11 @@ class RolloutPool:
                 assert self.connect is not None
                 self.members[address] = await self.connect(address)
                 self.names[address] = replica.replica_id
-                logger.warning("rollout replica %s at %s joined the fleet (serving v%d)", replica.replica_id,
-                               address, replica.active_version)
+                if self.started:  # mid-run: worth a line; the fleet a run starts with is printed by the launcher
+                    self.late.add(address)
+                logger.log(logging.WARNING if self.started else logging.INFO,
+                           "rollout replica %s at %s joined the fleet (serving v%d)", replica.replica_id, address,
+                           replica.active_version)
 
     def live(self) -> list[tuple[str, object]]:
         now = time.monotonic()
@@ -141,6 +147,7 @@ class RolloutPool:
         while True:
             await self.refresh(force=True)
             if self.live():
+                self.started = True
                 return
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"no rollout replica serves the job after {timeout_s:.0f} s: none is subscribed "
@@ -173,7 +180,8 @@ class RolloutPool:
             for address, _ in members[:len(slices)]:
                 if address not in self.served:
                     self.served.add(address)
-                    logger.warning("rollout replica %s is sent its first prompts", self.names.get(address, address))
+                    logger.log(logging.WARNING if address in self.late else logging.INFO,
+                               "rollout replica %s is sent its first prompts", self.names.get(address, address))
             outcomes = await asyncio.gather(*(self._one(members[i][1], request, todo[start:end], tags[i], **kwargs)
                                               for i, (start, end) in enumerate(slices)), return_exceptions=True)
             failed: list[tuple[str, BaseException, list[int]]] = []

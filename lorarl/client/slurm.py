@@ -26,11 +26,13 @@ WEIGHTSYNC_PORT, TRAINER_PORT, ROLLOUT_PORT = 50053, 50051, 50052
 #: The device mask variable per trainer.device kind.
 MASK = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 READY_TIMEOUT_S = 900
+TRAINER_RENDEZVOUS_PORT = 29500
 
 
 @dataclass(frozen=True)
 class Task:
-    """One `srun` step: a service on one node of the allocation."""
+    """One `srun` step: a service on one node of the allocation (the trainer: on ``nodes`` nodes from ``node``,
+    one torchrun agent each, when its ranks span several)."""
 
     name: str
     service: str
@@ -38,6 +40,7 @@ class Task:
     port: int
     devices: tuple[int, ...]
     overrides: tuple[str, ...] = ()
+    nodes: int = 1
 
 
 def tasks(cfg) -> list[Task]:
@@ -55,12 +58,12 @@ def tasks(cfg) -> list[Task]:
         slots = [Slot("trainer", 0, ()), *(Slot(f"rollout-{i}", 1 + i % (nodes - 1) if nodes > 1 else 0, ())
                                           for i in range(cfg.rollout.replicas))]
     trainer = [s for s in slots if s.role == "trainer"]
-    if len(trainer) != 1:
-        raise ConfigError("trainer.parallel", "the trainer's ranks run on one node (its own processes): "
-                                              f"{cfg.trainer.parallel.world_size} ranks do not fit "
-                                              f"placement.devices_per_node={cfg.placement.devices_per_node}")
+    if len(trainer) > 1 and any(len(s.devices) != len(trainer[0].devices) for s in trainer):
+        raise ConfigError("trainer.parallel", f"{cfg.trainer.parallel.world_size} trainer ranks across nodes of "
+                                              f"{cfg.placement.devices_per_node} devices: torchrun needs the same "
+                                              "number of ranks on every node")
     out = [Task("weightsync", "weightsync", 0, WEIGHTSYNC_PORT, ()),
-           Task("trainer", "trainer", 0, TRAINER_PORT, trainer[0].devices)]
+           Task("trainer", "trainer", 0, TRAINER_PORT, trainer[0].devices, nodes=len(trainer))]
     per_node: dict[int, int] = {}
     for slot in slots:
         if slot.role == "trainer":
@@ -72,6 +75,10 @@ def tasks(cfg) -> list[Task]:
     return out
 
 
+def trainer_nodes(cfg) -> int:
+    return next(t.nodes for t in tasks(cfg) if t.service == "trainer")
+
+
 def service_configs(cfg, run_dir: Path) -> dict[str, dict[str, Any]]:
     """Each service's config file: stack_sections' settings, bound to every interface on a fixed port, the
     run's token file, addresses by node host name filled in by the script (environment variables)."""
@@ -79,6 +86,8 @@ def service_configs(cfg, run_dir: Path) -> dict[str, dict[str, Any]]:
 
     sections = stack_sections(cfg, run_dir)
     sections["weightsync"]["storage_dir"] = str(run_dir / "weightsync")
+    if trainer_nodes(cfg) > 1:  # torchrun starts the ranks on every node: the trainer starts none itself
+        sections["trainer"].pop("ranks", None)
     sections["rollout"].pop("replica_id", None)
     token = str(run_dir / "services" / "token")
     configs = {}
@@ -143,9 +152,20 @@ def sbatch_script(cfg, config_path: str, overrides: list[str], run_dir: Path, pa
             if task.service == "rollout":
                 env.append(f"LORARL_ROLLOUT__ADVERTISE_ADDRESS=${{NODES[{task.node}]}}")
                 env.append(f"LORARL_ROLLOUT__SYNC_HOST=${{NODES[{task.node}]}}")
-            command = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist=${{NODES[{task.node}]}}",
-                       *(["env", *env] if env else []), "lorarl", "serve", task.service, "--config",
-                       f"$RUN/slurm/{task.service}.yaml", *task.overrides]
+            serve = ["lorarl", "serve", task.service, "--config", f"$RUN/slurm/{task.service}.yaml", *task.overrides]
+            if task.nodes > 1:  # one torchrun agent per node; rank 0 (node 0) serves gRPC
+                nodelist = ",".join(f"${{NODES[{task.node + i}]}}" for i in range(task.nodes))
+                torchrun = ["torchrun", f"--nnodes={task.nodes}", f"--nproc-per-node={len(task.devices)}",
+                            f"--master-addr=${{NODES[{task.node}]}}", f"--master-port={TRAINER_RENDEZVOUS_PORT}",
+                            "-m", "lorarl.client.cli", *serve[1:]]
+                # The task's own shell reads its node's rank (\$SLURM_NODEID); the batch script fills in the rest.
+                inner = " ".join(["exec", "env", *env, *(_quote(c) for c in torchrun)]).replace('"', '\\"')
+                inner = inner.replace("--nnodes=", "--node-rank=\\$SLURM_NODEID --nnodes=", 1)
+                command = ["srun", "--overlap", f"--nodes={task.nodes}", f"--ntasks={task.nodes}",
+                           "--ntasks-per-node=1", f"--nodelist={nodelist}", "bash", "-c", inner]
+            else:
+                command = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist=${{NODES[{task.node}]}}",
+                           *(["env", *env] if env else []), *serve]
             lines.append(" ".join(_quote(c) for c in command) + f' > "$RUN/services/{task.name}.log" 2>&1 &')
             lines.append("PIDS+=($!)")
         for task in group:

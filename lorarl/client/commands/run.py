@@ -385,6 +385,8 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
         state = await session.start(fresh=fresh)
         if not rollout_addresses:
             await rollout.wait_members(cfg.recovery.wait_s)
+            print("lorarl: rollout replicas (from weight sync): " + ", ".join(
+                f"{rollout.names[a]} at {a}" for a in rollout.members), flush=True)
         await rollout_warnings(cfg, rollout.stubs)
         log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
                      progress=cfg.output.progress, config=to_dict(cfg))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -42,7 +41,7 @@ def steps(script: str) -> dict[str, dict]:
     """Each srun step: its node index, device mask, service, config overrides."""
     found = {}
     for line in script.splitlines():
-        if not line.startswith("srun "):
+        if not line.startswith("srun ") or "torchrun" in line:  # a trainer across nodes: its own test
             continue
         words = shlex.split(line.split(" > ")[0].replace("${NODES[", "NODE").replace("]}", ""))
         node = int(next(w for w in words if w.startswith("--nodelist=")).removeprefix("--nodelist=NODE"))
@@ -136,8 +135,24 @@ def test_the_script_runs_the_job(tmp_path: Path) -> None:
     assert result.returncode == 0, (result.stderr[-3000:], {k: v[-1500:] for k, v in logs.items()})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(int(r.get("step", 0)) for r in rows) == 4
-    assert re.search(r"rollout replica rollout-0 at 127\.0\.0\.2:50052 joined", result.stderr), result.stderr[-3000:]
-    assert re.search(r"rollout replica rollout-1 at 127\.0\.0\.3:50052 joined", result.stderr), result.stderr[-3000:]
+    # The loop found both replicas through weight sync, each at its node's address.
+    assert "rollout replicas (from weight sync): rollout-0 at 127.0.0.2:50052, rollout-1 at 127.0.0.3:50052" \
+        in result.stdout, result.stdout[-3000:]
     for name in ("weightsync", "trainer", "rollout-0", "rollout-1"):  # each stopped cleanly with the script
         assert "received SIGTERM" in logs[f"{name}.log"] and "lorarl.common.server: stopped" in logs[f"{name}.log"]
     assert yaml.safe_load((out / "slurm" / "rollout.yaml").read_text())["server"]["port"] == ROLLOUT_PORT
+
+
+def test_a_trainer_across_nodes_is_one_torchrun_agent_per_node(tmp_path: Path) -> None:
+    config = "examples/models/qwen3.6-27b-multinode.yaml"
+    script, out = generate(tmp_path, config=config)
+    (line,) = [s for s in script.splitlines() if s.startswith("srun") and "serve trainer" in s]
+    assert '--nodes=2 --ntasks=2 --ntasks-per-node=1 "--nodelist=${NODES[0]},${NODES[1]}"' in line
+    # The node rank is read by each task's own shell; the rendezvous is rank 0's node.
+    assert "torchrun --node-rank=\\$SLURM_NODEID --nnodes=2 --nproc-per-node=8" in line
+    assert '\\"--master-addr=${NODES[0]}\\"' in line and "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in line
+    assert "ranks" not in yaml.safe_load((out / "slurm" / "trainer.yaml").read_text())["trainer"]
+    rollouts = steps(script)
+    assert sorted({s["node"] for n, s in rollouts.items() if n.startswith("rollout-")}) == [2, 3]
+    assert "#SBATCH --gpus-per-node=8" in script
+    subprocess.run(["bash", "-n", str(out / "lorarl.sbatch")], check=True)

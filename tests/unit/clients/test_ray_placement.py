@@ -45,3 +45,15 @@ def test_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert advertised_address("node7:6000", "0.0.0.0", 5000, "ws:1") == "node7:6000"
     assert advertised_address("[fd00::1]", "::", 5000, "ws:1") == "[fd00::1]:5000"
     assert advertised_address("", "0.0.0.0", 5000, "127.0.0.1:1") == "127.0.0.1:5000"  # the route to weight sync
+
+
+def test_a_bundle_no_single_node_holds_is_refused() -> None:
+    from lorarl.client.ray_stack import check_fit
+
+    job = cfg("trainer.device=cuda", "trainer.parallel.data=16", "rollout.replicas=16")
+    nodes = [{"CPU": 64, "GPU": 8}] * 4  # 32 GPUs: enough in total, but the trainer's 16 span two nodes
+    check_resources(job, job_bundles(job), {"CPU": 256, "GPU": 32}, "head:6379")
+    with pytest.raises(ConfigError, match=r"can hold weight sync \+ the trainer \(one node\): it needs .*'GPU': 16"):
+        check_fit(job_bundles(job), nodes, "head:6379")
+    fine = cfg("trainer.device=cuda", "trainer.parallel.data=8", "rollout.replicas=8")
+    check_fit(job_bundles(fine), nodes, "head:6379")
