@@ -289,6 +289,7 @@ def train_command(args: argparse.Namespace) -> int:
     out = Path(cfg.output.dir)
     rollouts = [a.strip() for a in (args.rollout or "").split(",") if a.strip()]
     out.mkdir(parents=True, exist_ok=True)
+    stop_on_sigterm()  # a Kubernetes Job deleted, a Slurm job cancelled: stop as Ctrl-C does
     try:
         openai_urls = [u.strip() for u in (args.openai or "").split(",") if u.strip()]
         return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync, fresh=args.fresh,
