@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.ray_host import ServiceHost
-from lorarl.client.stack import ServiceFailedError
+from lorarl.client.stack import ServiceFailedError, Stack
 from lorarl.common.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class RayService:
 
 
 @dataclass
-class RayStack:
+class RayStack(Stack):
     """Duck-types LocalStack for `lorarl run`: start, addresses, supervise, failure, stop."""
 
     cfg: Any
@@ -171,17 +171,6 @@ class RayStack:
     _stopping: threading.Event = field(default_factory=threading.Event)
     _streamer: threading.Thread | None = None
     _ray: Any = None
-
-    def __enter__(self) -> RayStack:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def logs(self) -> Path:

@@ -55,12 +55,34 @@ class ServiceFailedError(RuntimeError):
     """A supervised service kept exiting: restarts used up, or it did not come back."""
 
 
+class Stack:
+    """A set of services used as a context manager: started on entry, stopped on exit, and stopped again
+    (whatever did start) when starting fails. LocalStack here, RayStack on a Ray cluster."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 RESTART_PAUSE_MIN_S, RESTART_PAUSE_MAX_S = 1.0, 30.0
 WATCH_INTERVAL_S = 0.25
 
 
 @dataclass
-class LocalStack:
+class LocalStack(Stack):
     """Starts weightsync, trainer and rollout (in that order) and knows their addresses."""
 
     workdir: Path
@@ -84,17 +106,6 @@ class LocalStack:
     host: str = "127.0.0.1"
     _watcher: threading.Thread | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> LocalStack:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def address(self, name: str) -> str:
         """A process's address; "rollout" names the first replica when there are several."""
