@@ -186,7 +186,7 @@ def test_parallelism_needs_the_megatron_engine() -> None:
 
 def test_run_refuses_several_nodes(capsys) -> None:
     code = main(["run", str(ROOT / "examples/models/qwen3.6-27b-multinode.yaml")])
-    assert code == 2 and "lorarl train" in capsys.readouterr().err
+    assert code == 2 and "launcher.kind=ray" in capsys.readouterr().err
 
 
 def test_device_masks_per_process() -> None:
