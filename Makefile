@@ -10,7 +10,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint proto proto-check proto-baseline assets lock bench-setup ascend-sources clean
+.PHONY: setup demo test test-fast test-budget-record lint proto proto-check proto-baseline assets lock bench-setup ascend-sources clean
 
 setup: $(STAMP) $(BUF)
 
@@ -39,12 +39,21 @@ $(BUF): tools/buf/package.json
 demo: setup
 	$(VENV)/bin/lorarl demo --fresh
 
+# Two workers (pytest-xdist; how tests share them: tests/conftest.py), the 25 slowest tests printed, and the
+# per-file time budget enforced (tests/budget.json; re-record with `make test-budget-record`).
+TEST_WORKERS ?= 2
+PYTEST_RUN := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -ra tests
+	$(PYTEST_RUN) --budget tests/budget.json tests
 
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not slow" tests
+	$(PYTEST_RUN) -m "not slow" tests
+
+# After a deliberate change in what the suite runs: measure every file again and keep it as the budget.
+test-budget-record: setup
+	$(PYTEST_RUN) --budget-record tests/budget.json tests
 
 lint: setup
 	$(PY) -m ruff check .

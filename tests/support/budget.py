@@ -1,0 +1,188 @@
+"""A time budget per test file, enforced at the end of `make test` (`--budget tests/budget.json`).
+
+The suite has to fit CI's limit as it grows, so each file's wall time (setup + call + teardown of all its
+tests) is held to what was recorded for it, with headroom for a noisy machine; a file that is not in the
+record gets the default. A file past its budget fails the session and is named, with its measured and
+allowed seconds, so a new slow test is seen when it lands. Session-scoped fixtures (a shared engine, a
+shared demo run) are budgeted under their own name (``fixture:NAME``), not under whichever file happened
+to need them first, so the figures do not move with test order or selection.
+
+`--budget-record PATH` writes the measured seconds of a run as the new record (keeps the headroom
+settings). Hand-written as a small plugin: pytest's own `--durations` reports but does not enforce.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+DEFAULTS = {"headroom": 1.5, "slack_s": 15.0, "default_s": 20.0, "unmarked_s": 10.0}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The recorded seconds per file (or ``fixture:NAME``) and how far past them a run may go."""
+
+    files: Mapping[str, float]
+    headroom: float = DEFAULTS["headroom"]
+    slack_s: float = DEFAULTS["slack_s"]
+    default_s: float = DEFAULTS["default_s"]
+    unmarked_s: float = DEFAULTS["unmarked_s"]  # a test not marked slow may take this long
+
+    @classmethod
+    def load(cls, path: Path) -> Budget:
+        data = json.loads(path.read_text())
+        unknown = set(data) - {"files", *DEFAULTS}
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}; expected files, {', '.join(DEFAULTS)}")
+        return cls(files={str(k): float(v) for k, v in data.get("files", {}).items()},
+                   **{k: float(data[k]) for k in DEFAULTS if k in data})
+
+    def allowed(self, name: str) -> float:
+        """Seconds `name` may take: its record with headroom, or the default for a name not recorded."""
+        if name not in self.files:
+            return self.default_s
+        return self.files[name] * self.headroom + self.slack_s
+
+    def over(self, measured: Mapping[str, float]) -> list[tuple[str, float, float]]:
+        """(name, measured, allowed) for each name past its budget, slowest first."""
+        found = [(n, s, self.allowed(n)) for n, s in measured.items() if s > self.allowed(n)]
+        return sorted(found, key=lambda row: -row[1])
+
+    def recorded(self, measured: Mapping[str, float]) -> dict:
+        """This run's figures as a new record, the settings kept."""
+        return {"headroom": self.headroom, "slack_s": self.slack_s, "default_s": self.default_s,
+                "unmarked_s": self.unmarked_s, "files": {n: round(s, 1) for n, s in sorted(measured.items())}}
+
+
+FIXTURES_KEY = "lorarl_session_fixture_s"
+GROUP_SUFFIX = re.compile(r"@[\w./-]+$")
+SLOW_KEY = "lorarl_marked_slow"
+
+
+@dataclass
+class Timings:
+    """Wall seconds per test file, with the session-scoped fixtures' set-up split out by name."""
+
+    per_name: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    per_test: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    marked_slow: set[str] = field(default_factory=set)
+
+    def report(self, report: pytest.TestReport) -> None:
+        seconds = report.duration
+        for key, value in report.user_properties:
+            if key == FIXTURES_KEY:
+                for name, fixture_s in value.items():
+                    self.per_name[f"fixture:{name}"] += fixture_s
+                    seconds -= fixture_s
+            elif key == SLOW_KEY and value:
+                self.marked_slow.add(report.nodeid)
+        seconds = max(0.0, seconds)
+        nodeid = GROUP_SUFFIX.sub("", report.nodeid)  # xdist's loadgroup appends "@group"
+        self.per_name[nodeid.split("::", 1)[0]] += seconds
+        self.per_test[nodeid] += seconds
+
+    def unmarked_slow(self, limit_s: float) -> list[tuple[str, float]]:
+        """Tests past `limit_s` (their own time, shared fixtures apart) that `-m "not slow"` would still run."""
+        found = [(n, s) for n, s in self.per_test.items() if s > limit_s and n not in self.marked_slow]
+        return sorted(found, key=lambda row: -row[1])
+
+
+class FixtureClock:
+    """In the process that runs the tests (an xdist worker or the only one): times each outermost
+    session-scoped fixture's set-up and hands it to the test's set-up report."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, float] = {}
+        self.depth = 0
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[None]:
+        if fixturedef.scope != "session":
+            yield
+            return
+        self.depth += 1
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.pending[fixturedef.argname] = self.pending.get(fixturedef.argname, 0.0) + (
+                    time.perf_counter() - start)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+        outcome = yield
+        report = outcome.get_result()
+        if call.when == "setup" and self.pending:
+            report.user_properties.append((FIXTURES_KEY, dict(self.pending)))
+            self.pending.clear()
+        if call.when == "setup" and item.get_closest_marker("slow") is not None:
+            report.user_properties.append((SLOW_KEY, True))
+
+
+class BudgetPlugin:
+    """In the controlling process: adds up the reports, writes a record, fails a run past its budget."""
+
+    def __init__(self, budget_path: Path | None, record_path: Path | None) -> None:
+        self.budget_path = budget_path
+        self.record_path = record_path
+        self.timings = Timings()
+        self.over: list[tuple[str, float, float]] = []
+        self.unmarked: list[tuple[str, float]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.timings.report(report)
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        measured = dict(self.timings.per_name)
+        if self.record_path is not None:
+            base = Budget.load(self.record_path) if self.record_path.exists() else Budget(files={})
+            self.record_path.write_text(json.dumps(base.recorded(measured), indent=1) + "\n")
+        if self.budget_path is None:
+            return
+        budget = Budget.load(self.budget_path)
+        self.over = budget.over(measured)
+        self.unmarked = self.timings.unmarked_slow(budget.unmarked_s)
+        if (self.over or self.unmarked) and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.budget_path is None:
+            return
+        total = sum(self.timings.per_name.values())
+        terminalreporter.write_sep("=", f"time budget ({self.budget_path}): {total / 60:.1f} min of tests")
+        for name, seconds, allowed in self.over:
+            terminalreporter.write_line(f"OVER BUDGET {name}: {seconds:.1f} s, allowed {allowed:.1f} s "
+                                        "(share an engine or a run, or re-record with --budget-record)")
+        for name, seconds in self.unmarked:
+            terminalreporter.write_line(f"NOT MARKED SLOW {name}: {seconds:.1f} s (mark it pytest.mark.slow)")
+        if not self.over and not self.unmarked:
+            terminalreporter.write_line("every test file within its budget; every test past "
+                                        f"{Budget.load(self.budget_path).unmarked_s:.0f} s marked slow")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("budget", "per-file time budget")
+    group.addoption("--budget", type=Path, default=None, help="fail the run when a test file exceeds its budget")
+    group.addoption("--budget-record", type=Path, default=None, help="write this run's seconds per file here")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    budget, record = config.getoption("--budget"), config.getoption("--budget-record")
+    if not (budget or record):
+        return
+    worker = hasattr(config, "workerinput")
+    distributing = not worker and bool(config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses"))
+    if not worker:
+        config.pluginmanager.register(BudgetPlugin(budget, record), "lorarl-budget")
+    if not distributing:  # where the tests run: an xdist worker or the only process
+        config.pluginmanager.register(FixtureClock(), "lorarl-fixture-clock")

@@ -1,0 +1,122 @@
+"""The per-file time budget (tests/support/budget.py): a file past its record fails the run, by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pytest import MonkeyPatch, Pytester
+
+from tests.support.budget import Budget, Timings
+
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[2]
+
+SLOW_FILE = """
+import time
+import pytest
+
+@pytest.fixture(scope="session")
+def shared():
+    time.sleep(0.6)
+
+def test_slow(shared):
+    time.sleep(0.4)
+
+def test_also_slow(shared):
+    time.sleep(0.4)
+"""
+
+
+def budget_file(path: Path, files: dict[str, float], default_s: float = 20.0) -> Path:
+    path.write_text(json.dumps({"headroom": 1.0, "slack_s": 0.0, "default_s": default_s, "unmarked_s": 60.0,
+                                "files": files}))
+    return path
+
+
+def test_allowed_is_the_record_with_headroom_and_the_default_for_a_new_file() -> None:
+    budget = Budget(files={"tests/a.py": 10.0}, headroom=1.5, slack_s=5.0, default_s=20.0)
+    assert budget.allowed("tests/a.py") == 20.0 and budget.allowed("tests/new.py") == 20.0
+    assert budget.over({"tests/a.py": 19.9, "tests/new.py": 21.0, "tests/b.py": 1.0}) == [
+        ("tests/new.py", 21.0, 20.0)]
+
+
+def test_session_fixture_time_is_its_own_line_not_the_first_files() -> None:
+    timings = Timings()
+
+    class Report:
+        def __init__(self, nodeid: str, duration: float, fixtures: dict | None = None) -> None:
+            self.nodeid, self.duration = nodeid, duration
+            self.user_properties = [("lorarl_session_fixture_s", fixtures)] if fixtures else []
+
+    timings.report(Report("tests/a.py::test_x", 7.0, {"engine": 6.0}))
+    timings.report(Report("tests/a.py::test_y", 1.5))
+    timings.report(Report("tests/b.py::test_z", 2.0))
+    assert dict(timings.per_name) == {"fixture:engine": 6.0, "tests/a.py": 2.5, "tests/b.py": 2.0}
+
+
+def test_unknown_keys_in_the_record_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "budget.json"
+    path.write_text(json.dumps({"files": {}, "headrom": 2}))
+    with pytest.raises(ValueError, match="headrom"):
+        Budget.load(path)
+
+
+def test_a_file_past_its_budget_fails_the_run_naming_it(pytester: Pytester, monkeypatch: MonkeyPatch) -> None:
+    pytester.makeconftest('pytest_plugins = ["tests.support.budget"]')
+    pytester.makepyfile(test_grown=SLOW_FILE)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    within = budget_file(pytester.path / "within.json", {"test_grown.py": 2.0, "fixture:shared": 2.0})
+    assert pytester.runpytest_subprocess("--budget", str(within)).ret == 0
+
+    tight = budget_file(pytester.path / "tight.json", {"test_grown.py": 0.3, "fixture:shared": 2.0})
+    result = pytester.runpytest_subprocess("--budget", str(tight))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*OVER BUDGET test_grown.py: 0.8* s, allowed 0.3 s*"])
+    assert "fixture:shared" not in result.stdout.str().split("OVER BUDGET", 1)[1]  # the fixture is in budget
+
+    new = budget_file(pytester.path / "new.json", {}, default_s=0.5)
+    result = pytester.runpytest_subprocess("--budget", str(new))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*OVER BUDGET test_grown.py: 0.8* s*", "*OVER BUDGET fixture:shared: 0.6* s*"])
+
+
+def test_a_record_is_written_from_a_run(pytester: Pytester, monkeypatch: MonkeyPatch) -> None:
+    pytester.makeconftest('pytest_plugins = ["tests.support.budget"]')
+    pytester.makepyfile(test_grown=SLOW_FILE)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    record = pytester.path / "record.json"
+    assert pytester.runpytest_subprocess("--budget-record", str(record)).ret == 0
+    files = json.loads(record.read_text())["files"]
+    assert set(files) == {"test_grown.py", "fixture:shared"}
+    assert 0.7 <= files["test_grown.py"] < 2.0 and 0.5 <= files["fixture:shared"] < 2.0
+
+
+def test_the_suites_record_names_only_files_that_exist() -> None:
+    budget = Budget.load(ROOT / "tests" / "budget.json")
+    files = [name for name in budget.files if not name.startswith("fixture:")]
+    assert files, "tests/budget.json records no file"
+    assert [name for name in files if not (ROOT / name).is_file()] == []
+
+
+def test_a_slow_test_not_marked_slow_fails_the_run(pytester: Pytester, monkeypatch: MonkeyPatch) -> None:
+    pytester.makeconftest('pytest_plugins = ["tests.support.budget"]')
+    pytester.makepyfile(test_marks="""
+import time
+import pytest
+
+def test_unmarked():
+    time.sleep(0.5)
+
+@pytest.mark.slow
+def test_marked():
+    time.sleep(0.5)
+""")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    path = pytester.path / "budget.json"
+    path.write_text(json.dumps({"unmarked_s": 0.3, "files": {"test_marks.py": 5.0}}))
+    result = pytester.runpytest_subprocess("--budget", str(path))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*NOT MARKED SLOW test_marks.py::test_unmarked: 0.5* s*"])
+    assert "test_marked:" not in result.stdout.str()
