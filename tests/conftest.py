@@ -8,7 +8,14 @@ and files that listen on fixed loopback ports never run at the same time as each
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One OpenMP thread per test process (set before anything imports torch; a caller's value wins): with
+# two workers on two cores, an in-process vLLM engine's two spinning OpenMP threads made
+# tests/integration/rollout/test_vllm_dense.py take 247 s beside one busy core instead of 41 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytest_plugins = ["tests.support.budget"]
 

@@ -13,6 +13,8 @@ from lorarl.trainer.engines.megatron.model import build_gpt_model, compute_logit
 from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
 from tests.unit.trainer.megatron.spawn import GRAD_PARAM, backward_grad, logits_worker, run_workers
 
+pytestmark = pytest.mark.slow  # two spawned ranks per test
+
 ASSETS = Path(__file__).resolve().parents[3] / "lorarl" / "assets" / "models"
 TOLERANCE = 1e-4  # fp32 reduction order differs across shards (observed up to 1.1e-5 on logits ~7)
 
