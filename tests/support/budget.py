@@ -136,6 +136,7 @@ class BudgetPlugin:
         self.budget_path = budget_path
         self.record_path = record_path
         self.timings = Timings()
+        self.budget: Budget | None = None
         self.over: list[tuple[str, float, float]] = []
         self.unmarked: list[tuple[str, float]] = []
 
@@ -149,14 +150,14 @@ class BudgetPlugin:
             self.record_path.write_text(json.dumps(base.recorded(measured), indent=1) + "\n")
         if self.budget_path is None:
             return
-        budget = Budget.load(self.budget_path)
-        self.over = budget.over(measured)
-        self.unmarked = self.timings.unmarked_slow(budget.unmarked_s)
+        self.budget = Budget.load(self.budget_path)
+        self.over = self.budget.over(measured)
+        self.unmarked = self.timings.unmarked_slow(self.budget.unmarked_s)
         if (self.over or self.unmarked) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if self.budget_path is None:
+        if self.budget is None:
             return
         total = sum(self.timings.per_name.values())
         terminalreporter.write_sep("=", f"time budget ({self.budget_path}): {total / 60:.1f} min of tests")
@@ -167,7 +168,7 @@ class BudgetPlugin:
             terminalreporter.write_line(f"NOT MARKED SLOW {name}: {seconds:.1f} s (mark it pytest.mark.slow)")
         if not self.over and not self.unmarked:
             terminalreporter.write_line("every test file within its budget; every test past "
-                                        f"{Budget.load(self.budget_path).unmarked_s:.0f} s marked slow")
+                                        f"{self.budget.unmarked_s:.0f} s marked slow")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

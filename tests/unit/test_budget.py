@@ -29,6 +29,14 @@ def test_also_slow(shared):
 """
 
 
+@pytest.fixture
+def pytester(pytester: Pytester, monkeypatch: MonkeyPatch) -> Pytester:
+    """An inner pytest run with the budget plugin, importing it from this checkout."""
+    pytester.makeconftest('pytest_plugins = ["tests.support.budget"]')
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    return pytester
+
+
 def budget_file(path: Path, files: dict[str, float], default_s: float = 20.0) -> Path:
     path.write_text(json.dumps({"headroom": 1.0, "slack_s": 0.0, "default_s": default_s, "unmarked_s": 60.0,
                                 "files": files}))
@@ -63,10 +71,8 @@ def test_unknown_keys_in_the_record_are_refused(tmp_path: Path) -> None:
         Budget.load(path)
 
 
-def test_a_file_past_its_budget_fails_the_run_naming_it(pytester: Pytester, monkeypatch: MonkeyPatch) -> None:
-    pytester.makeconftest('pytest_plugins = ["tests.support.budget"]')
+def test_a_file_past_its_budget_fails_the_run_naming_it(pytester: Pytester) -> None:
     pytester.makepyfile(test_grown=SLOW_FILE)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     within = budget_file(pytester.path / "within.json", {"test_grown.py": 2.0, "fixture:shared": 2.0})
     assert pytester.runpytest_subprocess("--budget", str(within)).ret == 0
 
@@ -82,10 +88,8 @@ def test_a_file_past_its_budget_fails_the_run_naming_it(pytester: Pytester, monk
     result.stdout.fnmatch_lines(["*OVER BUDGET test_grown.py: 0.8* s*", "*OVER BUDGET fixture:shared: 0.6* s*"])
 
 
-def test_a_record_is_written_from_a_run(pytester: Pytester, monkeypatch: MonkeyPatch) -> None:
-    pytester.makeconftest('pytest_plugins = ["tests.support.budget"]')
+def test_a_record_is_written_from_a_run(pytester: Pytester) -> None:
     pytester.makepyfile(test_grown=SLOW_FILE)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     record = pytester.path / "record.json"
     assert pytester.runpytest_subprocess("--budget-record", str(record)).ret == 0
     files = json.loads(record.read_text())["files"]
@@ -100,8 +104,7 @@ def test_the_suites_record_names_only_files_that_exist() -> None:
     assert [name for name in files if not (ROOT / name).is_file()] == []
 
 
-def test_a_slow_test_not_marked_slow_fails_the_run(pytester: Pytester, monkeypatch: MonkeyPatch) -> None:
-    pytester.makeconftest('pytest_plugins = ["tests.support.budget"]')
+def test_a_slow_test_not_marked_slow_fails_the_run(pytester: Pytester) -> None:
     pytester.makepyfile(test_marks="""
 import time
 import pytest
@@ -113,7 +116,6 @@ def test_unmarked():
 def test_marked():
     time.sleep(0.5)
 """)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     path = pytester.path / "budget.json"
     path.write_text(json.dumps({"unmarked_s": 0.3, "files": {"test_marks.py": 5.0}}))
     result = pytester.runpytest_subprocess("--budget", str(path))
