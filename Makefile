@@ -6,13 +6,14 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 BUF := tools/buf/node_modules/.bin/buf
 STAMP := $(VENV)/.setup-done
+ASCEND_SOURCES := .cache/ascend-sources/.fetched
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup demo test test-fast test-budget-record lint proto proto-check proto-baseline assets lock bench-setup ascend-sources clean
 
-setup: $(STAMP) $(BUF)
+setup: $(STAMP) $(BUF) $(ASCEND_SOURCES)
 
 REQUIREMENTS := requirements/base.txt requirements/common.txt requirements/cpu.txt requirements/dev.txt
 TORCH_CPU := torch==2.13.0+cpu
@@ -30,6 +31,12 @@ $(STAMP): $(REQUIREMENTS) requirements/cpu-constraints.txt pyproject.toml
 	$(PIP) install -q $(addprefix -r ,$(wordlist 2,4,$(REQUIREMENTS))) -c requirements/cpu-constraints.txt
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# The Python source (only .py files, ~60 MB unpacked) of the vLLM and vllm-ascend releases the Ascend image
+# pins, sha256-checked: the compatibility tests read it, since that stack cannot be installed here.
+$(ASCEND_SOURCES): tools/ascend_sources.py $(STAMP)
+	$(PY) -m tools.ascend_sources
 	touch $@
 
 $(BUF): tools/buf/package.json
@@ -86,8 +93,7 @@ bench-setup: setup
 
 # The source of the vLLM / vllm-ascend releases the Ascend image pins, for the compatibility test
 # (tests/unit/rollout/test_vllm_surface.py); fetched once into .cache/, never by CI.
-ascend-sources: setup
-	$(PY) -m tools.ascend_sources
+ascend-sources: $(ASCEND_SOURCES)
 
 clean:
 	rm -rf $(VENV) tools/buf/node_modules .pytest_cache .ruff_cache

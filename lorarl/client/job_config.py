@@ -183,7 +183,14 @@ class RolloutSection:
                                 doc="Sequences a vLLM engine decodes at once (0: a whole step's batch, >= 64).")
     openai: bool = setting(False, doc="Serve the OpenAI-compatible endpoint on every replica (rollout.openai_port), "
                                        "for workflows whose agent code uses the openai client (ctx.openai_client()).")
-    tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices per rollout replica (vLLM TP).")
+    tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices per rollout replica (vLLM TP; on "
+                                        "CPU one worker process per TP rank, each bound to CPUs of its own).")
+    enable_lora: bool | None = setting(
+        None, doc="Start vLLM with LoRA (null: yes unless the model cannot run LoRA on this platform). Merged jobs "
+                  "may turn it off: the engine then runs without LoRA layers, and serves merged weights only.")
+    receive_in_worker: Literal["auto", "on", "off"] = setting(
+        "auto", doc="vLLM's workers join the weight transfer themselves, one rank each, and receive into their "
+                    "own device memory ('auto': on GPUs and NPUs, off on CPU); see the rollout service's setting.")
     block_size: int = setting(
         0, check=all_of(in_range(0), multiple_of(16)),
         doc="vLLM KV-cache block in tokens, a multiple of 16 (0: vLLM's default). Prefix caching shares whole "
@@ -297,6 +304,9 @@ class JobFileConfig:
 
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
             raise ConfigError("job_id", f"1-64 letters, digits, '_', '.', '-'; got {self.job_id!r}")
+        if self.rollout.enable_lora is False and self.sync.mode != "merged":
+            raise ConfigError("rollout.enable_lora", f"is false, so the rollout cannot serve adapters; sync.mode is "
+                                                     f"{self.sync.mode!r}: set sync.mode=merged or enable LoRA")
         if self.rollout.max_lora_rank < self.trainer.lora.rank and self.sync.mode != "merged":
             raise ConfigError("rollout.max_lora_rank",
                               f"{self.rollout.max_lora_rank} is below trainer.lora.rank={self.trainer.lora.rank}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lorarl.contract.transfer_ranks import merges_locally
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.engine_api import GenerationEngine
 from lorarl.rollout.gate import SwitchGate
@@ -111,7 +112,7 @@ class RolloutCore:
         receive = getattr(self.engine, "receive_in_worker", None)
         if receive is None or not getattr(self.engine, "receives_in_worker", False):
             return None
-        if serve_mode == common_pb2.SYNC_MODE_MERGED and manifest.mode == common_pb2.SYNC_MODE_ADAPTER:
+        if merges_locally(manifest.mode, serve_mode):
             return None
         token = f"{manifest.job_id}-v{manifest.version}-recv-{uuid.uuid4().hex[:8]}"
         return await receive(token, manifest.SerializeToString(), rendezvous, key)

@@ -20,7 +20,11 @@ from lorarl.rollout.schema import AdapterHandle, EngineInfo, EngineStats, Segmen
 
 @runtime_checkable
 class GenerationEngine(Protocol):
-    """A started engine; all methods run on the service's event loop."""
+    """A started engine; all methods run on the service's event loop.
+
+    Optional: ``loaded_weight_names``, the checkpoint names whose tensors the engine's loader writes
+    into a parameter (None or absent: all of them); a merged update naming any other fails.
+    """
 
     info: EngineInfo
 

@@ -98,11 +98,27 @@ def check_merged(tensors: Mapping[str, torch.Tensor], files: ModelFiles) -> None
             raise InvalidArgumentError("manifest.tensors", f"{name}: merged weights must be floating point")
 
 
-def complete_weights(tensors: Mapping[str, torch.Tensor], files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint weight: the payload's where it has one, the pristine base elsewhere (checkpoint order)."""
-    missing = [n for n in files.weight_names() if n not in tensors]
+def check_loadable(tensors: Mapping[str, torch.Tensor], loaded: frozenset[str] | None, engine: str) -> None:
+    """Every tensor sent must land in a parameter of the engine (``loaded``: the checkpoint names its own
+    loader writes somewhere; None: all): a name the loader would skip fails the version, never silently."""
+    if loaded is None:
+        return
+    skipped = sorted(n for n in tensors if n not in loaded)
+    if skipped:
+        raise FailedPreconditionError(
+            f"merged tensor {skipped[0]!r} would not be loaded: {engine}'s loader writes it into no parameter "
+            f"of the serving model{f' ({len(skipped) - 1} more such tensors)' if len(skipped) > 1 else ''}; "
+            "nothing was loaded")
+
+
+def complete_weights(tensors: Mapping[str, torch.Tensor], files: ModelFiles, loaded: frozenset[str] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint weight the engine loads (``loaded``; None: all): the payload's where it has one, the
+    pristine base elsewhere (checkpoint order)."""
+    names = [n for n in files.weight_names() if loaded is None or n in loaded or n in tensors]
+    missing = [n for n in names if n not in tensors]
     base = dict(files.tensors(missing)) if missing else {}
-    for name in files.weight_names():
+    for name in names:
         yield name, tensors[name] if name in tensors else base[name]
 
 

@@ -22,7 +22,14 @@ from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.engine_api import GenerationEngine
 from lorarl.rollout.gate import SwitchGate
 from lorarl.rollout.model_files import ModelFiles
-from lorarl.rollout.payloads import PolicyPayload, check_adapter, check_merged, complete_weights, merge_adapter
+from lorarl.rollout.payloads import (
+    PolicyPayload,
+    check_adapter,
+    check_loadable,
+    check_merged,
+    complete_weights,
+    merge_adapter,
+)
 from lorarl.rollout.policies import LoadedVersion, PolicyTable, State
 from lorarl.rollout.schema import LATEST, AdapterHandle, Mode, PolicyRef
 from lorarl.rollout.segments import SegmentRunner
@@ -105,10 +112,12 @@ class PolicyManager:
             lora = check_adapter(tensors, payload.lora, self.files, NO_RANK_LIMIT)
             tensors = await asyncio.to_thread(merge_adapter, tensors, lora, self.files)
         check_merged(tensors, self.files)
+        loaded = getattr(self.engine, "loaded_weight_names", None)
+        check_loadable(tensors, loaded, self.engine.info.engine)
         if previous is not None:
             await self._unload(previous)
         token = f"{payload.job_id}-v{payload.version}-{uuid.uuid4().hex[:8]}"
-        weights = complete_weights(tensors, self.files)
+        weights = complete_weights(tensors, self.files, loaded)
         if received is not None:
             await self.engine.stage_weights(token, weights, received=received)  # type: ignore[call-arg]
         else:

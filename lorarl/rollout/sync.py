@@ -28,7 +28,14 @@ def replica_capabilities(core: RolloutCore, backends: list[str]) -> weightsync_p
     return weightsync_pb2.ReplicaCapabilities(
         supports_lora=info.supports_lora, max_lora_rank=info.max_lora_rank if info.supports_lora else 0,
         max_loras=info.max_loras if info.supports_lora else 0, base_model_fingerprint=core.fingerprint,
-        engine=info.engine, collective_backends=[BACKENDS[b] for b in backends])
+        engine=info.engine, collective_backends=[BACKENDS[b] for b in backends],
+        receiving_ranks=receiving_ranks(core))
+
+
+def receiving_ranks(core: RolloutCore) -> int:
+    """One rank per engine worker where the engine receives in its workers (contract/transfer_ranks.py)."""
+    engine = core.engine
+    return int(getattr(engine, "worker_count", 1)) if getattr(engine, "receives_in_worker", False) else 1
 
 
 def start_sync_agent(core: RolloutCore, *, target: str, replica_id: str, token: str | None, backends: list[str],

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lorarl/v1/common.proto\x12\tlorarl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x97\x01\n\x08LoraSpec\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x31\n\x0b\x65xpert_mode\x18\x05 \x01(\x0e\x32\x1c.lorarl.v1.ExpertAdapterMode\x12\x12\n\nuse_rslora\x18\x06 \x01(\x08\"\xca\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x07\n\x05_seed\"\xd8\x03\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x1c\n\x14\x63ompletion_token_ids\x18\x05 \x03(\r\x12\x19\n\x11\x62\x65havior_logprobs\x18\x06 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x07 \x03(\x04\x12\x0e\n\x06reward\x18\x08 \x01(\x02\x12\x33\n\x07rewards\x18\t \x03(\x0b\x32\".lorarl.v1.Trajectory.RewardsEntry\x12.\n\rfinish_reason\x18\n \x01(\x0e\x32\x17.lorarl.v1.FinishReason\x12\x33\n\x07metrics\x18\x0b \x03(\x0b\x32\".lorarl.v1.Trajectory.MetricsEntry\x12\x11\n\tloss_mask\x18\x0c \x03(\x08\x12\x14\n\x0cturn_rewards\x18\r \x03(\x02\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8c\x01\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.lorarl.v1.DType\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\"F\n\x06\x42ucket\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0b\n\x03mac\x18\x04 \x01(\x0c\"\xc5\x02\n\x13\x43ollectiveTransport\x12-\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1c.lorarl.v1.CollectiveBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12G\n\rreplica_ranks\x18\x07 \x03(\x0b\x32\x30.lorarl.v1.CollectiveTransport.ReplicaRanksEntry\x12\x17\n\x0ftimeout_seconds\x18\x08 \x01(\r\x1a\x33\n\x11ReplicaRanksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"&\n\x0fInlineTransport\x12\x13\n\x0b\x63hunk_bytes\x18\x01 \x01(\r\"\x1d\n\rFileTransport\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xa1\x01\n\tTransport\x12\x34\n\ncollective\x18\x01 \x01(\x0b\x32\x1e.lorarl.v1.CollectiveTransportH\x00\x12,\n\x06inline\x18\x02 \x01(\x0b\x32\x1a.lorarl.v1.InlineTransportH\x00\x12(\n\x04\x66ile\x18\x03 \x01(\x0b\x32\x18.lorarl.v1.FileTransportH\x00\x42\x06\n\x04kind\"\x97\x03\n\x0eWeightManifest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tpolicy_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12!\n\x04mode\x18\x04 \x01(\x0e\x32\x13.lorarl.v1.SyncMode\x12\x1e\n\x16\x62\x61se_model_fingerprint\x18\x05 \x01(\t\x12!\n\x04lora\x18\x06 \x01(\x0b\x32\x13.lorarl.v1.LoraSpec\x12&\n\x07tensors\x18\x07 \x03(\x0b\x32\x15.lorarl.v1.TensorSpec\x12\"\n\x07\x62uckets\x18\x08 \x03(\x0b\x32\x11.lorarl.v1.Bucket\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12\'\n\ttransport\x18\n \x01(\x0b\x32\x14.lorarl.v1.Transport\x12\x1a\n\x12\x63hecksum_algorithm\x18\x0b \x01(\t\x12.\n\ncreated_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rmac_algorithm\x18\r \x01(\t\";\n\x0bWeightChunk\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"I\n\nItemStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t*\x92\x01\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x02\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x03\x12\x10\n\x0c\x44_TYPE_INT64\x10\x04\x12\x10\n\x0c\x44_TYPE_INT32\x10\x05\x12\x10\n\x0c\x44_TYPE_UINT8\x10\x06*f\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SYNC_MODE_ADAPTER\x10\x01\x12\x14\n\x10SYNC_MODE_MERGED\x10\x02\x12\x12\n\x0eSYNC_MODE_AUTO\x10\x03*\x9a\x01\n\x11\x45xpertAdapterMode\x12#\n\x1f\x45XPERT_ADAPTER_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45XPERT_ADAPTER_MODE_NONE\x10\x01\x12\"\n\x1e\x45XPERT_ADAPTER_MODE_PER_EXPERT\x10\x02\x12\x1e\n\x1a\x45XPERT_ADAPTER_MODE_SHARED\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x8e\x01\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_HCCL\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lorarl/v1/common.proto\x12\tlorarl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x97\x01\n\x08LoraSpec\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x31\n\x0b\x65xpert_mode\x18\x05 \x01(\x0e\x32\x1c.lorarl.v1.ExpertAdapterMode\x12\x12\n\nuse_rslora\x18\x06 \x01(\x08\"\xca\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x07\n\x05_seed\"\xd8\x03\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x1c\n\x14\x63ompletion_token_ids\x18\x05 \x03(\r\x12\x19\n\x11\x62\x65havior_logprobs\x18\x06 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x07 \x03(\x04\x12\x0e\n\x06reward\x18\x08 \x01(\x02\x12\x33\n\x07rewards\x18\t \x03(\x0b\x32\".lorarl.v1.Trajectory.RewardsEntry\x12.\n\rfinish_reason\x18\n \x01(\x0e\x32\x17.lorarl.v1.FinishReason\x12\x33\n\x07metrics\x18\x0b \x03(\x0b\x32\".lorarl.v1.Trajectory.MetricsEntry\x12\x11\n\tloss_mask\x18\x0c \x03(\x08\x12\x14\n\x0cturn_rewards\x18\r \x03(\x02\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8c\x01\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.lorarl.v1.DType\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\"F\n\x06\x42ucket\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0b\n\x03mac\x18\x04 \x01(\x0c\"\xd3\x03\n\x13\x43ollectiveTransport\x12-\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1c.lorarl.v1.CollectiveBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12G\n\rreplica_ranks\x18\x07 \x03(\x0b\x32\x30.lorarl.v1.CollectiveTransport.ReplicaRanksEntry\x12\x17\n\x0ftimeout_seconds\x18\x08 \x01(\r\x12R\n\x13replica_rank_counts\x18\t \x03(\x0b\x32\x35.lorarl.v1.CollectiveTransport.ReplicaRankCountsEntry\x1a\x33\n\x11ReplicaRanksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x38\n\x16ReplicaRankCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"&\n\x0fInlineTransport\x12\x13\n\x0b\x63hunk_bytes\x18\x01 \x01(\r\"\x1d\n\rFileTransport\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xa1\x01\n\tTransport\x12\x34\n\ncollective\x18\x01 \x01(\x0b\x32\x1e.lorarl.v1.CollectiveTransportH\x00\x12,\n\x06inline\x18\x02 \x01(\x0b\x32\x1a.lorarl.v1.InlineTransportH\x00\x12(\n\x04\x66ile\x18\x03 \x01(\x0b\x32\x18.lorarl.v1.FileTransportH\x00\x42\x06\n\x04kind\"\x97\x03\n\x0eWeightManifest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tpolicy_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12!\n\x04mode\x18\x04 \x01(\x0e\x32\x13.lorarl.v1.SyncMode\x12\x1e\n\x16\x62\x61se_model_fingerprint\x18\x05 \x01(\t\x12!\n\x04lora\x18\x06 \x01(\x0b\x32\x13.lorarl.v1.LoraSpec\x12&\n\x07tensors\x18\x07 \x03(\x0b\x32\x15.lorarl.v1.TensorSpec\x12\"\n\x07\x62uckets\x18\x08 \x03(\x0b\x32\x11.lorarl.v1.Bucket\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12\'\n\ttransport\x18\n \x01(\x0b\x32\x14.lorarl.v1.Transport\x12\x1a\n\x12\x63hecksum_algorithm\x18\x0b \x01(\t\x12.\n\ncreated_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rmac_algorithm\x18\r \x01(\t\";\n\x0bWeightChunk\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"I\n\nItemStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t*\x92\x01\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x02\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x03\x12\x10\n\x0c\x44_TYPE_INT64\x10\x04\x12\x10\n\x0c\x44_TYPE_INT32\x10\x05\x12\x10\n\x0c\x44_TYPE_UINT8\x10\x06*f\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SYNC_MODE_ADAPTER\x10\x01\x12\x14\n\x10SYNC_MODE_MERGED\x10\x02\x12\x12\n\x0eSYNC_MODE_AUTO\x10\x03*\x9a\x01\n\x11\x45xpertAdapterMode\x12#\n\x1f\x45XPERT_ADAPTER_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45XPERT_ADAPTER_MODE_NONE\x10\x01\x12\"\n\x1e\x45XPERT_ADAPTER_MODE_PER_EXPERT\x10\x02\x12\x1e\n\x1a\x45XPERT_ADAPTER_MODE_SHARED\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x8e\x01\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_HCCL\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,16 +38,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAJECTORY_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_COLLECTIVETRANSPORT_REPLICARANKSENTRY']._loaded_options = None
   _globals['_COLLECTIVETRANSPORT_REPLICARANKSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2229
-  _globals['_DTYPE']._serialized_end=2375
-  _globals['_SYNCMODE']._serialized_start=2377
-  _globals['_SYNCMODE']._serialized_end=2479
-  _globals['_EXPERTADAPTERMODE']._serialized_start=2482
-  _globals['_EXPERTADAPTERMODE']._serialized_end=2636
-  _globals['_FINISHREASON']._serialized_start=2638
-  _globals['_FINISHREASON']._serialized_end=2758
-  _globals['_COLLECTIVEBACKEND']._serialized_start=2761
-  _globals['_COLLECTIVEBACKEND']._serialized_end=2903
+  _globals['_COLLECTIVETRANSPORT_REPLICARANKCOUNTSENTRY']._loaded_options = None
+  _globals['_COLLECTIVETRANSPORT_REPLICARANKCOUNTSENTRY']._serialized_options = b'8\001'
+  _globals['_DTYPE']._serialized_start=2371
+  _globals['_DTYPE']._serialized_end=2517
+  _globals['_SYNCMODE']._serialized_start=2519
+  _globals['_SYNCMODE']._serialized_end=2621
+  _globals['_EXPERTADAPTERMODE']._serialized_start=2624
+  _globals['_EXPERTADAPTERMODE']._serialized_end=2778
+  _globals['_FINISHREASON']._serialized_start=2780
+  _globals['_FINISHREASON']._serialized_end=2900
+  _globals['_COLLECTIVEBACKEND']._serialized_start=2903
+  _globals['_COLLECTIVEBACKEND']._serialized_end=3045
   _globals['_LORASPEC']._serialized_start=71
   _globals['_LORASPEC']._serialized_end=222
   _globals['_SAMPLINGPARAMS']._serialized_start=225
@@ -63,19 +65,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BUCKET']._serialized_start=1047
   _globals['_BUCKET']._serialized_end=1117
   _globals['_COLLECTIVETRANSPORT']._serialized_start=1120
-  _globals['_COLLECTIVETRANSPORT']._serialized_end=1445
-  _globals['_COLLECTIVETRANSPORT_REPLICARANKSENTRY']._serialized_start=1394
-  _globals['_COLLECTIVETRANSPORT_REPLICARANKSENTRY']._serialized_end=1445
-  _globals['_INLINETRANSPORT']._serialized_start=1447
-  _globals['_INLINETRANSPORT']._serialized_end=1485
-  _globals['_FILETRANSPORT']._serialized_start=1487
-  _globals['_FILETRANSPORT']._serialized_end=1516
-  _globals['_TRANSPORT']._serialized_start=1519
-  _globals['_TRANSPORT']._serialized_end=1680
-  _globals['_WEIGHTMANIFEST']._serialized_start=1683
-  _globals['_WEIGHTMANIFEST']._serialized_end=2090
-  _globals['_WEIGHTCHUNK']._serialized_start=2092
-  _globals['_WEIGHTCHUNK']._serialized_end=2151
-  _globals['_ITEMSTATUS']._serialized_start=2153
-  _globals['_ITEMSTATUS']._serialized_end=2226
+  _globals['_COLLECTIVETRANSPORT']._serialized_end=1587
+  _globals['_COLLECTIVETRANSPORT_REPLICARANKSENTRY']._serialized_start=1478
+  _globals['_COLLECTIVETRANSPORT_REPLICARANKSENTRY']._serialized_end=1529
+  _globals['_COLLECTIVETRANSPORT_REPLICARANKCOUNTSENTRY']._serialized_start=1531
+  _globals['_COLLECTIVETRANSPORT_REPLICARANKCOUNTSENTRY']._serialized_end=1587
+  _globals['_INLINETRANSPORT']._serialized_start=1589
+  _globals['_INLINETRANSPORT']._serialized_end=1627
+  _globals['_FILETRANSPORT']._serialized_start=1629
+  _globals['_FILETRANSPORT']._serialized_end=1658
+  _globals['_TRANSPORT']._serialized_start=1661
+  _globals['_TRANSPORT']._serialized_end=1822
+  _globals['_WEIGHTMANIFEST']._serialized_start=1825
+  _globals['_WEIGHTMANIFEST']._serialized_end=2232
+  _globals['_WEIGHTCHUNK']._serialized_start=2234
+  _globals['_WEIGHTCHUNK']._serialized_end=2293
+  _globals['_ITEMSTATUS']._serialized_start=2295
+  _globals['_ITEMSTATUS']._serialized_end=2368
 # @@protoc_insertion_point(module_scope)

@@ -186,8 +186,15 @@ class Bucket(_message.Message):
     def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class CollectiveTransport(_message.Message):
-    __slots__ = ("backend", "master_address", "master_port", "group_name", "world_size", "source_rank", "replica_ranks", "timeout_seconds")
+    __slots__ = ("backend", "master_address", "master_port", "group_name", "world_size", "source_rank", "replica_ranks", "timeout_seconds", "replica_rank_counts")
     class ReplicaRanksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ReplicaRankCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +209,7 @@ class CollectiveTransport(_message.Message):
     SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
     REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_RANK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     backend: CollectiveBackend
     master_address: str
     master_port: int
@@ -210,7 +218,8 @@ class CollectiveTransport(_message.Message):
     source_rank: int
     replica_ranks: _containers.ScalarMap[str, int]
     timeout_seconds: int
-    def __init__(self, backend: _Optional[_Union[CollectiveBackend, str]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., world_size: _Optional[int] = ..., source_rank: _Optional[int] = ..., replica_ranks: _Optional[_Mapping[str, int]] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+    replica_rank_counts: _containers.ScalarMap[str, int]
+    def __init__(self, backend: _Optional[_Union[CollectiveBackend, str]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., world_size: _Optional[int] = ..., source_rank: _Optional[int] = ..., replica_ranks: _Optional[_Mapping[str, int]] = ..., timeout_seconds: _Optional[int] = ..., replica_rank_counts: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class InlineTransport(_message.Message):
     __slots__ = ("chunk_bytes",)

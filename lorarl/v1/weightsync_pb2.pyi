@@ -90,20 +90,22 @@ class UploadWeightsResponse(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class ReplicaCapabilities(_message.Message):
-    __slots__ = ("supports_lora", "max_lora_rank", "max_loras", "base_model_fingerprint", "engine", "collective_backends")
+    __slots__ = ("supports_lora", "max_lora_rank", "max_loras", "base_model_fingerprint", "engine", "collective_backends", "receiving_ranks")
     SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVING_RANKS_FIELD_NUMBER: _ClassVar[int]
     supports_lora: bool
     max_lora_rank: int
     max_loras: int
     base_model_fingerprint: str
     engine: str
     collective_backends: _containers.RepeatedScalarFieldContainer[_common_pb2.CollectiveBackend]
-    def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., collective_backends: _Optional[_Iterable[_Union[_common_pb2.CollectiveBackend, str]]] = ...) -> None: ...
+    receiving_ranks: int
+    def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., collective_backends: _Optional[_Iterable[_Union[_common_pb2.CollectiveBackend, str]]] = ..., receiving_ranks: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("replica_id", "job_ids", "capabilities", "host", "active_versions", "serve_address")
@@ -129,14 +131,16 @@ class SubscribeRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., job_ids: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[ReplicaCapabilities, _Mapping]] = ..., host: _Optional[str] = ..., active_versions: _Optional[_Mapping[str, int]] = ..., serve_address: _Optional[str] = ...) -> None: ...
 
 class StageEvent(_message.Message):
-    __slots__ = ("manifest", "rank", "serve_mode")
+    __slots__ = ("manifest", "rank", "serve_mode", "rank_count")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SERVE_MODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_COUNT_FIELD_NUMBER: _ClassVar[int]
     manifest: _common_pb2.WeightManifest
     rank: int
     serve_mode: _common_pb2.SyncMode
-    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., rank: _Optional[int] = ..., serve_mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ...) -> None: ...
+    rank_count: int
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., rank: _Optional[int] = ..., serve_mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., rank_count: _Optional[int] = ...) -> None: ...
 
 class CommitEvent(_message.Message):
     __slots__ = ("job_id", "version")

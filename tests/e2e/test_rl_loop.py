@@ -112,6 +112,28 @@ def test_two_rollout_replicas_share_the_batches(tmp_path: Path) -> None:
         assert "serving demo v3" in log, log[-2000:]
 
 
+@pytest.mark.skipif(len(available_cpus()) < 2, reason="two vLLM CPU workers need two CPUs")
+def test_tensor_parallel_rollout_receives_in_both_workers_and_stays_on_policy(tmp_path: Path) -> None:
+    """The headline's shape on CPU: TP-2 rollout, merged weights into the LoRA-enabled engine, received by
+    both vLLM workers themselves (one transfer rank each), all from the job file."""
+    out = tmp_path / "tp2"
+    result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=3",
+                    "rollout.tensor_parallel_size=2", "sync.mode=merged", "rollout.receive_in_worker=on", *COMMON)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    history = steps(out)
+    assert [r["train/version"] for r in history] == [1, 2, 3]
+    # What both workers loaded is the trainer's policy: the rollout's logprobs equal the trainer's.
+    assert max(r["train/behavior_logprob_abs_diff"] for r in history) < 1e-3
+    rollout_log = (out / "services" / "rollout.log").read_text()
+    weightsync_log = (out / "services" / "weightsync.log").read_text()
+    assert "vLLM CPU workers bound to CPUs" in rollout_log, rollout_log[-2000:]
+    for version in (1, 2, 3):
+        assert f"round demo v{version} started: rollout-0(collective ranks 1-2)" in weightsync_log
+        assert f"received demo-v{version}-recv-" in rollout_log
+        assert "in 2 worker(s), transfer rank(s) [1, 2]" in rollout_log
+        assert f"serving demo v{version}" in rollout_log
+
+
 def test_stopped_run_resumes_from_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "resume"
     first = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=2",

@@ -123,8 +123,10 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     **({"openai_port": 0} if cfg.rollout.openai else {}),
                     **({"block_size": cfg.rollout.block_size} if cfg.rollout.block_size else {}),
                     **({"max_model_len": length} if (length := serving_length(cfg)) else {}),
-                    **{key: getattr(cfg.rollout, key) for key in ("enforce_eager", "gpu_memory_utilization")
+                    **{key: getattr(cfg.rollout, key) for key in ("enforce_eager", "gpu_memory_utilization",
+                                                                 "enable_lora")
                        if getattr(cfg.rollout, key) is not None},
+                    "receive_in_worker": cfg.rollout.receive_in_worker,
                     # A step's whole batch (prompts x group) in one decode wave on every replica.
                     "max_num_seqs": cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
                                                                       * cfg.rollout.group_size
@@ -139,12 +141,14 @@ def cpu_pins(cfg) -> dict[str, str]:
     the trainer on the rest. A sync loop takes turns (generate, then train), so each takes every CPU
     while the other waits: at the Qwen3-0.6B shape on 2 cores a step fell from 36 s to 31 s (generation
     19 -> 13 s; bench/RESULTS.md). The rollout frontend, weight sync and the loop stay where the OS puts
-    them. Empty when off, on accelerators, with several rollout replicas or trainer ranks, or on one CPU."""
+    them. Empty when off, on accelerators, with several rollout replicas, tensor-parallel rollout workers (each
+    is bound to CPUs of its own: lorarl/rollout/vllm/cpu_binding.py) or trainer ranks, or on one CPU."""
     from lorarl.common.cpu_affinity import available_cpus, format_cpu_list
 
     cpus = available_cpus()
     if (cfg.placement.pin_cpus != "auto" or cfg.trainer.device != "cpu" or cfg.rollout.engine != "vllm"
-            or cfg.rollout.replicas > 1 or cfg.trainer.parallel.world_size > 1 or len(cpus) < 2):
+            or cfg.rollout.replicas > 1 or cfg.rollout.tensor_parallel_size > 1
+            or cfg.trainer.parallel.world_size > 1 or len(cpus) < 2):
         return {}
     if cfg.loop.mode == "sync":
         return {"rollout_engine": format_cpu_list(cpus), "trainer": format_cpu_list(cpus)}

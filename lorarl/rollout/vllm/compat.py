@@ -105,10 +105,28 @@ def reload_weights(worker: Any, weights: Iterable[tuple[str, Any]], way: str | N
     runs for RL updates: vLLM records each layer's loaded form, puts the weights back into checkpoint
     layout, loads, and re-runs each layer's process_weights_after_loading. That is what undoes and
     redoes the NPU's transposed MoE expert weights (AscendUnquantizedFusedMoEMethod) around a reload.
+    Under LoRA, loaders that do not know its `.base_layer.` names (vLLM 0.23's) see the unwrapped names
+    (weight_names.checkpoint_named_parameters).
     """
+    from lorarl.rollout.vllm.weight_names import checkpoint_named_parameters, needs_unwrapped_names
+
     way = way or reload_way(worker)
     if way not in RELOAD_WAYS:
         raise ValueError(f"unknown reload way {way!r}; one of {RELOAD_WAYS}")
+    model = served_model(worker)
+    with checkpoint_named_parameters(model, needs_unwrapped_names(model)):
+        _reload(worker, weights, way)
+
+
+def served_model(worker: Any) -> Any:
+    """The model a worker serves: its runner's get_model() (vLLM's GPU and CPU runners), else its `model`
+    (vllm-ascend 0.23's NPUModelRunner)."""
+    runner = worker.model_runner
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if callable(get_model) else runner.model
+
+
+def _reload(worker: Any, weights: Iterable[tuple[str, Any]], way: str) -> None:
     if way == "worker":
         worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         return

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from lorarl.common import ascend
-from lorarl.common.cpu_affinity import format_cpu_list, parse_cpu_list
+from lorarl.common.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
 from lorarl.common.errors import UnavailableError
 from lorarl.contract.lora import LoraSpec
 from lorarl.rollout.config import RolloutSettings
@@ -38,6 +38,7 @@ from lorarl.rollout.schema import (
     SegmentSpec,
 )
 from lorarl.rollout.vllm import compat
+from lorarl.rollout.vllm.cpu_binding import apply_thread_binding
 from lorarl.rollout.vllm.worker_ext import EXTENSION_QUALNAME, MEMORY_SCHEME
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,10 @@ class VllmEngine:
         self._shm_root: Path | None = None
         self.weight_version = ""  # label of the merged weights served, "" for the base model
         self.receives_in_worker = False  # rollout.receive_in_worker, resolved for this platform on start()
+        #: vLLM worker processes (one per tensor-parallel rank); each joins an in-worker receive with its own rank.
+        self.worker_count = settings.tensor_parallel_size
+        #: checkpoint names the model's own loader writes into a parameter (weight_names.py), set on start()
+        self.loaded_weight_names: frozenset[str] | None = None
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -131,6 +136,9 @@ class VllmEngine:
             if problems:
                 raise ValueError("; ".join(problems))
         compat.apply_platform_environment(current_platform.device_type)  # before vLLM loads the model
+        if current_platform.is_cpu():
+            apply_thread_binding(parse_cpu_list(s.engine_cpus) if s.engine_cpus else available_cpus(),
+                                 self.worker_count)
         supported, reason = lora_support(self.files, current_platform.is_cpu())
         enable_lora = supported if s.enable_lora is None else s.enable_lora
         if enable_lora and not supported:
@@ -181,12 +189,25 @@ class VllmEngine:
             s.receive_in_worker == "auto" and not current_platform.is_cpu())
         if current_platform.is_cpu():
             await self._llm.collective_rpc("lorarl_install_cpu_fixes")
-        if s.engine_cpus:
+        await self._learn_weight_names()
+        if s.engine_cpus and self.worker_count == 1:  # several workers: each is bound by apply_thread_binding
             pinned = await self._llm.collective_rpc("lorarl_pin_cpus", kwargs={"cpus": parse_cpu_list(s.engine_cpus)})
             logger.info("vLLM engine core pinned to CPUs %s", format_cpu_list(pinned[0]))
         if enable_lora and s.adapter_source == "shm":
             self._shm_root = Path(s.shm_dir) / f"lorarl-rollout-{os.getpid()}-{id(self):x}"
             self._shm_root.mkdir(parents=True, exist_ok=True)
+
+    async def _learn_weight_names(self) -> None:
+        """Asks the worker where its loader puts each checkpoint tensor (worker_ext.lorarl_weight_targets)."""
+        files = self.files
+        shapes = {n: (str(files.dtype(n)).removeprefix("torch."), list(files.shape(n) or ()))
+                  for n in files.weight_names()}
+        targets = (await self._llm.collective_rpc("lorarl_weight_targets", kwargs={"shapes": shapes}))[0]
+        self.loaded_weight_names = frozenset(n for n, where in targets.items() if where)
+        skipped = sorted(set(shapes) - self.loaded_weight_names)
+        if skipped:
+            logger.info("checkpoint tensors this engine's loader does not load (an update naming one fails): %s",
+                        skipped[:8] + ([f"... {len(skipped) - 8} more"] if len(skipped) > 8 else []))
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -291,10 +312,18 @@ class VllmEngine:
 
     async def receive_in_worker(self, token: str, manifest: bytes, rendezvous: Mapping[str, Any],
                                 key: bytes | None) -> ReceivedTensors:
-        """The worker joins the transfer group and receives the version into its own device memory
-        (worker_ext.lorarl_receive); what comes back is names, dtypes and shapes."""
+        """Every worker joins the transfer group with its own rank (``rendezvous["ranks"]``, one per
+        worker in worker order) and receives the full version into its own device memory
+        (worker_ext.lorarl_receive), to load its own shard from; what comes back is names, dtypes and shapes."""
+        ranks = list(rendezvous["ranks"])
+        if len(ranks) != self.worker_count:
+            raise ValueError(f"{len(ranks)} transfer ranks for an engine of {self.worker_count} workers")
         specs = await self._llm.collective_rpc("lorarl_receive", kwargs={
             "token": token, "manifest": manifest, "key": key, **rendezvous})
+        if any(spec != specs[0] for spec in specs[1:]):
+            await self.drop_received(token)
+            raise RuntimeError("the engine's workers received different tensors for one version")
+        logger.info("received %s in %d worker(s), transfer rank(s) %s", token, len(ranks), ranks)
         return ReceivedTensors(token, specs[0])
 
     async def drop_received(self, token: str) -> None:

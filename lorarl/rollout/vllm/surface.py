@@ -91,7 +91,10 @@ SURFACE: tuple[Symbol, ...] = (
         "model", "supported_lora_modules", "packed_modules_mapping")),
     _s("vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper",
        fallback="adapter names are parsed with the model's hf_to_vllm_mapper as is, as vLLM 0.23's loader does"),
-    # --- merged weights (worker_ext.py via compat.reload_weights)
+    # --- merged weights (worker_ext.py via compat.reload_weights; names: weight_names.py)
+    _s("vllm.lora.layers:BaseLayerWithLoRA"),
+    _s("vllm.lora.layers:BaseLayerWithLoRA.load_weights",
+       fallback="loaders see the parameter names LoRA's wrapping hid (weight_names.checkpoint_named_parameters)"),
     _s("vllm.v1.worker.gpu_worker:Worker.reload_weights", platforms=frozenset({"cpu", "cuda"})),
     _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights", "weights_iterator", "is_checkpoint_format",
        platforms=frozenset({"cpu", "cuda"})),

@@ -196,13 +196,15 @@ class LorarlWorkerExtension:
                 "builds": sum(w._lorarl_lean_builds for w in wrappers)}
 
     def lorarl_receive(self, token: str, manifest: bytes, backend: str, master_address: str, master_port: int,
-                       rank: int, world_size: int, group_name: str, source_rank: int, timeout_s: float,
+                       ranks: list[int], world_size: int, group_name: str, source_rank: int, timeout_s: float,
                        local_address: str | None, key: bytes | None) -> dict[str, tuple[str, list[int]]]:
         """Joins a weight-transfer group and receives a version straight into this worker's device: the
         service process keeps the control plane (rendezvous, reports, commit); the bytes skip it.
         Every bucket and tensor checksum and every bucket's MAC is checked as in the service's own
         receive (lorarl.weightsync.client.agent.verify_pieces, on a host copy of each piece); the tensors
-        kept are views into the device buffers. Returns {name: (dtype, shape)} for the service's checks."""
+        kept are views into the device buffers. ``ranks``: one per worker of the engine, this worker
+        joining with ranks[its own rank]; each receives the full tensors and loads its shard from them.
+        Returns {name: (dtype, shape)} for the service's checks."""
         import torch
 
         from lorarl.v1 import common_pb2
@@ -210,6 +212,10 @@ class LorarlWorkerExtension:
         from lorarl.weightsync.wire.collective import WeightTransferGroup
         from lorarl.weightsync.wire.payload import unpack_bucket
 
+        worker = int(getattr(self, "rank", 0))
+        if not 0 <= worker < len(ranks):
+            raise ValueError(f"worker {worker} has no transfer rank: {len(ranks)} given ({ranks})")
+        rank = ranks[worker]
         parsed = common_pb2.WeightManifest.FromString(manifest)
         device = getattr(self, "device", None) or torch.device("cpu")
         group = WeightTransferGroup(backend, master_address, master_port, rank, world_size, group_name,
@@ -264,6 +270,12 @@ class LorarlWorkerExtension:
 
     def lorarl_drop_weights(self, token: str) -> bool:
         return _WEIGHTS.pop(token, None) is not None
+
+    def lorarl_weight_targets(self, shapes: dict[str, tuple[str, list[int]]]) -> dict[str, list[str]]:
+        """Where the model's own loader would write each checkpoint tensor (weight_names.weight_targets)."""
+        from lorarl.rollout.vllm.weight_names import weight_targets
+
+        return weight_targets(compat.served_model(self), shapes)
 
     def lorarl_weights_digest(self) -> dict[str, str]:
         """sha256 of every model parameter as the worker holds it: two ways of loading the same weights

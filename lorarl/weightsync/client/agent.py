@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from lorarl.common.channel import ClientTls, aio_channel
+from lorarl.contract.transfer_ranks import held_ranks
 from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 from lorarl.weightsync.client.sinks import PolicySink, PolicyUpdate
 from lorarl.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup
@@ -172,6 +173,9 @@ class WeightSyncAgent:
             if transport == "collective":
                 tensors = await asyncio.to_thread(self._receive_in_engine, stage)
                 if tensors is None:
+                    if stage.rank_count > 1:  # its other ranks would never join: the sender times out
+                        raise StageError(f"weight sync assigned {stage.rank_count} ranks (one per engine worker) "
+                                         "but the engine did not receive this version in its workers")
                     tensors = await asyncio.to_thread(self._receive_collective, stage)
             elif transport == "inline":
                 tensors = await self._receive_inline(manifest)
@@ -193,7 +197,8 @@ class WeightSyncAgent:
     def _receive_in_engine(self, stage: weightsync_pb2.StageEvent) -> Mapping[str, torch.Tensor] | None:
         """Where the sink's engine receives transfers in its own worker (the rollout's vLLM worker, into
         device memory), it gets the rendezvous and the key and does the receive and every check itself;
-        this agent keeps the control plane. None: receive here (also under a fault-injection hook)."""
+        this agent keeps the control plane; ``ranks`` holds one rank per worker that joins (see
+        contract/transfer_ranks.py). None: receive here (also under a fault-injection hook)."""
         receive = getattr(self.sink, "receive_in_engine", None)
         if receive is None or self.receive_hook is not None:
             return None
@@ -203,7 +208,8 @@ class WeightSyncAgent:
         if backend is None:
             raise StageError(f"unknown collective backend {c.backend}")
         rendezvous = {"backend": backend, "master_address": c.master_address, "master_port": c.master_port,
-                      "rank": stage.rank, "world_size": c.world_size, "group_name": c.group_name,
+                      "ranks": held_ranks(stage.rank, stage.rank_count), "world_size": c.world_size,
+                      "group_name": c.group_name,
                       "source_rank": c.source_rank, "timeout_s": float(c.timeout_seconds or 120),
                       "local_address": self.host}
         return receive(manifest, rendezvous, transfer_key(self.token, manifest.job_id),

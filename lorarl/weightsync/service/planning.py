@@ -1,10 +1,12 @@
 """Who receives a version and how: collective rendezvous for those who can, inline for the rest.
 
 The trainer's sender is rank 0 and hosts the group's store at the address it reported (so the
-master address is one the replicas can reach, across hosts). Each collective member gets a rank
-1..n; the group name is unique per publish. A replica that cannot join the configured backend,
-or a trainer that reported no address, means inline: the replica fetches the durable adapter from
-the service (and merges it locally in a MERGED job), so the service never stores merged weights.
+master address is one the replicas can reach, across hosts). Each collective member gets ranks from 1
+on, one per process it receives with (contract/transfer_ranks.py: a tensor-parallel engine receiving
+in its workers holds one per worker); the group name is unique per publish. A replica that cannot
+join the configured backend, or a trainer that reported no address, means inline: the replica
+fetches the durable adapter from the service (and merges it locally in a MERGED job), so the
+service never stores merged weights.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from lorarl.contract.transfer_ranks import ranks_for_version
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.config import WeightSyncSettings
 from lorarl.weightsync.service.modes import serve_mode
@@ -55,21 +58,26 @@ def plan_publish(settings: WeightSyncSettings, job: JobRecord, record: VersionRe
     can_broadcast = settings.transport == "collective" and bool(sender_host) and sender_port > 0
     collective = [r for r in replicas if can_broadcast and backend in r.capabilities.collective_backends]
     inline = [r for r in replicas if r not in collective]
-    ranks = {r.replica_id: SENDER_RANK + 1 + i for i, r in enumerate(collective)}
+    modes = {r.replica_id: serve_mode(job.mode, r.capabilities, job.spec.lora) for r in replicas}
+    counts = {r.replica_id: ranks_for_version(r.capabilities.receiving_ranks, record.manifest.mode,
+                                              modes[r.replica_id]) for r in collective}
+    ranks, next_rank = {}, SENDER_RANK + 1
+    for r in collective:
+        ranks[r.replica_id], next_rank = next_rank, next_rank + counts[r.replica_id]
     group = common_pb2.CollectiveTransport(
         backend=backend, master_address=sender_host, master_port=sender_port,
-        group_name=f"{job.job_id}/v{record.version}/{uuid.uuid4().hex[:12]}", world_size=1 + len(collective),
-        source_rank=SENDER_RANK, replica_ranks=ranks, timeout_seconds=int(settings.collective_timeout_s))
+        group_name=f"{job.job_id}/v{record.version}/{uuid.uuid4().hex[:12]}", world_size=next_rank,
+        source_rank=SENDER_RANK, replica_ranks=ranks, timeout_seconds=int(settings.collective_timeout_s),
+        replica_rank_counts={k: v for k, v in counts.items() if v > 1})
     broadcast_manifest = _with_transport(record.manifest, common_pb2.Transport(collective=group))
     inline_manifest = _with_transport(record.adapter, inline_transport(settings))
     members: dict[str, Member] = {}
     for r in collective:
         stage = weightsync_pb2.StageEvent(manifest=broadcast_manifest, rank=ranks[r.replica_id],
-                                          serve_mode=serve_mode(job.mode, r.capabilities, job.spec.lora))
+                                          serve_mode=modes[r.replica_id], rank_count=counts[r.replica_id])
         members[r.replica_id] = Member(r.replica_id, stage, "collective")
     for r in inline:
-        stage = weightsync_pb2.StageEvent(manifest=inline_manifest,
-                                          serve_mode=serve_mode(job.mode, r.capabilities, job.spec.lora))
+        stage = weightsync_pb2.StageEvent(manifest=inline_manifest, serve_mode=modes[r.replica_id])
         members[r.replica_id] = Member(r.replica_id, stage, "inline")
     trainer_manifest = broadcast_manifest if collective else _with_transport(record.manifest,
                                                                              inline_transport(settings))

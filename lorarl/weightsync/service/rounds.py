@@ -197,7 +197,7 @@ class ActivationCoordinator:
         r.phase, r.deadline = Phase.STAGING, now + self.stage_timeout_s
         self.running.append(r)
         logger.info("round %s v%d started: %s", r.job_id, r.version,
-                    ", ".join(f"{m.replica_id}({m.transport})" for m in r.members.values()) or "no replicas",
+                    ", ".join(f"{m.replica_id}({_where(m)})" for m in r.members.values()) or "no replicas",
                     extra={"job_id": r.job_id, "version": r.version, "catch_up": r.catch_up})
         self._send_stages(r, now)
         self._maybe_commit(r, now)
@@ -281,3 +281,13 @@ class ActivationCoordinator:
             if queue:
                 self._start(queue.popleft(), now)
         self.on_done(r)
+
+
+def _where(member: Member) -> str:
+    """'inline', 'collective rank 1', 'collective ranks 1-2' (one per receiving worker)."""
+    stage = member.stage
+    if member.transport != "collective":
+        return member.transport
+    if stage.rank_count > 1:
+        return f"collective ranks {stage.rank}-{stage.rank + stage.rank_count - 1}"
+    return f"collective rank {stage.rank}"

@@ -67,5 +67,5 @@ def test_compose_services_run_the_demo_job_on_loopback(tmp_path: Path) -> None:
     assert (runs / "exports" / "demo" / "final-adapter").is_dir()
     weightsync_log = logs["weightsync"].read_text(errors="replace")
     for version in range(1, STEPS + 1):
-        assert f"round demo v{version} started: rollout-0(collective)" in weightsync_log, weightsync_log[-3000:]
+        assert f"round demo v{version} started: rollout-0(collective rank 1)" in weightsync_log, weightsync_log[-3000:]
         assert f"round demo v{version} active on rollout-0" in weightsync_log, weightsync_log[-3000:]

@@ -149,6 +149,49 @@ def generate(stub: rollout_pb2_grpc.RolloutServiceStub, prompt: tuple[int, ...],
     return response.results[0].completions[0]
 
 
+def send_in_worker(service: RolloutHarness, job: str, tensors: Mapping[str, torch.Tensor], mode: int,
+                   serve_mode: int, fingerprint: str, ranks: tuple[int, ...] = (1,)) -> str:
+    """One version over a real gloo transfer group, received by the engine's workers themselves with
+    ``ranks`` (one per worker; the sender here is rank 0), then staged and committed through the
+    weight-sync sink; returns the receive token."""
+    from lorarl.rollout.sink import RolloutSink
+    from lorarl.weightsync.client.sinks import PolicyUpdate
+    from lorarl.weightsync.wire.collective import WeightTransferGroup, rendezvous_store
+    from lorarl.weightsync.wire.payload import build_manifest, pack, transfer_key
+
+    key = transfer_key("in-worker", job)
+    buckets = list(pack(sorted(tensors.items()), bucket_bytes=4 << 20))
+    lora = common_pb2.LoraSpec(rank=8, alpha=16) if mode == common_pb2.SYNC_MODE_ADAPTER else None
+    manifest = build_manifest(job_id=job, version=1, mode=mode, base_model_fingerprint=fingerprint, buckets=buckets,
+                              lora=lora, key=key)
+    store = rendezvous_store("127.0.0.1", 60)
+    world = 1 + len(ranks)
+    rendezvous = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": store.port, "ranks": list(ranks),
+                  "world_size": world, "group_name": f"{job}-1", "source_rank": 0, "timeout_s": 60.0,
+                  "local_address": "127.0.0.1"}
+    sink = RolloutSink(service.core, service.loop)
+    got: dict[str, object] = {}
+    receiver = threading.Thread(target=lambda: got.update(t=sink.receive_in_engine(manifest, rendezvous, key,
+                                                                                    serve_mode)))
+    receiver.start()
+    sender = WeightTransferGroup("gloo", "127.0.0.1", store.port, 0, world, f"{job}-1", timeout_s=60, store=store,
+                                 local_address="127.0.0.1")
+    sender.send(iter(buckets))
+    receiver.join(120)
+    sender.close()
+    received = got["t"]
+    assert received is not None and received.engine_token  # type: ignore[attr-defined]
+    assert all(t.is_meta for t in received.values()) and received.keys() == tensors.keys()  # type: ignore[union-attr]
+    token = received.engine_token  # type: ignore[attr-defined]
+    try:
+        sink.stage(PolicyUpdate(manifest, received, serve_mode))  # type: ignore[arg-type]
+    finally:  # staged or refused, the worker holds no received buffers any more
+        assert service.call(service.core.engine.llm.collective_rpc(
+            "lorarl_drop_received", kwargs={"token": token})) == [False] * len(ranks)
+    sink.commit(job, 1)
+    return token
+
+
 def field_of(error: grpc.RpcError) -> str | None:
     return dict(error.trailing_metadata() or ()).get("lorarl-field")
 

@@ -33,6 +33,7 @@ from tests.integration.rollout.harness import (
     load_requests,
     merged_weights,
     reference_greedy,
+    send_in_worker,
 )
 from tests.unit.rollout.models import LORA, PROMPT, dense_model_dir, random_adapter
 
@@ -505,46 +506,6 @@ def test_layerwise_reload_serves_what_the_workers_own_reload_serves(service: Rol
     assert reload(base_weights, "worker")[0] == reference["base"][0]
 
 
-def _send_in_worker(service: RolloutHarness, job: str, tensors: dict[str, torch.Tensor], mode: int,
-                    serve_mode: int, fingerprint: str) -> str:
-    """One version over a real gloo transfer group, received by the engine's worker itself (the sender
-    here is rank 0), then staged and committed through the weight-sync sink."""
-    from lorarl.rollout.sink import RolloutSink
-    from lorarl.weightsync.client.sinks import PolicyUpdate
-    from lorarl.weightsync.wire.collective import WeightTransferGroup, rendezvous_store
-    from lorarl.weightsync.wire.payload import build_manifest, pack, transfer_key
-
-    key = transfer_key("in-worker", job)
-    buckets = list(pack(sorted(tensors.items()), bucket_bytes=4 << 20))
-    manifest = build_manifest(job_id=job, version=1, mode=mode, base_model_fingerprint=fingerprint, buckets=buckets,
-                              lora=common_pb2.LoraSpec(rank=8, alpha=16) if mode == ADAPTER else None, key=key)
-    store = rendezvous_store("127.0.0.1", 60)
-    rendezvous = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": store.port, "rank": 1,
-                  "world_size": 2, "group_name": f"{job}-1", "source_rank": 0, "timeout_s": 60.0,
-                  "local_address": "127.0.0.1"}
-    sink = RolloutSink(service.core, service.loop)
-    got: dict[str, object] = {}
-    receiver = threading.Thread(target=lambda: got.update(t=sink.receive_in_engine(manifest, rendezvous, key,
-                                                                                    serve_mode)))
-    receiver.start()
-    sender = WeightTransferGroup("gloo", "127.0.0.1", store.port, 0, 2, f"{job}-1", timeout_s=60, store=store,
-                                 local_address="127.0.0.1")
-    sender.send(iter(buckets))
-    receiver.join(120)
-    sender.close()
-    received = got["t"]
-    assert received is not None and received.engine_token  # type: ignore[attr-defined]
-    assert all(t.is_meta for t in received.values()) and received.keys() == tensors.keys()  # type: ignore[union-attr]
-    token = received.engine_token  # type: ignore[attr-defined]
-    try:
-        sink.stage(PolicyUpdate(manifest, received, serve_mode))  # type: ignore[arg-type]
-    finally:  # staged or refused, the worker holds no received buffers any more
-        assert service.call(service.core.engine.llm.collective_rpc(
-            "lorarl_drop_received", kwargs={"token": token})) == [False]
-    sink.commit(job, 1)
-    return token
-
-
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_receiving_in_the_worker_serves_what_receiving_in_the_service_serves(service: RolloutHarness, model_dir,
                                                                              adapter, reference, fingerprint,
@@ -560,7 +521,7 @@ def test_receiving_in_the_worker_serves_what_receiving_in_the_service_serves(ser
     engine = service.core.engine
     engine.receives_in_worker = True  # 'auto' leaves it off on CPU
     try:
-        _send_in_worker(service, f"wrk-{mode}", tensors, wire, wire, fingerprint)
+        send_in_worker(service, f"wrk-{mode}", tensors, wire, wire, fingerprint)
     finally:
         engine.receives_in_worker = False
     by_worker = generate(service.stub, PROMPT, greedy(N_TOKENS), f"wrk-{mode}")
@@ -576,7 +537,7 @@ def test_a_version_received_in_the_worker_and_refused_leaves_nothing_behind(serv
     engine.receives_in_worker = True
     try:
         with pytest.raises(Exception, match="was made for base model"):
-            _send_in_worker(service, "wrk-refused", adapter, ADAPTER, ADAPTER, "another-base")
+            send_in_worker(service, "wrk-refused", adapter, ADAPTER, ADAPTER, "another-base")
     finally:
         engine.receives_in_worker = False
     assert "wrk-refused" not in service.core.active_versions()

@@ -276,3 +276,73 @@ def test_fleet_lists_advertised_replicas_and_the_pool_follows_it(tmp_path: Path)
 async def _count(discover, n: int) -> bool:
     fleet = await discover()
     return fleet is not None and len(fleet.replicas) == n
+
+
+class WorkersSink(InMemorySink):
+    """A replica whose engine receives in its own workers, one rank each (as a tensor-parallel vLLM engine
+    with rollout.receive_in_worker does): every 'worker' is a thread joining the real gloo group with the
+    rank it was given, verifying what it got; versions it merges itself pass through the agent."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__()
+        self.workers = workers
+        self.received: list[tuple[list[int], list[dict[str, torch.Tensor]]]] = []
+
+    def receive_in_engine(self, manifest, rendezvous, key, serve_mode):
+        import threading
+
+        from lorarl.contract.transfer_ranks import merges_locally
+        from lorarl.weightsync.client.agent import verify_pieces
+        from lorarl.weightsync.wire.collective import WeightTransferGroup
+
+        if merges_locally(manifest.mode, serve_mode):
+            return None
+        ranks = list(rendezvous["ranks"])
+        assert len(ranks) == self.workers
+        got: list[dict[str, torch.Tensor] | None] = [None] * len(ranks)
+
+        def worker(index: int) -> None:
+            group = WeightTransferGroup(rendezvous["backend"], rendezvous["master_address"],
+                                        rendezvous["master_port"], ranks[index], rendezvous["world_size"],
+                                        rendezvous["group_name"], timeout_s=30, local_address="127.0.0.1")
+            try:
+                pieces = group.receive_pieces([b.nbytes for b in manifest.buckets], rendezvous["source_rank"])
+                got[index] = {n: t.clone() for n, t in verify_pieces(manifest, pieces, key=key).items()}
+            finally:
+                group.close(wait=False)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(ranks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(g is not None for g in got)
+        self.received.append((ranks, got))  # type: ignore[arg-type]
+        return got[0]
+
+
+def test_a_replica_receiving_in_its_workers_gets_one_rank_per_worker(tmp_path: Path) -> None:
+    """Two replicas in one round, one of them with two receiving workers: ranks 1-2 go to its workers,
+    rank 3 to the other replica (or the other way round), the group's world is 4; every worker verifies
+    the full version."""
+    async def scenario() -> None:
+        async with running_service(tmp_path) as (running, _), WeightPublisher(
+                running.address, token=TOKEN, bucket_bytes=8 << 10) as pub:
+            trainer = TinyTrainer()
+            await registered(pub, trainer, "tp")
+            two = WorkersSink(2)
+            two_caps = caps()
+            two_caps.receiving_ranks = 2
+            async with (agent(running.address, "tp2", sink=two, capabilities=two_caps),
+                        agent(running.address, "tp1") as (_, one)):
+                trainer.step(1)
+                result = await pub.publish("tp", 1, adapter=trainer.adapter(), merged=trainer.merged)
+                assert result.activation.ok, result.activation.error
+                assert result.receivers == 3  # world 4: the sender and three receiving processes
+                [(ranks, got)] = two.received
+                assert ranks == [1, 2] or ranks == [2, 3]
+                assert all(same(g, trainer.adapter()) for g in got)
+                assert same(two.active["tp"].tensors, trainer.adapter())
+                assert same(one.active["tp"].tensors, trainer.adapter())
+
+    run(scenario())

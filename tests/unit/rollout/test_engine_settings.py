@@ -61,3 +61,20 @@ def test_the_trainer_accepts_every_sequence_the_rollout_can_return(tmp_path: Pat
     assert job_config_proto(cfg, str(model)).max_sequence_tokens == 8192  # not the trainer's default 4096
     demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
     assert job_config_proto(demo, "x").max_sequence_tokens == 4096
+
+
+def test_the_job_file_selects_lora_and_the_in_worker_receive(tmp_path: Path) -> None:
+    from lorarl.client.commands.run import cpu_pins
+
+    demo = str(ROOT / "examples/demo.yaml")
+    merged = load_job_config(demo, ["sync.mode=merged", "rollout.enable_lora=false", "rollout.receive_in_worker=on",
+                                    "rollout.tensor_parallel_size=2"])
+    section = stack_sections(merged, tmp_path)["rollout"]
+    assert (section["enable_lora"], section["receive_in_worker"], section["tensor_parallel_size"]) == (False, "on", 2)
+    assert cpu_pins(merged) == {}  # two workers are bound a CPU each by the rollout, not pinned together
+    default = stack_sections(load_job_config(demo, []), tmp_path)["rollout"]
+    assert "enable_lora" not in default and default["receive_in_worker"] == "auto"
+    with pytest.raises(ConfigError, match=r"rollout\.enable_lora.*sync\.mode=merged"):
+        load_job_config(demo, ["rollout.enable_lora=false"])  # the demo serves adapters
+    with pytest.raises(ConfigError, match="receive_in_worker"):
+        load_job_config(demo, ["rollout.receive_in_worker=sometimes"])
