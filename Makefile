@@ -11,7 +11,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast test-budget-record lint proto proto-check proto-baseline assets lock bench-setup ascend-sources clean
+.PHONY: setup demo test test-fast test-budget-record lint proto proto-check proto-baseline assets lock lock-platforms bench-setup ascend-sources clean
 
 setup: $(STAMP) $(BUF) $(ASCEND_SOURCES)
 
@@ -86,6 +86,11 @@ lock: setup
 	 $(PIP) freeze --exclude-editable | grep -v '^lorarl'; \
 	 grep -E '^(torchvision|torchaudio|torchcodec)==' requirements/cpu-constraints.txt) > requirements/cpu-constraints.txt.new
 	mv requirements/cpu-constraints.txt.new requirements/cpu-constraints.txt
+
+# The [cuda] and [ascend] install sets resolved against PyPI, metadata only (tools/lock_platforms.py): the
+# lock files CI checks offline (tests/unit/test_platform_locks.py). Needs the network; CI never runs it.
+lock-platforms: setup
+	$(PY) -m tools.lock_platforms
 
 # Benchmark-only dependencies (TRL for bench/trl_vs_lorarl.py); the constraints keep every pinned package.
 bench-setup: setup

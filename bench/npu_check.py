@@ -1,8 +1,11 @@
 """The Ascend hardware check, ready for one 910B node (minutes): the whole stack on NPUs, adapters and
 merged weights over HCCL, trainer/rollout logprob parity after each sync, and a few RL steps.
 
-For each sync mode (adapter = mode 1, merged = mode 2), on a random-init model of Qwen3-0.6B's layer
-shapes (full vocabulary, --layers decoder layers, bf16):
+For each mode — adapter (mode 1) and merged (mode 2) on a random-init model of Qwen3-0.6B's layer
+shapes (full vocabulary, --layers decoder layers, bf16), and the headline's shape, `moe-merged-tp2`:
+Qwen3-30B-A3B's layer shapes (--layers layers, --experts experts), merged, the rollout on two devices
+(tensor parallel 2) with both of its workers receiving each version themselves, one transfer rank each
+(rollout.receive_in_worker=on):
 1. `lorarl run`'s own stack (trainer on NPU 0, vLLM through vllm-ascend on NPU 1, weight sync over
    hccl), the job's RL loop for --steps steps (each step trains and syncs a new version);
 2. then the rollout samples completions with the job's latest version, the trainer scores the same
@@ -11,10 +14,10 @@ shapes (full vocabulary, --layers decoder layers, bf16):
 Prints one table row per mode and exits 1 if any check fails. `--device cpu` runs the same code on
 CPU over gloo in fp32 (what CI's smoke test runs, so the script does not rot between hardware sessions).
 
-    python bench/npu_check.py                                 # on the NPU node (ASCEND_RT_VISIBLE_DEVICES=0,1)
-    python bench/npu_check.py --device cpu --quick
+    python bench/npu_check.py                                 # on the NPU node (ASCEND_RT_VISIBLE_DEVICES=0,1,2)
+    python bench/npu_check.py --device cpu --quick            # CPU: the tiny MoE for moe-merged-tp2
 
-Expected on a 910B (not run yet: no Ascend hardware has been lent): both rows `ok`, versions equal to
+Expected on a 910B (not run yet: no Ascend hardware has been lent): all three rows `ok`, versions equal to
 --steps, max |d logp| of a few hundredths in bf16 (the trainer and vLLM kernels differ in
 accumulation order; fp32 on CPU gives ~1e-5), and an adapter effect (mean |policy - base| logprob on those
 tokens) above the mean parity gap; the reward is `varied_reward`, since a random-init model solves
@@ -37,7 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MODES = ("adapter", "merged")
+MODES = ("adapter", "merged", "moe-merged-tp2")
+#: The MoE mode: sync mode, rollout TP and how versions reach the rollout's workers.
+MOE_MODE = "moe-merged-tp2"
 
 
 @dataclass
@@ -75,14 +80,20 @@ def varied_reward(completion: str, answer: str) -> float:
 
 def job_overrides(mode: str, model_dir: Path, device: str, steps: int, max_tokens: int, out: Path) -> list[str]:
     dtype = "float32" if device == "cpu" else "bfloat16"
-    return [f"job_id=npu-check-{mode}", f"model.path={model_dir}", f"model.dtype={dtype}", "data.source=tasks",
+    sync = "merged" if mode == MOE_MODE else mode
+    # the MoE mode on accelerators: the trainer on device 0, the TP-2 rollout on devices 1-2; LoRA on the experts
+    moe = [] if mode != MOE_MODE else [
+        "rollout.tensor_parallel_size=2", "rollout.receive_in_worker=on",
+        *(["rollout.enforce_eager=true"] if device == "npu" else []),
+        *(["placement.nodes=1", "placement.devices_per_node=3"] if device != "cpu" else [])]
+    return [f"job_id=npu-check-{mode}", f"model.path={model_dir}", f"model.dtype={dtype}", "data.source=tasks", *moe,
             "data.reward=bench.npu_check:varied_reward", "data.eval_size=4", "rollout.engine=vllm",
             "rollout.group_size=4",
             f"rollout.max_tokens={max_tokens}", f"rollout.eval_max_tokens={max_tokens}", "rollout.kv_cache_gib=1",
             f"rollout.block_size={128 if device == 'npu' else 16}", "rollout.max_lora_rank=16",
             f"trainer.device={device}", "trainer.lora.rank=16", "trainer.lora.alpha=32",
             "trainer.optimizer.learning_rate=1e-2", "loop.mode=sync", f"loop.steps={steps}",
-            "loop.prompts_per_step=4", "loop.eval_every=0", "loop.max_staleness=0", f"sync.mode={mode}",
+            "loop.prompts_per_step=4", "loop.eval_every=0", "loop.max_staleness=0", f"sync.mode={sync}",
             f"output.dir={out}", "output.tensorboard=false", "output.progress=false", "recovery.enabled=false"]
 
 
@@ -162,7 +173,8 @@ def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, tmp: Path) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["npu", "cuda", "cpu"], default="npu")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-0.6B shape")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-0.6B / 30B-A3B shapes")
+    parser.add_argument("--experts", type=int, default=None, help="experts of the 30B-A3B shape (default: its 128)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--tolerance", type=float, default=None,
@@ -180,11 +192,21 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="lorarl-npu-check-") as name:
         tmp = Path(name)
-        model_dir = tmp / "model"
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-        build_random_model("qwen3-0.6b", model_dir, num_layers=args.layers, dtype=dtype)
-        results = [run_mode(mode, model_dir, args, tmp) for mode in args.modes.split(",")]
-    print(f"## NPU check ({args.device}, Qwen3-0.6B shape, {args.layers} layers, {args.steps} steps, "
+        modes = args.modes.split(",")
+        unknown = sorted(set(modes) - set(MODES))
+        if unknown:
+            parser.error(f"unknown mode(s) {unknown}; one of {list(MODES)}")
+        models = {}
+        if set(modes) - {MOE_MODE}:
+            models["dense"] = tmp / "model"
+            build_random_model("qwen3-0.6b", models["dense"], num_layers=args.layers, dtype=dtype)
+        if MOE_MODE in modes:  # the 30B-A3B layer shapes; on CPU --quick, the shipped tiny MoE's
+            models["moe"] = tmp / "moe"
+            shape = "qwen3-moe-tiny" if args.quick and args.device == "cpu" else "qwen3-30b-a3b"
+            build_random_model(shape, models["moe"], num_layers=args.layers, num_experts=args.experts, dtype=dtype)
+        results = [run_mode(mode, models["moe" if mode == MOE_MODE else "dense"], args, tmp) for mode in modes]
+    print(f"## NPU check ({args.device}, Qwen3-0.6B / 30B-A3B shapes, {args.layers} layers, {args.steps} steps, "
           f"tolerance {tolerance:g})")
     print("| mode | version | tokens | max abs d logp | mean abs d logp | adapter effect | s | check |")
     print("| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |")

@@ -186,8 +186,9 @@ class RolloutSection:
     tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices per rollout replica (vLLM TP; on "
                                         "CPU one worker process per TP rank, each bound to CPUs of its own).")
     enable_lora: bool | None = setting(
-        None, doc="Start vLLM with LoRA (null: yes unless the model cannot run LoRA on this platform). Merged jobs "
-                  "may turn it off: the engine then runs without LoRA layers, and serves merged weights only.")
+        None, doc="Start vLLM with LoRA (null: no in a merged job, whose rollouts serve merged weights only; "
+                  "elsewhere yes unless the model cannot run LoRA on this platform). true in a merged job: merged "
+                  "weights load into the LoRA-wrapped layers, and the replica can serve other jobs' adapters.")
     receive_in_worker: Literal["auto", "on", "off"] = setting(
         "auto", doc="vLLM's workers join the weight transfer themselves, one rank each, and receive into their "
                     "own device memory ('auto': on GPUs and NPUs, off on CPU); see the rollout service's setting.")
@@ -342,6 +343,10 @@ class JobFileConfig:
                                              block_key="rollout.block_size", dtype_key="model.dtype"),
                     *ascend.trainer_problems(self.trainer.engine, engine_key="trainer.engine"),
                     *ascend.environment_problems(os.environ)]
+        if self.sync.mode == "merged":
+            problems += ascend.merged_reload_problems(self.rollout.enforce_eager, eager_key="rollout.enforce_eager")
+        elif self.rollout.enable_lora is not False:
+            problems += ascend.lora_rank_problems(self.rollout.max_lora_rank, rank_key="rollout.max_lora_rank")
         if problems:
             raise ConfigError("", f"on Ascend NPUs (trainer.device={self.trainer.device}): " + "; ".join(problems))
 

@@ -254,6 +254,45 @@ def kv_bytes_per_token(shape: dict[str, Any], dtype: str) -> int:
     return 2 * full * shape["num_key_value_heads"] * hd * (2 if dtype == "bfloat16" else 4)
 
 
+def sync_choice(cfg, shape: dict[str, Any], is_moe: bool, environ: Any = None) -> tuple[str, str]:
+    """The sync mode the job will run in and why, and whether its rollouts start vLLM with LoRA and why:
+    the rules the rollout's engine applies at start (lorarl/rollout/vllm/engine.py: lora_support)."""
+    import os
+
+    from lorarl.common import ascend
+
+    environ = os.environ if environ is None else environ
+    vllm = cfg.rollout.engine == "vllm"
+    if is_moe and vllm and cfg.trainer.device == "cpu":
+        cannot = "vLLM's CPU backend cannot start a mixture-of-experts model with LoRA"
+    elif is_moe and vllm and ascend.is_npu(cfg.trainer.device) and (
+            blockers := ascend.moe_lora_blockers(shape, environ)):
+        cannot = f"vllm-ascend's MoE LoRA refuses this job: {'; '.join(blockers)}"
+    elif cfg.rollout.enable_lora is False:
+        cannot = "rollout.enable_lora is false"
+    elif cfg.rollout.enable_lora is None and cfg.sync.mode == "merged":
+        cannot = "a merged job's rollouts need no LoRA layers; rollout.enable_lora: true keeps them"
+    else:
+        cannot = ""
+    if cfg.sync.mode == "merged":
+        mode = "merged (sync.mode)"
+    elif cfg.sync.mode == "adapter":
+        mode = "adapter (sync.mode)"
+    elif cannot:
+        mode = f"merged (auto: {cannot})"
+    else:
+        mode = f"adapter (auto: every replica serves LoRA rank {cfg.trainer.lora.rank})"
+    if cannot:
+        lora = f"off ({cannot})"
+    elif cfg.rollout.enable_lora:
+        lora = f"on (rollout.enable_lora), up to rank {cfg.rollout.max_lora_rank}"
+    else:
+        lora = f"on (the default where the model can run it), up to rank {cfg.rollout.max_lora_rank}"
+    if lora.startswith("on") and mode.startswith("merged"):
+        lora += "; merged weights load into its LoRA-wrapped layers"
+    return mode, lora
+
+
 def print_plan(cfg) -> int:
     try:
         shape = model_shape(cfg)
@@ -269,8 +308,7 @@ def print_plan(cfg) -> int:
     rollout_base = base_bytes / cfg.rollout.tensor_parallel_size
     kv = cfg.rollout.kv_cache_gib * GIB
     kv_per_token = kv_bytes_per_token(shape, cfg.model.dtype) / cfg.rollout.tensor_parallel_size
-    moe_on_cpu = bool(n["experts"]) and cfg.rollout.engine == "vllm" and cfg.trainer.device == "cpu"
-    mode = cfg.sync.mode if cfg.sync.mode != "auto" else ("merged" if moe_on_cpu else "adapter (if replicas can)")
+    mode, rollout_lora = sync_choice(cfg, shape, is_moe=bool(n["experts"]))
 
     print(f"job {cfg.job_id}: {cfg.loop.mode} loop, {cfg.loop.steps} steps x {cfg.loop.prompts_per_step} prompts x "
           f"{cfg.rollout.group_size} samples, staleness <= {cfg.loop.max_staleness}")
@@ -302,6 +340,7 @@ def print_plan(cfg) -> int:
           f"({human_bytes(kv_per_token)} per token: {sequences:,.1f} full sequences)")
     print(f"weight sync: {mode}; per version {human_bytes(n['lora'] * ADAPTER_BYTES)} (adapter, fp32) vs "
           f"{human_bytes(base_bytes)} (merged)")
+    print(f"rollout LoRA: {rollout_lora}")
     if sequences < 1:
         print(f"lorarl: bad config: rollout.kv_cache_gib: {human_bytes(kv)} holds "
               f"{int(kv / kv_per_token):,} tokens, less than one {trainer.sequence_tokens:,}-token sequence")

@@ -118,7 +118,8 @@ def test_tensor_parallel_rollout_receives_in_both_workers_and_stays_on_policy(tm
     both vLLM workers themselves (one transfer rank each), all from the job file."""
     out = tmp_path / "tp2"
     result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=3",
-                    "rollout.tensor_parallel_size=2", "sync.mode=merged", "rollout.receive_in_worker=on", *COMMON)
+                    "rollout.tensor_parallel_size=2", "sync.mode=merged", "rollout.enable_lora=true",
+                    "rollout.receive_in_worker=on", *COMMON)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     history = steps(out)
     assert [r["train/version"] for r in history] == [1, 2, 3]

@@ -100,6 +100,15 @@ def load(args: argparse.Namespace):
         return None
 
 
+def rollout_lora(cfg) -> bool | None:
+    """rollout.enable_lora for this job's rollouts: the job file's, else off in a merged job (its rollouts
+    serve merged weights only: no LoRA layers to hold, and on NPUs no MoE-LoRA limits), else the engine's
+    own default (None: on where the model can run LoRA)."""
+    if cfg.rollout.enable_lora is not None:
+        return cfg.rollout.enable_lora
+    return False if cfg.sync.mode == "merged" else None
+
+
 def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     """Service config sections for a local stack serving this job."""
     window = staleness.adapter_window(cfg.loop.max_staleness)
@@ -123,9 +132,9 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     **({"openai_port": 0} if cfg.rollout.openai else {}),
                     **({"block_size": cfg.rollout.block_size} if cfg.rollout.block_size else {}),
                     **({"max_model_len": length} if (length := serving_length(cfg)) else {}),
-                    **{key: getattr(cfg.rollout, key) for key in ("enforce_eager", "gpu_memory_utilization",
-                                                                 "enable_lora")
+                    **{key: getattr(cfg.rollout, key) for key in ("enforce_eager", "gpu_memory_utilization")
                        if getattr(cfg.rollout, key) is not None},
+                    **({"enable_lora": lora} if (lora := rollout_lora(cfg)) is not None else {}),
                     "receive_in_worker": cfg.rollout.receive_in_worker,
                     # A step's whole batch (prompts x group) in one decode wave on every replica.
                     "max_num_seqs": cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step

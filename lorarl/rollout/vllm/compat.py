@@ -154,19 +154,18 @@ def _reload(worker: Any, weights: Iterable[tuple[str, Any]], way: str) -> None:
 
 
 def _per_tensor_reload(runner: Any, model: Any, weights: Iterable[tuple[str, Any]], device_type: str) -> None:
-    """AReaL's NPU reload: experts back to loader layout, one load_weights per tensor, then every
-    layer's process_weights_after_loading once (which re-transposes the experts)."""
+    """AReaL's NPU reload: experts back to loader layout, one load_weights per decoder layer (AReaL: per
+    tensor), then every layer's process_weights_after_loading once (which re-transposes the experts)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    if device_type == "npu":
-        from lorarl.rollout.vllm import npu_fixes
+    from lorarl.rollout.vllm import npu_fixes
 
-        npu_fixes.install()
-        npu_fixes.undo_moe_expert_layout(model)
+    if device_type == "npu":
+        npu_fixes.undo_moe_expert_layout(model)  # the loaders were given back at worker start (install)
     with set_current_vllm_config(runner.vllm_config):
-        for name, tensor in weights:
-            model.load_weights(weights=[(name, tensor)])
+        for batch in npu_fixes.layer_batches(weights):
+            model.load_weights(weights=batch)
         process_weights_after_loading(model, runner.model_config, runner.device)
 
 

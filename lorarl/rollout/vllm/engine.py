@@ -25,7 +25,7 @@ import torch
 
 from lorarl.common import ascend
 from lorarl.common.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
-from lorarl.common.errors import UnavailableError
+from lorarl.common.errors import FailedPreconditionError, UnavailableError
 from lorarl.contract.lora import LoraSpec
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.model_files import ModelFiles
@@ -39,6 +39,7 @@ from lorarl.rollout.schema import (
 )
 from lorarl.rollout.vllm import compat
 from lorarl.rollout.vllm.cpu_binding import apply_thread_binding
+from lorarl.rollout.vllm.weight_names import UNCHECKED
 from lorarl.rollout.vllm.worker_ext import EXTENSION_QUALNAME, MEMORY_SCHEME
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,15 @@ BLOB_BYTES = 256 << 20
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH}
 
 
-def lora_support(files: ModelFiles, on_cpu: bool) -> tuple[bool, str]:
-    """Whether vLLM can run LoRA on this model here, and why not."""
+def lora_support(files: ModelFiles, on_cpu: bool, on_npu: bool = False,
+                 environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
+    """Whether vLLM can run LoRA on this model here, and why not (weight sync's AUTO mode reads it)."""
     if files.is_moe and on_cpu:
         return False, (f"{files.architecture} is a mixture-of-experts model and vLLM's CPU backend cannot start "
                        "it with LoRA enabled; serve it with merged weights (mode 2)")
+    if files.is_moe and on_npu and (blockers := ascend.moe_lora_blockers(files.config, environ)):
+        return False, (f"vllm-ascend cannot serve LoRA on {files.architecture}: {'; '.join(blockers)}; serve it with "
+                       "merged weights (mode 2)")
     return True, ""
 
 
@@ -120,6 +125,8 @@ class VllmEngine:
         self.worker_count = settings.tensor_parallel_size
         #: checkpoint names the model's own loader writes into a parameter (weight_names.py), set on start()
         self.loaded_weight_names: frozenset[str] | None = None
+        #: why this engine cannot take merged weights ("" when it can): captured graphs + per-tensor reload
+        self.merged_refusal = ""
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -133,13 +140,15 @@ class VllmEngine:
         if current_platform.device_type == "npu":
             problems = ascend.rollout_problems(s.block_size, s.dtype, block_key="rollout.block_size",
                                                dtype_key="rollout.dtype")
+            if s.enable_lora is not False:
+                problems += ascend.lora_rank_problems(s.max_lora_rank, rank_key="rollout.max_lora_rank")
             if problems:
                 raise ValueError("; ".join(problems))
         compat.apply_platform_environment(current_platform.device_type)  # before vLLM loads the model
         if current_platform.is_cpu():
             apply_thread_binding(parse_cpu_list(s.engine_cpus) if s.engine_cpus else available_cpus(),
                                  self.worker_count)
-        supported, reason = lora_support(self.files, current_platform.is_cpu())
+        supported, reason = lora_support(self.files, current_platform.is_cpu(), current_platform.device_type == "npu")
         enable_lora = supported if s.enable_lora is None else s.enable_lora
         if enable_lora and not supported:
             raise ValueError(f"rollout.enable_lora is true but {reason}")
@@ -189,6 +198,13 @@ class VllmEngine:
             s.receive_in_worker == "auto" and not current_platform.is_cpu())
         if current_platform.is_cpu():
             await self._llm.collective_rpc("lorarl_install_cpu_fixes")
+        if current_platform.device_type == "npu":
+            npu = (await self._llm.collective_rpc("lorarl_install_npu_fixes"))[0]
+            logger.info("NPU worker: merged weights reload the %s way; %d expert weight loaders restored",
+                        npu["reload_way"], npu["loaders_restored"])
+            if npu["reload_way"] == "per_tensor" and not args.enforce_eager:
+                [self.merged_refusal] = ascend.merged_reload_problems(s.enforce_eager,
+                                                                      eager_key="rollout.enforce_eager")
         await self._learn_weight_names()
         if s.engine_cpus and self.worker_count == 1:  # several workers: each is bound by apply_thread_binding
             pinned = await self._llm.collective_rpc("lorarl_pin_cpus", kwargs={"cpus": parse_cpu_list(s.engine_cpus)})
@@ -204,6 +220,10 @@ class VllmEngine:
                   for n in files.weight_names()}
         targets = (await self._llm.collective_rpc("lorarl_weight_targets", kwargs={"shapes": shapes}))[0]
         self.loaded_weight_names = frozenset(n for n, where in targets.items() if where)
+        unchecked = sorted(n for n, where in targets.items() if where and where[0].startswith(UNCHECKED))
+        if unchecked:
+            logger.warning("the loader's dry run could not settle where %d checkpoint tensors land (counted as "
+                           "loaded): %s", len(unchecked), unchecked[:8])
         skipped = sorted(set(shapes) - self.loaded_weight_names)
         if skipped:
             logger.info("checkpoint tensors this engine's loader does not load (an update naming one fails): %s",
@@ -395,6 +415,8 @@ class VllmEngine:
                             received: str | None = None) -> None:
         """Stages merged weights for load_weights; ``received``: those of them the worker received itself
         (meta tensors here, skipped), adopted from its receive buffers."""
+        if self.merged_refusal:
+            raise FailedPreconditionError(f"this rollout cannot reload merged weights: {self.merged_refusal}")
         blobs = iter(safetensors_blobs((n, t) for n, t in weights if not t.is_meta))
         try:
             if received is not None:

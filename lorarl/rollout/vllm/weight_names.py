@@ -39,6 +39,11 @@ def lora_wrapped(model: Any) -> bool:
 
 
 UNWRAP_FLAG = "_lorarl_unwrap_names"
+#: How loaders refuse a name they do not know (vLLM 0.23: KeyError; 0.32's AutoWeightsLoader: ValueError).
+REFUSALS = (KeyError, ValueError, AttributeError)
+#: The one "target" of a name whose dry run failed otherwise (a loader writing a parameter directly, which
+#: a shape-only tensor cannot do): not provably skipped, so counted as loaded, and the engine logs it.
+UNCHECKED = "?unchecked:"
 
 
 def needs_unwrapped_names(model: Any) -> bool:
@@ -72,7 +77,8 @@ def checkpoint_named_parameters(model: Any, enabled: bool = True) -> Iterator[No
 
 def weight_targets(model: Any, shapes: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, list[str]]:
     """{checkpoint name: the engine parameters the model's loader writes it into}, an empty list for a
-    name it would skip. ``shapes``: {name: (dtype, shape)}. Nothing is copied (see module docstring).
+    name it would skip (or refuses), ``[UNCHECKED + error]`` for one the dry run cannot settle. ``shapes``:
+    {name: (dtype, shape)}. Nothing is copied (see module docstring).
 
     Under LoRA, where the loader as it is lands fewer names than with the unwrapped names (vLLM 0.23's
     loaders), the model is marked to be loaded with them from now on (`needs_unwrapped_names`)."""
@@ -119,8 +125,12 @@ def _dry_run(model: Any, shapes: Mapping[str, tuple[str, Sequence[int]]], unwrap
                 for targets in hits.values():
                     targets.clear()
                 for name in shapes:
-                    with contextlib.suppress(Exception):
+                    try:
                         model.load_weights(fed([name]))
+                    except REFUSALS:
+                        hits[name].clear()  # the loader's word on a name it does not know: lands nowhere
+                    except Exception as exc:  # the dry run itself cannot tell (a loader copying directly)
+                        hits[name][:] = [f"{UNCHECKED}{type(exc).__name__}"]
     finally:
         for param, loader in saved.values():
             if loader is _MISSING:

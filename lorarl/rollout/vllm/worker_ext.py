@@ -179,6 +179,13 @@ class LorarlWorkerExtension:
             _set_lean_lora(wrapper, lean_lora)
         return True
 
+    def lorarl_install_npu_fixes(self) -> dict[str, Any]:
+        """At NPU worker start (lorarl/rollout/vllm/npu_fixes.py): expert parameters keep their loaders
+        before the first reload. Returns the reload way this worker takes and how many loaders came back."""
+        from lorarl.rollout.vllm import npu_fixes
+
+        return {"reload_way": compat.reload_way(self), "loaders_restored": npu_fixes.install(compat.served_model(self))}
+
     def lorarl_pin_cpus(self, cpus: list[int]) -> list[int]:
         """Pins every thread of this worker's process (vLLM's engine core, or the whole service when vLLM
         runs in-process) to ``cpus``; returns the union of the threads' CPU sets afterwards."""

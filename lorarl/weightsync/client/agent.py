@@ -1,10 +1,12 @@
 """The rollout side of weight sync: subscribe, receive and verify versions, hand them to a PolicySink.
 
 One agent per replica. It subscribes with the replica's capabilities and the versions it already
-serves, then follows the service's events in order: Stage (receive the bytes over the collective
+serves, then follows the service's events: Stage (receive the bytes over the collective
 group or inline, verify every bucket and tensor checksum and every bucket's keyed hash under the job's
 transfer key (derived from the token), give the tensors to `sink.stage`, report
-staged ok or the error), Commit (`sink.commit`, report active), Abort (`sink.abort`). When the
+staged ok or the error), Commit (`sink.commit`, report active), Abort (`sink.abort`). A stage runs
+beside the stream, so an Abort or a newer Stage of the job is acted on while a receive is stuck (its
+sender died); only a job's latest stage reaches the sink, and a commit waits for its stage. When the
 stream drops (service restart, network), it resubscribes with backoff; the service then catches it
 up if it fell behind. Transport and sink work run in worker threads, so the event loop stays live.
 """
@@ -17,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -31,11 +34,42 @@ from lorarl.weightsync.wire.net import local_address_towards
 from lorarl.weightsync.wire.payload import PayloadVerifier, manifest_digest, transfer_key, validate_manifest
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Fault injection: sees each received piece (a view into its bucket) before it is verified; may change
 #: bytes in place, and returns the piece, or a prefix of it to simulate a transfer cut short.
 ReceiveHook = Callable[[common_pb2.WeightManifest, int, torch.Tensor], torch.Tensor]
 Piece = tuple[int, torch.Tensor, int, int]  # bucket index, bucket buffer, start, end
+
+
+async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a daemon thread of its own. For collective receives: one whose sender died blocks
+    in the group's rendezvous until the collective timeout, and cannot be interrupted; a daemon thread
+    neither holds up the agent (its result is dropped) nor the process's exit (asyncio.to_thread's
+    executor would wait for it)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task
+            with contextlib.suppress(RuntimeError):  # the loop may be closed by now
+                loop.call_soon_threadsafe(settle, None, exc)
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=work, name=f"weightsync-receive-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future
 
 
 class StageError(Exception):
@@ -89,6 +123,11 @@ class WeightSyncAgent:
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._stopping = False
         self._connected = threading.Event()
+        #: per job, the stage in flight: (version, task). Stages run beside the event stream, so an Abort or
+        #: a newer Stage is read while a receive is stuck (a sender that died leaves it waiting for the
+        #: collective timeout); only the job's latest stage may reach the sink.
+        self._stages: dict[str, tuple[int, asyncio.Task[None]]] = {}
+        self._sink_lock = asyncio.Lock()  # the sink sees one call at a time (PolicySink's contract)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -145,18 +184,40 @@ class WeightSyncAgent:
         self._connected.set()
         logger.info("subscribed to weight sync at %s as %s (active %s)", self.target, self.replica_id, active,
                     extra={"replica_id": self.replica_id})
-        async for event in call:
-            await self._handle(event)
+        try:
+            async for event in call:
+                await self._handle(event)
+        finally:
+            for _, task in self._stages.values():
+                task.cancel()  # a receive thread still running ends at its own timeout; its result is dropped
+            self._stages.clear()
         return True
 
     async def _handle(self, event: weightsync_pb2.SubscribeResponse) -> None:
         kind = event.WhichOneof("event")
         if kind == "stage":
-            await self._stage(event.stage)
+            manifest = event.stage.manifest
+            previous = self._stages.get(manifest.job_id)
+            if previous is not None and not previous[1].done():
+                logger.warning("%s v%d arrives while v%d is still being received; v%d is dropped", manifest.job_id,
+                               manifest.version, previous[0], previous[0], extra={"replica_id": self.replica_id})
+            self._stages[manifest.job_id] = (manifest.version, asyncio.create_task(self._stage(event.stage)))
         elif kind == "commit":
+            await self._settle_stage(event.commit.job_id, event.commit.version)
             await self._commit(event.commit.job_id, event.commit.version)
         elif kind == "abort":
             await self._abort(event.abort)
+
+    async def _settle_stage(self, job_id: str, version: int) -> None:
+        """Waits for the job's stage of ``version`` to finish (the service commits only what was staged)."""
+        current = self._stages.get(job_id)
+        if current is not None and current[0] == version:
+            await asyncio.shield(current[1])
+
+    def _current(self, job_id: str, version: int) -> bool:
+        """Whether ``version`` is still the job's latest stage (not superseded by a newer one, not aborted)."""
+        current = self._stages.get(job_id)
+        return current is not None and current[0] == version
 
     # --------------------------------------------------------------------------------- stage
 
@@ -171,20 +232,23 @@ class WeightSyncAgent:
             validate_manifest(manifest)
             transport = manifest.transport.WhichOneof("kind")
             if transport == "collective":
-                tensors = await asyncio.to_thread(self._receive_in_engine, stage)
+                tensors = await in_daemon_thread(self._receive_in_engine, stage)
                 if tensors is None:
                     if stage.rank_count > 1:  # its other ranks would never join: the sender times out
                         raise StageError(f"weight sync assigned {stage.rank_count} ranks (one per engine worker) "
                                          "but the engine did not receive this version in its workers")
-                    tensors = await asyncio.to_thread(self._receive_collective, stage)
+                    tensors = await in_daemon_thread(self._receive_collective, stage)
             elif transport == "inline":
                 tensors = await self._receive_inline(manifest)
             else:
                 raise StageError(f"transport {transport!r} is not supported by this agent")
             received = time.perf_counter()
             update = PolicyUpdate(manifest, tensors, stage.serve_mode or manifest.mode)
-            await asyncio.to_thread(self.sink.stage, update)
-            self.staged[job_id] = version
+            async with self._sink_lock:
+                if not self._current(job_id, version):
+                    raise StageError(f"v{version} was superseded or aborted while it was received")
+                await asyncio.to_thread(self.sink.stage, update)
+                self.staged[job_id] = version
             self.timings[(job_id, version)] = {"receive_s": received - started,
                                                "stage_s": time.perf_counter() - started}
             ok, error = True, ""
@@ -254,7 +318,8 @@ class WeightSyncAgent:
             logger.warning("commit of %s v%d, which is not staged here; ignored", job_id, version)
             return
         try:
-            await asyncio.to_thread(self.sink.commit, job_id, version)
+            async with self._sink_lock:
+                await asyncio.to_thread(self.sink.commit, job_id, version)
         except Exception as exc:
             logger.exception("sink failed to commit %s v%d", job_id, version)
             await self._report(self._stub_call("ReportStaged", weightsync_pb2.ReportStagedRequest(
@@ -268,12 +333,15 @@ class WeightSyncAgent:
 
     async def _abort(self, abort: weightsync_pb2.AbortEvent) -> None:
         logger.info("abort %s v%d: %s", abort.job_id, abort.version, abort.reason)
-        if self.staged.get(abort.job_id) == abort.version:
-            self.staged.pop(abort.job_id)
-            try:
-                await asyncio.to_thread(self.sink.abort, abort.job_id, abort.version)
-            except Exception:
-                logger.exception("sink failed to abort %s v%d", abort.job_id, abort.version)
+        if self._current(abort.job_id, abort.version):  # a receive in flight: its result is dropped
+            self._stages.pop(abort.job_id)
+        async with self._sink_lock:
+            if self.staged.get(abort.job_id) == abort.version:
+                self.staged.pop(abort.job_id)
+                try:
+                    await asyncio.to_thread(self.sink.abort, abort.job_id, abort.version)
+                except Exception:
+                    logger.exception("sink failed to abort %s v%d", abort.job_id, abort.version)
 
     def _stub_call(self, method: str, request: object) -> asyncio.Future[object]:
         assert self._stub is not None

@@ -108,7 +108,10 @@ class ActivationCoordinator:
     # ------------------------------------------------------------------------------- inputs
 
     def submit(self, round_: Round, now: float) -> None:
-        """Starts a round, or queues a publish round behind the job's running one."""
+        """Starts a round, or queues a publish round behind the job's running one. A publish round
+        supersedes the job's older ones that have not reached commit (see `_supersede`)."""
+        if not round_.catch_up:
+            self._supersede(round_, now)
         publishing = any(r.job_id == round_.job_id and not r.catch_up for r in self.running)
         if not round_.catch_up and (publishing or self.queued.get(round_.job_id)):
             self.queued.setdefault(round_.job_id, deque()).append(round_)
@@ -192,6 +195,34 @@ class ActivationCoordinator:
                 self._finish(r, ACTIVE, now)
 
     # ------------------------------------------------------------------------------- internals
+
+    def _supersede(self, newer: Round, now: float) -> None:
+        """Fails the job's older publish rounds still queued or staging: a trainer publishes a version only
+        once the previous one has settled (lorarl.client.loop), so a newer one arriving first means the
+        older one's publisher is gone (a trainer restarted mid-publish, its sender never to come) and its
+        members may be stuck joining a group nobody sends to. They get an Abort and stage the newer one."""
+        queue = self.queued.get(newer.job_id, deque())
+        for old in [r for r in queue if r.version < newer.version]:
+            queue.remove(old)
+            old.phase, old.outcome = Phase.DONE, FAILED
+            old.error = f"superseded by v{newer.version} before it started"
+            self.on_done(old)
+        for old in [r for r in self.running if r.job_id == newer.job_id and not r.catch_up
+                    and r.phase is Phase.STAGING and r.version < newer.version]:
+            reason = f"superseded by v{newer.version}, published while v{old.version} was still staging"
+            old.error = reason
+            for rid, m in old.members.items():
+                m.error = "superseded"
+                self.directory.send(rid, weightsync_pb2.SubscribeResponse(
+                    abort=weightsync_pb2.AbortEvent(job_id=old.job_id, version=old.version, reason=reason)))
+                state = self.directory.state(rid, old.job_id)
+                if state.staged_version == old.version:
+                    state.staged_version = 0
+            logger.warning("round %s v%d failed: %s", old.job_id, old.version, reason,
+                           extra={"job_id": old.job_id, "version": old.version})
+            old.phase, old.outcome = Phase.DONE, FAILED
+            self.running.remove(old)
+            self.on_done(old)
 
     def _start(self, r: Round, now: float) -> None:
         r.phase, r.deadline = Phase.STAGING, now + self.stage_timeout_s

@@ -346,3 +346,46 @@ def test_a_replica_receiving_in_its_workers_gets_one_rank_per_worker(tmp_path: P
                 assert same(one.active["tp"].tensors, trainer.adapter())
 
     run(scenario())
+
+
+def test_a_version_whose_sender_died_does_not_hold_up_the_next_one(tmp_path: Path) -> None:
+    """The trainer dies after weight sync accepted v2's manifest and before it sends (#29: a SIGKILL during
+    PublishWeights): the replica is left joining a group whose sender never comes. The restarted trainer
+    publishes v3: it supersedes the stuck v2 at once (v2 FAILED, naming why), the replica takes v3 in a
+    receive of its own instead of after the stuck one's collective timeout, and v3 activates in seconds."""
+    import socket
+    import time as clock
+
+    from lorarl.weightsync.wire.payload import transfer_key
+
+    async def scenario() -> None:
+        async with running_service(tmp_path, collective_timeout_s=60) as (running, _), \
+                agent(running.address, "r0") as (_, sink):
+            trainer = TinyTrainer()
+            async with WeightPublisher(running.address, token=TOKEN, bucket_bytes=8 << 10) as first:
+                await registered(first, trainer)
+                trainer.step(1)
+                assert (await first.publish("job", 1, adapter=trainer.adapter())).activation.ok
+                with socket.socket() as s:  # a rendezvous port nothing listens on: the dead trainer's
+                    s.bind(("127.0.0.1", 0))
+                    dead_port = s.getsockname()[1]
+                trainer.step(2)
+                buckets = list(pack(sorted(trainer.adapter().items()), bucket_bytes=8 << 10))
+                manifest = build_manifest(job_id="job", version=2, mode=ADAPTER_MODE, buckets=buckets,
+                                          base_model_fingerprint=FINGERPRINT, lora=lora_spec(),
+                                          key=transfer_key(TOKEN, "job"))
+                await first.stub.PublishManifest(weightsync_pb2.PublishManifestRequest(
+                    manifest=manifest, sender_host="127.0.0.1", sender_port=dead_port), timeout=30)
+            await asyncio.sleep(1.0)  # the replica is now stuck joining v2's group
+            async with WeightPublisher(running.address, token=TOKEN, bucket_bytes=8 << 10) as restarted:
+                await registered(restarted, trainer)
+                trainer.step(3)
+                started = clock.monotonic()
+                result = await restarted.publish("job", 3, adapter=trainer.adapter(), timeout_s=50)
+                assert result.activation.ok, result.activation.error
+                assert clock.monotonic() - started < 20
+                assert same(sink.active["job"].tensors, trainer.adapter())
+                stuck = await restarted.await_activation("job", 2, timeout_s=5)
+                assert not stuck.ok and "superseded by v3" in stuck.error, stuck
+
+    run(scenario())

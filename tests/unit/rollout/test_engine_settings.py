@@ -74,6 +74,10 @@ def test_the_job_file_selects_lora_and_the_in_worker_receive(tmp_path: Path) -> 
     assert cpu_pins(merged) == {}  # two workers are bound a CPU each by the rollout, not pinned together
     default = stack_sections(load_job_config(demo, []), tmp_path)["rollout"]
     assert "enable_lora" not in default and default["receive_in_worker"] == "auto"
+    # a merged job's rollouts start without LoRA layers unless the job file asks for them
+    assert stack_sections(load_job_config(demo, ["sync.mode=merged"]), tmp_path)["rollout"]["enable_lora"] is False
+    kept = load_job_config(demo, ["sync.mode=merged", "rollout.enable_lora=true"])
+    assert stack_sections(kept, tmp_path)["rollout"]["enable_lora"] is True
     with pytest.raises(ConfigError, match=r"rollout\.enable_lora.*sync\.mode=merged"):
         load_job_config(demo, ["rollout.enable_lora=false"])  # the demo serves adapters
     with pytest.raises(ConfigError, match="receive_in_worker"):

@@ -88,3 +88,61 @@ def test_npu_expert_weights_go_back_to_loader_layout_and_keep_their_loader() -> 
     AscendMethod().process_weights_after_loading(experts)
     assert experts.w13_weight.weight_loader is loader and experts.w2_weight.weight_loader is loader
     torch.testing.assert_close(experts.w13_weight, before, rtol=0, atol=0)  # round trip: the NPU layout again
+
+
+class _Wrapper(torch.nn.Module):
+    """Stands in for vLLM's LoRA wrapper: holds the layer as base_layer and forwards attributes to it."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base_layer"], name)
+
+
+def _experts() -> torch.nn.Module:
+    experts = torch.nn.Module()
+    experts.w13_weight = torch.nn.Parameter(torch.arange(24.).reshape(2, 3, 4), requires_grad=False)
+    experts.w2_weight = torch.nn.Parameter(torch.arange(24.).reshape(2, 4, 3), requires_grad=False)
+    return experts
+
+
+def test_a_lora_wrapped_expert_layer_is_transposed_once_and_gets_its_loaders_back() -> None:
+    """With LoRA on, the experts are reachable as `.experts.base_layer.w13_weight` and through the
+    wrapper's attribute forwarding: each parameter still goes back to loader layout exactly once; the
+    loaders vllm-ascend dropped at engine start are restored at worker start (install), not at the
+    first reload."""
+    experts = _experts()
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = _Wrapper(experts)
+    assert model.mlp.experts.w13_weight is experts.w13_weight  # the forwarding that made the old match fragile
+    assert [n for n, _ in model.named_parameters()] == ["mlp.experts.base_layer.w13_weight",
+                                                        "mlp.experts.base_layer.w2_weight"]
+    before = experts.w13_weight.detach().clone()
+    assert npu_fixes.expert_layers(model) == [experts]
+    assert npu_fixes.undo_moe_expert_layout(model) == 2
+    torch.testing.assert_close(experts.w13_weight, before.transpose(1, 2), rtol=0, atol=0)
+
+    def loader(*args: object) -> None: ...
+
+    experts.weight_loader = loader
+    assert npu_fixes.restore_weight_loaders(model) == 2
+    assert experts.w13_weight.weight_loader is loader and experts.w2_weight.weight_loader is loader
+    assert npu_fixes.restore_weight_loaders(model) == 0  # idempotent
+
+
+def test_a_reload_loads_a_decoder_layer_per_call() -> None:
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.0.w",
+             "model.layers.1.self_attn.q_proj.weight", "model.layers.10.mlp.gate.weight", "model.norm.weight",
+             "lm_head.weight"]
+    batches = [[n for n, _ in b] for b in npu_fixes.layer_batches((n, None) for n in names)]
+    assert batches == [["model.embed_tokens.weight"],
+                       ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.0.w"],
+                       ["model.layers.1.self_attn.q_proj.weight"], ["model.layers.10.mlp.gate.weight"],
+                       ["model.norm.weight"], ["lm_head.weight"]]
+    assert list(npu_fixes.layer_batches([])) == []

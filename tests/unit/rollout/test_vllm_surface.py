@@ -65,6 +65,24 @@ def test_a_removed_symbol_or_parameter_fails_the_check(tmp_path: Path) -> None:
     assert surface.main(["--root", str(tmp_path), *[a for r in roots for a in ("--root", str(r))]]) == 1
 
 
+def test_a_renamed_parameter_in_the_pinned_ascend_release_fails_the_check(tmp_path: Path) -> None:
+    """The same check against the vllm-ascend 0.23.0 source: a parameter of a function lorarl calls renamed
+    (NPUWorker.add_lora's lora_request) is a blocking finding on the npu platform, naming it."""
+    roots = ascend_sources.roots()
+    assert roots, "the Ascend release's source is not fetched: `make setup` fetches it (tools/ascend_sources.py)"
+    worker = next(r for r in roots if (r / "vllm_ascend").is_dir()) / "vllm_ascend" / "worker" / "worker.py"
+    text = worker.read_text()
+    assert "def add_lora(self, lora_request: LoRARequest)" in text
+    doctored = tmp_path / "vllm_ascend" / "worker" / "worker.py"
+    doctored.parent.mkdir(parents=True)
+    doctored.write_text(text.replace("def add_lora(self, lora_request: LoRARequest)",
+                                     "def add_lora(self, request: LoRARequest)"))
+    findings = {f.symbol.ref: f for f in surface.check_sources([tmp_path, *roots], "npu")}
+    assert findings["vllm_ascend.worker.worker:NPUWorker.add_lora"].problem == "does not take lora_request"
+    blocking = [f.symbol.ref for f in surface.blocking(findings.values())]
+    assert blocking == ["vllm_ascend.worker.worker:NPUWorker.add_lora"]
+
+
 def test_a_missing_optional_symbol_is_served_by_its_fallback(tmp_path: Path) -> None:
     roots = installed()
     shutil.copytree(roots[0] / "vllm" / "v1" / "engine", tmp_path / "vllm" / "v1" / "engine")

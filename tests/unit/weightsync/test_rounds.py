@@ -159,15 +159,35 @@ def test_publish_rounds_of_a_job_run_one_at_a_time() -> None:
     h = Harness("a")
     r1, r2 = h.round(1, {"a": "collective"}), h.round(2, {"a": "collective"})
     h.coordinator.submit(r1, now=0)
-    h.coordinator.submit(r2, now=0)
-    assert h.events("a") == ["stage:1"] and r2.phase is Phase.QUEUED
+    h.coordinator.staged("a", "j", 1, True, "", now=1)  # committing: v1 goes live before v2 starts
+    h.coordinator.submit(r2, now=1)
+    assert h.events("a") == ["stage:1", "commit:1"] and r2.phase is Phase.QUEUED
     assert h.coordinator.busy("a", "j")
-    h.coordinator.staged("a", "j", 1, True, "", now=1)
     h.coordinator.activated("a", "j", 1, now=1)
     assert h.events("a") == ["stage:1", "commit:1", "stage:2"] and r2.phase is Phase.STAGING
     h.coordinator.staged("a", "j", 2, True, "", now=2)
     h.coordinator.activated("a", "j", 2, now=2)
     assert h.commits == [("j", 1), ("j", 2)]
+
+
+def test_a_newer_publish_supersedes_rounds_still_staging_or_queued() -> None:
+    """A trainer publishes only once its last version settled, so a newer version while an older one
+    stages means the older one's publisher is gone (#29): its members are told to abort and stage anew."""
+    h = Harness("a", "b")
+    r1 = h.round(1, {"a": "collective", "b": "collective"})
+    h.coordinator.submit(r1, now=0)
+    h.coordinator.staged("a", "j", 1, True, "", now=1)  # b never reports: stuck joining a dead sender's group
+    r3 = h.round(3, {"a": "collective", "b": "collective"})
+    h.coordinator.submit(r3, now=2)
+    assert r1.outcome == FAILED and "superseded by v3" in r1.error and r1.failed == []
+    assert h.events("a") == ["stage:1", "abort:1", "stage:3"] and h.events("b") == ["stage:1", "abort:1", "stage:3"]
+    assert r3.phase is Phase.STAGING and h.coordinator.find("j", 1) is None
+    assert h.coordinator.staged("b", "j", 1, False, "store timeout", now=3) is False  # a stale report: ignored
+    for rid in ("a", "b"):
+        h.coordinator.staged(rid, "j", 3, True, "", now=4)
+    for rid in ("a", "b"):
+        h.coordinator.activated(rid, "j", 3, now=4)
+    assert r3.outcome == ACTIVE and h.commits == [("j", 3)]
 
 
 def test_catch_up_rounds_do_not_commit_the_job_again_and_run_beside_publishes() -> None:

@@ -53,6 +53,7 @@ def test_rng_tracker_streams_are_named_seeded_and_isolated(patched: None) -> Non
 def test_disable_restores_the_originals() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
+    cpu_compat.disable()  # an earlier test in this process (a Megatron engine built in-process) may have enabled it
     original, tracker = torch.cuda.current_device, mrandom._CUDA_RNG_STATE_TRACKER
     cpu_compat.enable()
     cpu_compat.enable()  # idempotent
