@@ -30,7 +30,7 @@ from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 from lorarl.weightsync.client.sinks import PolicySink, PolicyUpdate
 from lorarl.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup
 from lorarl.weightsync.wire.inline import BucketAssembler
-from lorarl.weightsync.wire.net import local_address_towards
+from lorarl.weightsync.wire.net import listening, local_address_towards
 from lorarl.weightsync.wire.payload import PayloadVerifier, manifest_digest, transfer_key, validate_manifest
 
 logger = logging.getLogger(__name__)
@@ -232,6 +232,11 @@ class WeightSyncAgent:
             validate_manifest(manifest)
             transport = manifest.transport.WhichOneof("kind")
             if transport == "collective":
+                c = manifest.transport.collective
+                refused = await asyncio.to_thread(listening, c.master_address, c.master_port)
+                if refused:  # the sender (its store) is gone: fail now, not at the collective timeout
+                    raise StageError(f"the sender's rendezvous at {c.master_address}:{c.master_port} does not answer "
+                                     f"({refused}): its publisher is gone")
                 tensors = await in_daemon_thread(self._receive_in_engine, stage)
                 if tensors is None:
                     if stage.rank_count > 1:  # its other ranks would never join: the sender times out

@@ -29,3 +29,21 @@ def local_address_towards(target: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def listening(host: str, port: int, timeout_s: float = 5.0, attempts: int = 3, pause_s: float = 0.5) -> str:
+    """'' when something accepts TCP connections at host:port, else why not. A collective group's
+    rendezvous store lives in its sender (the trainer), so a refused connection means the sender is
+    gone: joining would only wait out the collective timeout (torch's store client retries until then)."""
+    import time
+
+    error: OSError | None = None
+    for attempt in range(attempts):
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                return ""
+        except OSError as exc:
+            error = exc
+            if attempt + 1 < attempts:
+                time.sleep(pause_s)
+    return f"{type(error).__name__}: {error}"

@@ -348,35 +348,48 @@ def test_a_replica_receiving_in_its_workers_gets_one_rank_per_worker(tmp_path: P
     run(scenario())
 
 
-def test_a_version_whose_sender_died_does_not_hold_up_the_next_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sender", ["dead", "silent"])
+def test_a_version_whose_sender_is_gone_does_not_hold_up_the_next_one(tmp_path: Path, sender: str) -> None:
     """The trainer dies after weight sync accepted v2's manifest and before it sends (#29: a SIGKILL during
-    PublishWeights): the replica is left joining a group whose sender never comes. The restarted trainer
-    publishes v3: it supersedes the stuck v2 at once (v2 FAILED, naming why), the replica takes v3 in a
-    receive of its own instead of after the stuck one's collective timeout, and v3 activates in seconds."""
+    PublishWeights). 'dead': its rendezvous port refuses connections, and the replica fails v2 at once,
+    saying so. 'silent': the store still answers but no sender comes (a hung publisher), so the replica
+    waits in the rendezvous; the restarted trainer's v3 supersedes v2 (FAILED, naming why) and the replica
+    takes v3 in a receive of its own instead of after the stuck one's collective timeout. Either way v3
+    activates in seconds (before: it stayed PENDING behind v2 for the whole collective timeout)."""
     import socket
     import time as clock
 
+    from lorarl.weightsync.wire.collective import rendezvous_store
     from lorarl.weightsync.wire.payload import transfer_key
 
     async def scenario() -> None:
         async with running_service(tmp_path, collective_timeout_s=60) as (running, _), \
                 agent(running.address, "r0") as (_, sink):
             trainer = TinyTrainer()
+            store = None
             async with WeightPublisher(running.address, token=TOKEN, bucket_bytes=8 << 10) as first:
                 await registered(first, trainer)
                 trainer.step(1)
                 assert (await first.publish("job", 1, adapter=trainer.adapter())).activation.ok
-                with socket.socket() as s:  # a rendezvous port nothing listens on: the dead trainer's
-                    s.bind(("127.0.0.1", 0))
-                    dead_port = s.getsockname()[1]
+                if sender == "dead":
+                    with socket.socket() as s:  # a rendezvous port nothing listens on: the dead trainer's
+                        s.bind(("127.0.0.1", 0))
+                        port = s.getsockname()[1]
+                else:
+                    store = rendezvous_store("127.0.0.1", 60)
+                    port = store.port
                 trainer.step(2)
                 buckets = list(pack(sorted(trainer.adapter().items()), bucket_bytes=8 << 10))
                 manifest = build_manifest(job_id="job", version=2, mode=ADAPTER_MODE, buckets=buckets,
                                           base_model_fingerprint=FINGERPRINT, lora=lora_spec(),
                                           key=transfer_key(TOKEN, "job"))
                 await first.stub.PublishManifest(weightsync_pb2.PublishManifestRequest(
-                    manifest=manifest, sender_host="127.0.0.1", sender_port=dead_port), timeout=30)
-            await asyncio.sleep(1.0)  # the replica is now stuck joining v2's group
+                    manifest=manifest, sender_host="127.0.0.1", sender_port=port), timeout=30)
+                if sender == "dead":
+                    v2 = await first.await_activation("job", 2, timeout_s=15)
+                    assert not v2.ok and "does not answer" in v2.error and "publisher is gone" in v2.error, v2
+                else:
+                    await asyncio.sleep(1.0)  # the replica now waits in v2's rendezvous for rank 0
             async with WeightPublisher(running.address, token=TOKEN, bucket_bytes=8 << 10) as restarted:
                 await registered(restarted, trainer)
                 trainer.step(3)
@@ -385,7 +398,9 @@ def test_a_version_whose_sender_died_does_not_hold_up_the_next_one(tmp_path: Pat
                 assert result.activation.ok, result.activation.error
                 assert clock.monotonic() - started < 20
                 assert same(sink.active["job"].tensors, trainer.adapter())
-                stuck = await restarted.await_activation("job", 2, timeout_s=5)
-                assert not stuck.ok and "superseded by v3" in stuck.error, stuck
+                if sender == "silent":
+                    stuck = await restarted.await_activation("job", 2, timeout_s=5)
+                    assert not stuck.ok and "superseded by v3" in stuck.error, stuck
+            del store
 
     run(scenario())
