@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,11 +39,13 @@ from lorarl.common.errors import (
 from lorarl.contract.chat import ChatRenderer
 from lorarl.rollout import validation
 from lorarl.rollout.core import RolloutCore
+from lorarl.rollout.openai.requests import ChatBody, CompletionBody, RequestError, parse
 from lorarl.rollout.openai.sessions import SessionStore, Turn, normalized
 from lorarl.rollout.openai.tool_calls import OPEN, parse_tool_calls
 from lorarl.rollout.schema import Finish
 from lorarl.v1 import common_pb2, rollout_pb2
 
+logger = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 MAX_BODY_BYTES = 8 << 20
 STATUS = {InvalidArgumentError: 400, NotFoundError: 404, FailedPreconditionError: 409,
@@ -77,8 +80,8 @@ class Endpoint:
         """``model`` -> which policy serves: base, a job's latest, or ``job:vN``."""
         if not isinstance(model, str) or not model:
             raise HttpError(400, "model is required: the base model's name, a job id, or job:vN", "model")
-        if model in (self.base_name, "base"):
-            return rollout_pb2.PolicySelector()
+        if model in (self.base_name, "base") or model.rstrip("/") == self.core.info.model_path.rstrip("/"):
+            return rollout_pb2.PolicySelector()  # the base: by name, "base", or the model's own path
         job, sep, version = model.rpartition(":v")
         if sep and job and version.isdigit():
             return rollout_pb2.PolicySelector(job_id=job, version=int(version))
@@ -88,50 +91,30 @@ class Endpoint:
 # ---------------------------------------------------------------------------------------------- parsing
 
 
-def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise HttpError(400, f"{name} must be {_kind_names(kinds)}, got a boolean", name)
-    if not isinstance(value, kinds):
-        raise HttpError(400, f"{name} must be {_kind_names(kinds)}, got {type(value).__name__}", name)
-    return value
-
-
-def _kind_names(kinds: type | tuple[type, ...]) -> str:
-    return " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
-
-
-def sampling_params(body: dict[str, Any], chat: bool) -> tuple[common_pb2.SamplingParams, bool]:
-    """The OpenAI sampling fields as the rollout's SamplingParams (their ranges checked by validation), and
-    whether the reply carries logprobs (every sampled token's logprob is kept anyway)."""
-    stop = _field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise HttpError(400, "stop must be a string or a list of strings", "stop")
-    max_tokens = _field(body, "max_completion_tokens", int) if chat else None
-    max_tokens = max_tokens if max_tokens is not None else _field(body, "max_tokens", int, 0)
-    if chat:
-        wanted = bool(_field(body, "logprobs", bool, False))
-        logprobs = _field(body, "top_logprobs", int, 0) if wanted else 0
+def sampling_params(request: ChatBody | CompletionBody) -> tuple[common_pb2.SamplingParams, bool]:
+    """The request's sampling fields as the rollout's SamplingParams (their upper bounds checked by
+    validation), and whether the reply carries logprobs (every sampled token's logprob is kept anyway)."""
+    if isinstance(request, ChatBody):
+        wanted = request.logprobs
+        logprobs = (request.top_logprobs or 0) if wanted else 0
+        max_tokens = request.completion_limit()
     else:
-        logprobs = _field(body, "logprobs", int, 0)
-        wanted = bool(logprobs)
-    if logprobs < 0:
-        raise HttpError(400, f"logprobs must be >= 0, got {logprobs}", "top_logprobs" if chat else "logprobs")
+        logprobs = request.logprobs or 0
+        wanted = request.logprobs is not None
+        max_tokens = request.max_tokens
     params = common_pb2.SamplingParams(
-        n=_field(body, "n", int, 1), temperature=float(_field(body, "temperature", (int, float), 1.0)),
-        top_p=float(_field(body, "top_p", (int, float), 1.0)), max_tokens=max(max_tokens, 0), stop=stop,
-        logprobs=logprobs)
-    if max_tokens < 0:
-        raise HttpError(400, f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
-    seed = _field(body, "seed", int)
-    if seed is not None:
-        if seed < 0:
-            raise HttpError(400, f"seed must be >= 0, got {seed}", "seed")
-        params.seed = seed
+        n=request.n, temperature=float(request.temperature), top_p=float(request.top_p),
+        top_k=request.top_k or 0, max_tokens=max_tokens or 0, stop=request.stops(), logprobs=logprobs)
+    if request.seed is not None:
+        params.seed = request.seed
     return params, wanted
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The text up to (not including) the first stop string in it, as OpenAI returns it; the token ids keep
+    what the engine generated (the trainer learns from those)."""
+    cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
 
 
 def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -167,8 +150,6 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict
             clean["tool_call_id"] = str(message["tool_call_id"])
         out.append(clean)
     tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise HttpError(400, "tools must be a list of tool objects", "tools")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise HttpError(400, "tool_choice: only 'auto' and 'none' are served", "tool_choice")
@@ -200,6 +181,13 @@ def chat_logprobs(renderer: ChatRenderer, token_ids: list[int], logprobs: list[f
     return {"content": content}
 
 
+def refused(request: Request, status: int, message: str, param: str | None = None,
+            kind: str = "invalid_request_error") -> JSONResponse:
+    """The error reply, and a log line for it: a refused request is visible in the rollout's log."""
+    logger.info("refused %s %s: %d %s", request.method, request.url.path, status, message)
+    return error_response(status, message, param, kind)
+
+
 def create_app(endpoint: Endpoint) -> FastAPI:
     app = FastAPI(title="lorarl rollout (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -216,12 +204,14 @@ def create_app(endpoint: Endpoint) -> FastAPI:
         try:
             return await call_next(request)
         except HttpError as e:
-            return error_response(e.status, e.message, e.param, e.kind)
+            return refused(request, e.status, e.message, e.param, e.kind)
+        except RequestError as e:
+            return refused(request, 400, str(e), e.param)
         except tuple(STATUS) as e:
             field = getattr(e, "field", None) or None
-            return error_response(STATUS[type(e)], f"{field}: {e}" if field else str(e), field)
+            return refused(request, STATUS[type(e)], f"{field}: {e}" if field else str(e), field)
         except (ValueError, TypeError, OverflowError) as e:  # a value the wire types cannot hold (protobuf ranges)
-            return error_response(400, f"invalid request: {e}")
+            return refused(request, 400, f"invalid request: {e}")
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
@@ -263,6 +253,7 @@ def create_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         body = await body_of(request)
+        parsed: ChatBody = parse(ChatBody, body)
         messages, tools = chat_messages(body)
         session_id = session_of(request, body)
         keys = [normalized(m) for m in messages]
@@ -284,8 +275,9 @@ def create_app(endpoint: Endpoint) -> FastAPI:
         except Exception as e:  # jinja's own errors (a missing field the template reads)
             raise HttpError(400, f"messages: the chat template cannot render them: {type(e).__name__}: {e}",
                             "messages") from None
-        params, with_logprobs = sampling_params(body, chat=True)
-        model = body.get("model")
+        params, with_logprobs = sampling_params(parsed)
+        stops = parsed.stops()
+        model = parsed.model
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generate = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=prompt)], sampling=params,
                                                policy=endpoint.policy(model), request_id=request_id)
@@ -296,18 +288,17 @@ def create_app(endpoint: Endpoint) -> FastAPI:
                 endpoint.sessions.record(session_id, Turn(keys, tools_key, normalized(reply), list(prompt),
                                                           token_ids, logprobs, versions, reason, str(model)))
 
-        if _field(body, "stream", bool, False):
-            options = _field(body, "stream_options", dict, {})
-            include_usage = bool(options.get("include_usage"))
+        if parsed.stream:
+            include_usage = bool((parsed.stream_options or {}).get("include_usage"))
             stream_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)  # before 200
             return StreamingResponse(stream_chat(endpoint, stream_input, request_id, str(model), bool(tools),
-                                                 with_logprobs, include_usage, remember),
+                                                 with_logprobs, include_usage, remember, stops),
                                      media_type="text/event-stream")
         request_input = validation.generate_input(generate, endpoint.limits(), None)
         (result,) = await endpoint.core.generate(request_input)
         choices = []
         for index, c in enumerate(result.completions):
-            text = endpoint.renderer.decode(c.token_ids)
+            text, _ = cut_at_stop(endpoint.renderer.decode(c.token_ids), stops)
             content, calls = parse_tool_calls(text) if tools else (text, [])
             reason = finish_reason(c.finish, calls)
             reply = {"role": "assistant", "content": content if (content or not calls) else None,
@@ -325,42 +316,46 @@ def create_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await body_of(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = endpoint.renderer.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            ids = prompt
-        else:
-            raise HttpError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
-        if body.get("echo"):
-            raise HttpError(400, "echo is not served", "echo")
-        params, with_logprobs = sampling_params(body, chat=False)
-        model = body.get("model")
+        parsed: CompletionBody = parse(CompletionBody, body)
+        try:
+            prompts = parsed.prompts()
+        except ValueError as e:
+            raise HttpError(400, str(e), "prompt") from None
+        ids = [endpoint.renderer.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
+               for p in prompts]
+        params, with_logprobs = sampling_params(parsed)
+        stops = parsed.stops()
+        model = parsed.model
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generate = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=ids)], sampling=params,
-                                               policy=endpoint.policy(model), request_id=request_id)
-        if _field(body, "stream", bool, False):
+        generate = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=i) for i in ids],
+                                               sampling=params, policy=endpoint.policy(model), request_id=request_id)
+        if parsed.stream:
+            if len(ids) > 1:
+                raise HttpError(400, "stream with several prompts is not served: send one prompt per request",
+                                "prompt")
             stream_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)  # before 200
-            return StreamingResponse(stream_completion(endpoint, stream_input, request_id, str(model)),
+            return StreamingResponse(stream_completion(endpoint, stream_input, request_id, str(model), stops),
                                      media_type="text/event-stream")
-        (result,) = await endpoint.core.generate(validation.generate_input(generate, endpoint.limits(), None))
+        results = await endpoint.core.generate(validation.generate_input(generate, endpoint.limits(), None))
         choices = []
-        for index, c in enumerate(result.completions):
-            logprobs = None
-            if with_logprobs:
-                tokens = [endpoint.renderer.tokenizer.decode([t]) for t in c.token_ids]
-                logprobs = {"tokens": tokens, "token_logprobs": c.logprobs,
-                            "top_logprobs": [{endpoint.renderer.tokenizer.decode([t]): lp for t, lp in top.items()}
-                                             for top in c.top_logprobs],
-                            "text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]}
-            choices.append({"index": index, "text": endpoint.renderer.decode(c.token_ids),
-                            "finish_reason": "length" if c.finish is Finish.LENGTH else "stop",
-                            "logprobs": logprobs, "lorarl": {"token_ids": c.token_ids, "versions": c.versions}})
-        completion_tokens = sum(len(c.token_ids) for c in result.completions)
+        for p, result in enumerate(results):  # OpenAI's order: prompt by prompt, n choices each
+            for j, c in enumerate(result.completions):
+                text, stopped = cut_at_stop(endpoint.renderer.decode(c.token_ids), stops)
+                logprobs = None
+                if with_logprobs:
+                    tokens = [endpoint.renderer.tokenizer.decode([t]) for t in c.token_ids]
+                    logprobs = {"tokens": tokens, "token_logprobs": c.logprobs,
+                                "top_logprobs": [{endpoint.renderer.tokenizer.decode([t]): lp for t, lp in top.items()}
+                                                 for top in c.top_logprobs],
+                                "text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]}
+                choices.append({"index": p * parsed.n + j, "text": text,
+                                "finish_reason": "length" if c.finish is Finish.LENGTH and not stopped else "stop",
+                                "logprobs": logprobs, "lorarl": {"token_ids": c.token_ids, "versions": c.versions}})
+        completion_tokens = sum(len(c.token_ids) for r in results for c in r.completions)
+        prompt_tokens = sum(len(i) for i in ids)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                                              "total_tokens": len(ids) + completion_tokens}}
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                              "total_tokens": prompt_tokens + completion_tokens}}
 
     return app
 
@@ -377,9 +372,22 @@ def _stream_request(generate: rollout_pb2.GenerateRequest) -> rollout_pb2.Genera
                                              policy=generate.policy, request_id=generate.request_id)
 
 
+def _held(text: str, stops: list[str], final: bool) -> tuple[str, bool]:
+    """What of a streamed text may be sent now: cut at a stop string; until the end, the tail that could
+    still become one is held back."""
+    text, stopped = cut_at_stop(text, stops)
+    if stopped or final or not stops:
+        return text, stopped
+    hold = max(len(s) for s in stops) - 1
+    return (text[:-hold] if hold else text), False
+
+
 async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, model: str,
-                      with_tools: bool, with_logprobs: bool, include_usage: bool, remember) -> AsyncIterator[bytes]:
-    """Chat chunks as tokens arrive; text from a ``<tool_call>`` on is held back and sent as ``tool_calls``."""
+                      with_tools: bool, with_logprobs: bool, include_usage: bool, remember,
+                      stops: list[str] = ()) -> AsyncIterator[bytes]:  # type: ignore[assignment]
+    """Chat chunks as tokens arrive; text from a ``<tool_call>`` on is held back and sent as ``tool_calls``,
+    and so is a tail that may turn out to be a stop string."""
+    stops = list(stops)
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     n = request_input.sampling.n
@@ -395,7 +403,7 @@ async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, m
         tokens[i] += chunk.token_ids
         logprobs[i] += chunk.logprobs
         versions[i] += chunk.versions
-        text = endpoint.renderer.decode(tokens[i])
+        text, _ = _held(endpoint.renderer.decode(tokens[i]), stops, chunk.finish is not None)
         held = text.find(OPEN) if with_tools else -1
         visible = text if held < 0 else text[:held]
         if len(visible) > sent[i] and not visible.endswith("\ufffd"):
@@ -429,17 +437,19 @@ async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, m
 
 
 async def stream_completion(endpoint: Endpoint, request_input: Any, request_id: str,
-                            model: str) -> AsyncIterator[bytes]:
+                            model: str, stops: list[str] = ()) -> AsyncIterator[bytes]:  # type: ignore[assignment]
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    stops = list(stops)
     tokens: dict[int, list[int]] = {}
     sent: dict[int, int] = {}
     async for chunk in endpoint.core.generate_stream(request_input):
         i = chunk.index
         tokens.setdefault(i, []).extend(chunk.token_ids)
-        text = endpoint.renderer.decode(tokens[i])
+        text, stopped = _held(endpoint.renderer.decode(tokens[i]), stops, chunk.finish is not None)
         delta = "" if text.endswith("\ufffd") and chunk.finish is None else text[sent.get(i, 0):]
         sent[i] = sent.get(i, 0) + len(delta)
-        reason = None if chunk.finish is None else ("length" if chunk.finish is Finish.LENGTH else "stop")
+        reason = None if chunk.finish is None else (
+            "length" if chunk.finish is Finish.LENGTH and not stopped else "stop")
         if delta or reason:
             yield _sse({**base, "choices": [{"index": i, "text": delta, "finish_reason": reason, "logprobs": None}]})
     yield b"data: [DONE]\n\n"

@@ -169,3 +169,59 @@ def test_concurrent_sessions_stay_apart(served, client) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def _model_dir_exists() -> Path:
     return dense_model_dir()
+
+
+def test_fields_are_refused_or_served_as_openai_clients_expect(served, client, caplog) -> None:
+    """#29: what the request schemas (lorarl/rollout/openai/requests.py) refuse, by name, with a log line;
+    neutral values of fields the endpoint does not serve still pass."""
+    import logging
+
+    harness, server = served
+    bad = [
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(presence_penalty=0.5), "presence_penalty is not served"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias is not served"),
+        (dict(response_format={"type": "json_object"}), "response_format is not served"),
+        (dict(tools=[{"type": "function", "function": {"name": 7}}]), r"tools\[0\]\.function\.name"),
+        (dict(extra_body={"frobnicate": 1}), "Unrecognized request argument supplied: frobnicate"),
+    ]
+    with caplog.at_level(logging.INFO, logger="lorarl.rollout.openai.app"):
+        for kwargs, message in bad:
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.chat.completions.create(model="base", messages=QUESTION, **kwargs)
+        with pytest.raises(openai.BadRequestError, match="best_of=2 is not served"):
+            client.completions.create(model="base", prompt="12+34=", best_of=2, max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="echo is not served"):
+            client.completions.create(model="base", prompt="12+34=", echo=True, max_tokens=2)
+    assert sum("refused POST /v1/chat/completions: 400" in r.getMessage() for r in caplog.records) == len(bad)
+    reply = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", json={"model": "base", "prompt": "1",
+                       "max_tokens": "3"}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"  # no "3" for 3
+    neutral = client.chat.completions.create(model="base", messages=QUESTION, max_tokens=2, presence_penalty=0,
+                                             frequency_penalty=0, logit_bias={}, response_format={"type": "text"})
+    assert neutral.choices[0].finish_reason == "length"
+    by_path = client.completions.create(model=str(harness.core.info.model_path), prompt="12+34=", max_tokens=2)
+    assert len(by_path.choices[0].lorarl["token_ids"]) == 2  # type: ignore[attr-defined]
+
+
+def test_stop_strings_are_cut_and_prompt_lists_are_served(client) -> None:
+    """The stop string is not in the returned text (it is in the token ids the trainer sees), streamed or
+    not; a list of prompts, as strings or token ids, gives n choices per prompt in OpenAI's order."""
+    free = client.completions.create(model="base", prompt="12+34=", max_tokens=12, temperature=0)
+    text = free.choices[0].text
+    assert len(text) >= 4, text
+    stop = text[2:4]
+    expected = text[:text.find(stop)]
+    stopped = client.completions.create(model="base", prompt="12+34=", max_tokens=12, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == expected and stopped.choices[0].finish_reason == "stop"
+    assert stop in ChatRenderer(str(dense_model_dir())).decode(stopped.choices[0].lorarl["token_ids"])  # type: ignore[attr-defined]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="base", prompt="12+34=", max_tokens=12, temperature=0, stop=stop, stream=True))
+    assert streamed == expected
+    many = client.completions.create(model="base", prompt=["12+34=", "7*6="], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == free.choices[0].text[:len(many.choices[0].text)]
+    ids = ChatRenderer(str(dense_model_dir())).tokenizer.encode("7*6=", add_special_tokens=True)
+    as_ids = client.completions.create(model="base", prompt=[ids, ids], max_tokens=4, temperature=0)
+    assert [c.text for c in as_ids.choices] == [many.choices[2].text] * 2
