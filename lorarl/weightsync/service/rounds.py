@@ -213,11 +213,7 @@ class ActivationCoordinator:
             old.error = reason
             for rid, m in old.members.items():
                 m.error = "superseded"
-                self.directory.send(rid, weightsync_pb2.SubscribeResponse(
-                    abort=weightsync_pb2.AbortEvent(job_id=old.job_id, version=old.version, reason=reason)))
-                state = self.directory.state(rid, old.job_id)
-                if state.staged_version == old.version:
-                    state.staged_version = 0
+                self._abort_member(old, rid, reason)
             logger.warning("round %s v%d failed: %s", old.job_id, old.version, reason,
                            extra={"job_id": old.job_id, "version": old.version})
             old.phase, old.outcome = Phase.DONE, FAILED
@@ -291,14 +287,23 @@ class ActivationCoordinator:
                 m.error = f"collateral of {', '.join(r.failed)}: {m.error}"
             else:
                 m.error = "aborted"
-                self.directory.send(rid, weightsync_pb2.SubscribeResponse(
-                    abort=weightsync_pb2.AbortEvent(job_id=r.job_id, version=r.version, reason=reason)))
-            state = self.directory.state(rid, r.job_id)
-            if state.staged_version == r.version:
-                state.staged_version = 0
+                self._abort_member(r, rid, reason)
+                continue
+            self._forget_staged(r, rid)
         logger.warning("round %s v%d failed: %s", r.job_id, r.version, r.error,
                        extra={"job_id": r.job_id, "version": r.version, "failed": r.failed})
         self._finish(r, FAILED, now)
+
+    def _abort_member(self, r: Round, replica_id: str, reason: str) -> None:
+        """Tells a member to drop the round's version, and forgets it was staged there."""
+        self.directory.send(replica_id, weightsync_pb2.SubscribeResponse(
+            abort=weightsync_pb2.AbortEvent(job_id=r.job_id, version=r.version, reason=reason)))
+        self._forget_staged(r, replica_id)
+
+    def _forget_staged(self, r: Round, replica_id: str) -> None:
+        state = self.directory.state(replica_id, r.job_id)
+        if state.staged_version == r.version:
+            state.staged_version = 0
 
     def _finish(self, r: Round, outcome: int, now: float) -> None:
         r.phase, r.outcome = Phase.DONE, outcome
