@@ -256,18 +256,16 @@ def kv_bytes_per_token(shape: dict[str, Any], dtype: str) -> int:
 
 def sync_choice(cfg, shape: dict[str, Any], is_moe: bool, environ: Any = None) -> tuple[str, str]:
     """The sync mode the job will run in and why, and whether its rollouts start vLLM with LoRA and why:
-    the rules the rollout's engine applies at start (lorarl/rollout/vllm/engine.py: lora_support)."""
+    the rule the rollout's engine applies at start (lorarl.common.vllm_lora), with the job's own settings."""
     import os
 
-    from lorarl.common import ascend
+    from lorarl.common.vllm_lora import lora_blocker
 
     environ = os.environ if environ is None else environ
-    vllm = cfg.rollout.engine == "vllm"
-    if is_moe and vllm and cfg.trainer.device == "cpu":
-        cannot = "vLLM's CPU backend cannot start a mixture-of-experts model with LoRA"
-    elif is_moe and vllm and ascend.is_npu(cfg.trainer.device) and (
-            blockers := ascend.moe_lora_blockers(shape, environ)):
-        cannot = f"vllm-ascend's MoE LoRA refuses this job: {'; '.join(blockers)}"
+    device_type = cfg.trainer.device.split(":", 1)[0]
+    blocker = lora_blocker(is_moe, device_type, shape, environ) if cfg.rollout.engine == "vllm" else ""
+    if blocker:
+        cannot = blocker
     elif cfg.rollout.enable_lora is False:
         cannot = "rollout.enable_lora is false"
     elif cfg.rollout.enable_lora is None and cfg.sync.mode == "merged":

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +110,7 @@ def sampling_params(request: ChatBody | CompletionBody) -> tuple[common_pb2.Samp
     return params, wanted
 
 
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     """The text up to (not including) the first stop string in it, as OpenAI returns it; the token ids keep
     what the engine generated (the trainer learns from those)."""
     cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
@@ -372,7 +372,7 @@ def _stream_request(generate: rollout_pb2.GenerateRequest) -> rollout_pb2.Genera
                                              policy=generate.policy, request_id=generate.request_id)
 
 
-def _held(text: str, stops: list[str], final: bool) -> tuple[str, bool]:
+def _held(text: str, stops: Sequence[str], final: bool) -> tuple[str, bool]:
     """What of a streamed text may be sent now: cut at a stop string; until the end, the tail that could
     still become one is held back."""
     text, stopped = cut_at_stop(text, stops)
@@ -384,10 +384,9 @@ def _held(text: str, stops: list[str], final: bool) -> tuple[str, bool]:
 
 async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, model: str,
                       with_tools: bool, with_logprobs: bool, include_usage: bool, remember,
-                      stops: list[str] = ()) -> AsyncIterator[bytes]:  # type: ignore[assignment]
+                      stops: Sequence[str] = ()) -> AsyncIterator[bytes]:
     """Chat chunks as tokens arrive; text from a ``<tool_call>`` on is held back and sent as ``tool_calls``,
     and so is a tail that may turn out to be a stop string."""
-    stops = list(stops)
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     n = request_input.sampling.n
@@ -437,9 +436,8 @@ async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, m
 
 
 async def stream_completion(endpoint: Endpoint, request_input: Any, request_id: str,
-                            model: str, stops: list[str] = ()) -> AsyncIterator[bytes]:  # type: ignore[assignment]
+                            model: str, stops: Sequence[str] = ()) -> AsyncIterator[bytes]:
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
-    stops = list(stops)
     tokens: dict[int, list[int]] = {}
     sent: dict[int, int] = {}
     async for chunk in endpoint.core.generate_stream(request_input):

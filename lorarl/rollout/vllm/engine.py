@@ -26,6 +26,7 @@ import torch
 from lorarl.common import ascend
 from lorarl.common.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
 from lorarl.common.errors import FailedPreconditionError, UnavailableError
+from lorarl.common.vllm_lora import lora_blocker
 from lorarl.contract.lora import LoraSpec
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.model_files import ModelFiles
@@ -49,15 +50,11 @@ BLOB_BYTES = 256 << 20
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH}
 
 
-def lora_support(files: ModelFiles, on_cpu: bool, on_npu: bool = False,
-                 environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
+def lora_support(files: ModelFiles, device_type: str, environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
     """Whether vLLM can run LoRA on this model here, and why not (weight sync's AUTO mode reads it)."""
-    if files.is_moe and on_cpu:
-        return False, (f"{files.architecture} is a mixture-of-experts model and vLLM's CPU backend cannot start "
-                       "it with LoRA enabled; serve it with merged weights (mode 2)")
-    if files.is_moe and on_npu and (blockers := ascend.moe_lora_blockers(files.config, environ)):
-        return False, (f"vllm-ascend cannot serve LoRA on {files.architecture}: {'; '.join(blockers)}; serve it with "
-                       "merged weights (mode 2)")
+    blocker = lora_blocker(files.is_moe, device_type, files.config, environ)
+    if blocker:
+        return False, f"{files.architecture}: {blocker}; serve it with merged weights (mode 2)"
     return True, ""
 
 
@@ -148,7 +145,7 @@ class VllmEngine:
         if current_platform.is_cpu():
             apply_thread_binding(parse_cpu_list(s.engine_cpus) if s.engine_cpus else available_cpus(),
                                  self.worker_count)
-        supported, reason = lora_support(self.files, current_platform.is_cpu(), current_platform.device_type == "npu")
+        supported, reason = lora_support(self.files, current_platform.device_type)
         enable_lora = supported if s.enable_lora is None else s.enable_lora
         if enable_lora and not supported:
             raise ValueError(f"rollout.enable_lora is true but {reason}")

@@ -289,7 +289,7 @@ class LorarlWorkerExtension:
         (reload ways, in-worker receive) must leave identical bytes (parity tests, bench/npu_check.py)."""
         import hashlib
 
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        model = compat.served_model(self)
         return {name: hashlib.sha256(p.detach().to("cpu").contiguous().view(-1).view(torch_uint8()).numpy()
                                      ).hexdigest()
                 for name, p in model.named_parameters()}
@@ -309,7 +309,7 @@ class LorarlWorkerExtension:
                     yield item
 
             compat.reload_weights(self, counted(), way)
-            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            model = compat.served_model(self)
             _repack_cpu_moe_experts(model)
             _refresh_tied_lm_head(model)
             return count

@@ -210,9 +210,8 @@ class WeightSyncAgent:
 
     async def _settle_stage(self, job_id: str, version: int) -> None:
         """Waits for the job's stage of ``version`` to finish (the service commits only what was staged)."""
-        current = self._stages.get(job_id)
-        if current is not None and current[0] == version:
-            await asyncio.shield(current[1])
+        if self._current(job_id, version):
+            await asyncio.shield(self._stages[job_id][1])
 
     def _current(self, job_id: str, version: int) -> bool:
         """Whether ``version`` is still the job's latest stage (not superseded by a newer one, not aborted)."""
