@@ -51,11 +51,11 @@ def batch(seed: int, vocab: int, groups: int = 3, group_size: int = 3, prompt: i
 
 
 def spec(path: Path, engine: str, device: str, dtype: str = "float32", lr: float = 1e-2, **kw: object):
-    from lorarl.trainer.engines.api import JobSpec, OptimizerSettings
+    from lorarl.trainer.engines.api import TrainingSpec, OptimizerSpec
     from lorarl.trainer.rl.lora import LoraConfig
 
-    return JobSpec(base_model_path=str(path), engine=engine, device=device, dtype=dtype,
-                   lora=LoraConfig(rank=8, alpha=16, **kw), optimizer=OptimizerSettings(learning_rate=lr))
+    return TrainingSpec(base_model_path=str(path), engine=engine, device=device, dtype=dtype,
+                   lora=LoraConfig(rank=8, alpha=16, **kw), optimizer=OptimizerSpec(learning_rate=lr))
 
 
 def randomize(engine, std: float = 0.05) -> None:

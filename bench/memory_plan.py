@@ -74,13 +74,13 @@ def measure(row: Row, model_dir: str, device: str) -> dict[str, float]:
     """One row in this process: the engine, one forward_backward, the peaks (bytes)."""
     import torch
 
-    from lorarl.trainer.engines.api import JobSpec, MemorySettings, OptimizerSettings, TrajectoryRecord
+    from lorarl.trainer.engines.api import TrainingSpec, MemorySpec, OptimizerSpec, TrajectoryRecord
     from lorarl.trainer.engines.torch_engine import TorchEngine
     from lorarl.trainer.rl.lora import LoraConfig
 
-    spec = JobSpec(base_model_path=model_dir, device=device, dtype=row.dtype,
-                   lora=LoraConfig(rank=RANK, alpha=2 * RANK), optimizer=OptimizerSettings(learning_rate=1e-4),
-                   memory=MemorySettings(activation_checkpointing="on" if row.checkpointing else "off"))
+    spec = TrainingSpec(base_model_path=model_dir, device=device, dtype=row.dtype,
+                   lora=LoraConfig(rank=RANK, alpha=2 * RANK), optimizer=OptimizerSpec(learning_rate=1e-4),
+                   memory=MemorySpec(activation_checkpointing="on" if row.checkpointing else "off"))
     engine = TorchEngine(spec)
     vocab = engine.vocab_size
     completion = row.seq - PROMPT

@@ -77,12 +77,12 @@ TITLES = {"plain": "plain (prompt per completion)", "padded": "shared prompt, pa
 
 def engine(variant: str, micro_batch_tokens: int):
     from lorarl.assets.paths import DENSE_MODEL_DIR
-    from lorarl.trainer.engines.api import JobSpec, OptimizerSettings
+    from lorarl.trainer.engines.api import TrainingSpec, OptimizerSpec
     from lorarl.trainer.engines.torch_engine import TorchEngine
     from lorarl.trainer.rl.lora import LoraConfig
 
-    spec = JobSpec(base_model_path=str(DENSE_MODEL_DIR), lora=LoraConfig(rank=8, alpha=16),
-                   optimizer=OptimizerSettings(learning_rate=2e-3, micro_batch_tokens=micro_batch_tokens))
+    spec = TrainingSpec(base_model_path=str(DENSE_MODEL_DIR), lora=LoraConfig(rank=8, alpha=16),
+                   optimizer=OptimizerSpec(learning_rate=2e-3, micro_batch_tokens=micro_batch_tokens))
     e = TorchEngine(spec)
     e.share_prompts, e.pack_completions = VARIANTS[variant]
     return e

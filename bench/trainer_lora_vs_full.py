@@ -111,16 +111,16 @@ def current_bytes(device: str) -> int:
 
 
 def run_variant(args: argparse.Namespace) -> dict:
-    from lorarl.trainer.engines.api import JobSpec, OptimizerSettings
+    from lorarl.trainer.engines.api import TrainingSpec, OptimizerSpec
     from lorarl.trainer.engines.torch_engine import TorchEngine
     from lorarl.trainer.rl.lora import LoraConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
     full = args.worker == "full"
-    spec = JobSpec(base_model_path=args.model_dir, device=args.device, dtype=args.dtype,
+    spec = TrainingSpec(base_model_path=args.model_dir, device=args.device, dtype=args.dtype,
                    lora=LoraConfig(rank=args.rank, alpha=2 * args.rank), full_finetune=full,
-                   optimizer=OptimizerSettings(learning_rate=1e-5, max_grad_norm=1.0))
+                   optimizer=OptimizerSpec(learning_rate=1e-5, max_grad_norm=1.0))
     engine = TorchEngine(spec)
     batch = make_batch(args.sequences, args.prompt_tokens, args.completion_tokens)
     reset_peak(args.device)

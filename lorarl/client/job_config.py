@@ -16,11 +16,31 @@ from typing import Any, Literal
 from lorarl.client.datasets import SOURCES
 from lorarl.client.rewards import REWARD_ERRORS
 from lorarl.common.config import ConfigError, all_of, in_range, multiple_of, setting
-from lorarl.contract.lora import ALL_LINEAR, DEFAULT_RANK, ExpertMode, LoraSpec, default_alpha
+from lorarl.contract.errors import SpecError
+from lorarl.contract.lora import (
+    ALL_LINEAR,
+    DEFAULT_RANK,
+    MAX_RANK,
+    VLLM_LORA_RANKS,
+    ExpertMode,
+    LoraSpec,
+    default_alpha,
+    serving_rank,
+)
+from lorarl.contract.training import (
+    DEFAULT_MAX_SEQUENCE_TOKENS,
+    MAX_PARALLEL,
+    LimitsSpec,
+    LossSpec,
+    MegatronSpec,
+    MemorySpec,
+    OptimizerSpec,
+    TrainingSpec,
+    loss_for_loop,
+)
 
 SyncModeName = Literal["adapter", "merged", "auto"]
 LoopMode = Literal["sync", "async"]
-LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo"]
 
 
 @dataclass
@@ -86,7 +106,7 @@ class WorkflowSection:
 class LoraSection:
     """The job file's `trainer.lora`: the fields of lorarl.contract.lora.LoraSpec, with its defaults."""
 
-    rank: int = setting(DEFAULT_RANK, check=in_range(1, 512))
+    rank: int = setting(DEFAULT_RANK, check=in_range(1, MAX_RANK))
     alpha: float | None = setting(None, check=in_range(0.0), doc="Default: twice the rank.")
     dropout: float = setting(0.0, check=in_range(0.0, 0.99))
     target_modules: list[str] = setting(default_factory=lambda: [ALL_LINEAR])
@@ -100,33 +120,13 @@ class LoraSection:
 
 
 @dataclass
-class LossSection:
-    type: LossName = setting("grpo")
-    clip_eps_low: float = setting(0.2, check=in_range(0.0, 1.0))
-    clip_eps_high: float = setting(0.2, check=in_range(0.0, 10.0))
-    dual_clip: float = setting(0.0, check=in_range(0.0))
-    kl_coef: float = setting(0.0, check=in_range(0.0))
-    behavior_weight_cap: float = setting(0.0, check=in_range(0.0),
-                                         doc="Decoupled PPO: cap on behaviour importance weights (async mode).")
-    entropy_coef: float = setting(0.0)
-
-
-@dataclass
-class OptimizerSection:
-    learning_rate: float = setting(2e-3, check=in_range(1e-12, 10.0))
-    weight_decay: float = setting(0.0, check=in_range(0.0))
-    warmup_steps: int = setting(0, check=in_range(0))
-    max_grad_norm: float = setting(1.0, check=in_range(0.0))
-    micro_batch_tokens: int = setting(0, check=in_range(0))
-
-
-@dataclass
 class ParallelSection:
-    tensor: int = setting(1, check=in_range(1, 1024), doc="Tensor-parallel size (megatron engine).")
-    pipeline: int = setting(1, check=in_range(1, 1024), doc="Pipeline stages: megatron's pipeline-parallel ranks; "
-                            "the torch engine splits its decoder layers across this many devices of its one process.")
-    expert: int = setting(1, check=in_range(1, 1024), doc="Expert-parallel size (megatron engine, MoE).")
-    data: int = setting(1, check=in_range(1, 1024), doc="Data-parallel size.")
+    tensor: int = setting(1, check=in_range(1, MAX_PARALLEL), doc="Tensor-parallel size (megatron engine).")
+    pipeline: int = setting(1, check=in_range(1, MAX_PARALLEL), doc="Pipeline stages: megatron's pipeline-parallel "
+                            "ranks; the torch engine splits its decoder layers across this many devices of its one "
+                            "process.")
+    expert: int = setting(1, check=in_range(1, MAX_PARALLEL), doc="Expert-parallel size (megatron engine, MoE).")
+    data: int = setting(1, check=in_range(1, MAX_PARALLEL), doc="Data-parallel size.")
 
     @property
     def world_size(self) -> int:
@@ -139,24 +139,16 @@ class ParallelSection:
 
 
 @dataclass
-class MemorySection:
-    activation_checkpointing: Literal["auto", "on", "off"] = setting(
-        "auto", doc="Recompute decoder activations in backward: 'on', 'off', or 'auto' (on for micro-batches whose "
-        "activations would not fit the device).")
-    logits_chunk_tokens: int = setting(1024, check=in_range(0), doc="Tokens per LM-head/log-softmax chunk "
-                                                                    "(0: a whole micro-batch at once).")
-
-
-@dataclass
 class TrainerSection:
     device: str = setting("cpu", doc="cpu, cuda or npu (the first of the trainer's devices).")
     engine: Literal["torch", "megatron"] = setting("torch", doc="'torch' (transformers) or 'megatron' (TP/PP/EP).")
     parallel: ParallelSection = field(default_factory=ParallelSection)
     seed: int = setting(0, check=in_range(0))
     lora: LoraSection = field(default_factory=LoraSection)
-    loss: LossSection = field(default_factory=LossSection)
-    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    memory: MemorySection = field(default_factory=MemorySection)
+    # The training spec's own classes (lorarl.contract.training): their defaults, bounds and docs.
+    loss: LossSpec = field(default_factory=LossSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    memory: MemorySpec = field(default_factory=MemorySpec)
     init_adapter: str = setting("", doc="A PEFT LoRA adapter directory to start from (warm start; torch engine); "
                                         "its r, lora_alpha, target_modules and use_rslora must match trainer.lora.")
 
@@ -177,7 +169,8 @@ class RolloutSection:
     max_model_len: int = setting(
         0, check=in_range(0), doc="Context the engines serve (0: the smallest power of two >= 2048 holding "
         "data.max_prompt_tokens + the longer of max_tokens and eval_max_tokens, at most the model's).")
-    max_lora_rank: int = setting(16)
+    max_lora_rank: int = setting(0, doc=f"Largest adapter rank the engines serve, one of {VLLM_LORA_RANKS} (0: the "
+                                        "smallest of them that holds trainer.lora.rank).")
     replicas: int = setting(1, check=in_range(1, 1024), doc="Rollout services (vLLM engines) in the job.")
     max_num_seqs: int = setting(0, check=in_range(0, 4096),
                                 doc="Sequences a vLLM engine decodes at once (0: a whole step's batch, >= 64).")
@@ -308,9 +301,14 @@ class JobFileConfig:
         if self.rollout.enable_lora is False and self.sync.mode != "merged":
             raise ConfigError("rollout.enable_lora", f"is false, so the rollout cannot serve adapters; sync.mode is "
                                                      f"{self.sync.mode!r}: set sync.mode=merged or enable LoRA")
-        if self.rollout.max_lora_rank < self.trainer.lora.rank and self.sync.mode != "merged":
+        if self.rollout.max_lora_rank and self.rollout.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ConfigError("rollout.max_lora_rank", f"expected 0 or one of {VLLM_LORA_RANKS}, "
+                                                       f"got {self.rollout.max_lora_rank}")
+        if self.rollout.max_lora_rank and self.rollout.max_lora_rank < self.trainer.lora.rank \
+                and self.sync.mode != "merged":
             raise ConfigError("rollout.max_lora_rank",
-                              f"{self.rollout.max_lora_rank} is below trainer.lora.rank={self.trainer.lora.rank}")
+                              f"{self.rollout.max_lora_rank} is below trainer.lora.rank={self.trainer.lora.rank} "
+                              "(0: derived from it)")
         parallel = self.trainer.parallel
         if self.trainer.engine == "torch" and (parallel.tensor, parallel.expert) != (1, 1):
             raise ConfigError("trainer.parallel", "tensor/expert parallelism needs trainer.engine=megatron")
@@ -331,6 +329,11 @@ class JobFileConfig:
                                   f"placement has {self.placement.nodes} x {self.placement.devices_per_node} = {have}")
 
 
+    @property
+    def serving_lora_rank(self) -> int:
+        """The rollout's max_lora_rank: as set, else the smallest vLLM rank that holds the trainer's."""
+        return self.rollout.max_lora_rank or serving_rank(self.trainer.lora.rank)
+
     def _check_ascend(self) -> None:
         """A job on NPUs is told up front what Ascend refuses (lorarl/common/ascend.py), all at once."""
         import os
@@ -346,7 +349,7 @@ class JobFileConfig:
         if self.sync.mode == "merged":
             problems += ascend.merged_reload_problems(self.rollout.enforce_eager, eager_key="rollout.enforce_eager")
         elif self.rollout.enable_lora is not False:
-            problems += ascend.lora_rank_problems(self.rollout.max_lora_rank, rank_key="rollout.max_lora_rank")
+            problems += ascend.lora_rank_problems(self.serving_lora_rank, rank_key="rollout.max_lora_rank")
         if problems:
             raise ConfigError("", f"on Ascend NPUs (trainer.device={self.trainer.device}): " + "; ".join(problems))
 
@@ -368,6 +371,27 @@ def job_path(cfg: JobFileConfig, path: str) -> str:
     if path and job_dir and not Path(path).is_absolute() and (Path(job_dir) / path).exists():
         return str(Path(job_dir) / path)
     return path
+
+
+def training_spec(cfg: JobFileConfig, model_path: str) -> TrainingSpec:
+    """What the job's trainer trains by (lorarl.contract.training), from the job file: the loss with what the
+    loop decides (an async loop's staleness bound, the rollout's max_tokens), and limits that take every
+    prompt and completion the rollout can return."""
+    t = cfg.trainer
+    megatron = MegatronSpec()
+    if t.engine == "megatron":
+        megatron = MegatronSpec(t.parallel.tensor, t.parallel.pipeline, t.parallel.expert)
+    init = str(Path(job_path(cfg, t.init_adapter)).resolve()) if t.init_adapter else ""
+    loss = loss_for_loop(t.loss, mode=cfg.loop.mode, max_staleness=cfg.loop.max_staleness,
+                         max_tokens=cfg.rollout.max_tokens)
+    try:
+        return TrainingSpec(
+            base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, lora=t.lora.spec(), loss=loss,
+            optimizer=t.optimizer, seed=t.seed, engine=t.engine, megatron=megatron, memory=t.memory,
+            layer_devices=t.parallel.pipeline if t.engine == "torch" else 1, init_adapter_path=init,
+            limits=LimitsSpec(max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS)))
+    except SpecError as e:
+        raise ConfigError(f"trainer.{e.path}", e.problem) from None
 
 
 def serving_length(cfg) -> int | None:

@@ -22,19 +22,18 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
 from lorarl.client.datasets import Example, TrainStream
-from lorarl.client.job_config import JobFileConfig, job_path, serving_length
+from lorarl.client.job_config import JobFileConfig, training_spec
 from lorarl.client.recovery import ActivationFailedError, RecoveryBudget, recoverable
 from lorarl.client.rewards import Reward, RewardFn
 from lorarl.client.workflow import Episode, Workflow, load_workflow
 from lorarl.client.workflow.coalesce import CoalescingRollout
 from lorarl.client.workflow.context import RolloutContext, SamplingDefaults
-from lorarl.contract import staleness
+from lorarl.contract import staleness, versions
 from lorarl.contract.chat import ChatRenderer
-from lorarl.contract.enums import LOSS_TYPES, SYNC_MODES
+from lorarl.contract.enums import SYNC_MODES
 from lorarl.v1 import common_pb2, trainer_pb2, weightsync_pb2
 from lorarl.weightsync.client.activation import await_outcome
 
@@ -43,42 +42,11 @@ T = TypeVar("T")
 
 #: Held-out episodes running at once.
 EVAL_CHUNK = 64
-#: The trainer's own default limit on prompt + completion tokens (lorarl.trainer.engines.api.Limits).
-DEFAULT_MAX_SEQUENCE_TOKENS = 4096
 
 
 def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConfig:
-    """The trainer's JobConfig for this run; async runs get the decoupled loss."""
-    t = cfg.trainer
-    loss = trainer_pb2.LossConfig(
-        type=LOSS_TYPES[t.loss.type], clip_eps_low=t.loss.clip_eps_low, clip_eps_high=t.loss.clip_eps_high,
-        dual_clip=t.loss.dual_clip, kl_coef=t.loss.kl_coef, entropy_coef=t.loss.entropy_coef,
-        max_response_tokens=cfg.rollout.max_tokens)
-    if cfg.loop.mode == "async":
-        loss.behavior_weight_cap = t.loss.behavior_weight_cap or 5.0
-        loss.max_staleness = cfg.loop.max_staleness  # the trainer masks what admission let through
-    megatron = None
-    if t.engine == "megatron":
-        megatron = trainer_pb2.MegatronConfig(tensor_parallel_size=t.parallel.tensor,
-                                              pipeline_parallel_size=t.parallel.pipeline,
-                                              expert_parallel_size=t.parallel.expert)
-    return trainer_pb2.JobConfig(
-        base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, seed=t.seed, engine=t.engine,
-        megatron=megatron, layer_devices=t.parallel.pipeline if t.engine == "torch" else 0,
-        init_adapter_path=str(Path(job_path(cfg, t.init_adapter)).resolve()) if t.init_adapter else "",
-        # The rollout never returns a prompt and completion longer than its context: the trainer takes them all.
-        max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS),
-        lora=t.lora.spec().to_proto(),
-        loss=loss,
-        optimizer=trainer_pb2.OptimizerConfig(
-            learning_rate=t.optimizer.learning_rate, weight_decay=t.optimizer.weight_decay,
-            warmup_steps=t.optimizer.warmup_steps, max_grad_norm=t.optimizer.max_grad_norm,
-            micro_batch_tokens=t.optimizer.micro_batch_tokens),
-        memory=trainer_pb2.MemoryConfig(
-            activation_checkpointing=trainer_pb2.ActivationCheckpointing.Value(
-                f"ACTIVATION_CHECKPOINTING_{t.memory.activation_checkpointing.upper()}"),
-            logits_chunk_tokens=t.memory.logits_chunk_tokens),
-    )
+    """The trainer's JobConfig for this run (lorarl.client.job_config.training_spec)."""
+    return training_spec(cfg, model_path).to_proto()
 
 
 @dataclass
@@ -108,7 +76,7 @@ class LoopState:
 
     def trains_at(self, batch_index: int) -> int:
         """The trainer version batch ``batch_index`` trains (its step, shifted past reused numbers)."""
-        return batch_index + self.version_base
+        return versions.trained_by(batch_index, self.version_base)
 
 
 MetricSink = Callable[[dict[str, float]], None]
@@ -239,7 +207,8 @@ class RLLoop:
         result = await self.trainer.TrainStep(trainer_pb2.TrainStepRequest(job_id=job))
         metrics = {f"train/{k}": v for k, v in result.metrics.values.items()}
         metrics["train/version"] = result.version
-        self.state.version_base = result.version - batch.index - 1  # moves when the trainer renumbered
+        # moves when the trainer renumbered: result.version is what batch.index's step made
+        self.state.version_base = versions.base_of(result.version, batch.index + 1)
         return metrics
 
     async def publish(self, overlap: bool = False) -> dict[str, float]:
@@ -431,7 +400,7 @@ class RLLoop:
                 self.state.step += 1
                 self.state.cursor = self.state.step * self.cfg.loop.prompts_per_step
                 # the trainer's version before this step (the served one may still be activating)
-                self._record(batch, train, sync, int(train["train/version"]) - 1)
+                self._record(batch, train, sync, versions.previous(int(train["train/version"])))
                 await self._maybe_eval_and_checkpoint()
             await self.settled()
         finally:

@@ -283,9 +283,9 @@ def sync_choice(cfg, shape: dict[str, Any], is_moe: bool, environ: Any = None) -
     if cannot:
         lora = f"off ({cannot})"
     elif cfg.rollout.enable_lora:
-        lora = f"on (rollout.enable_lora), up to rank {cfg.rollout.max_lora_rank}"
+        lora = f"on (rollout.enable_lora), up to rank {cfg.serving_lora_rank}"
     else:
-        lora = f"on (the default where the model can run it), up to rank {cfg.rollout.max_lora_rank}"
+        lora = f"on (the default where the model can run it), up to rank {cfg.serving_lora_rank}"
     if lora.startswith("on") and mode.startswith("merged"):
         lora += "; merged weights load into its LoRA-wrapped layers"
     return mode, lora

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import grpc
 
 from lorarl.client.calls import ServiceCallError, client_token
-from lorarl.client.job_config import JobFileConfig, load_job_config
+from lorarl.client.job_config import JobFileConfig, load_job_config, training_spec
 from lorarl.client.loop import job_config_proto
 from lorarl.client.workflow import Episode, Sampled
 from lorarl.common.channel import ClientTls, sync_channel
@@ -190,8 +191,8 @@ class TrainingClient:
         if loss is not None:
             if loss not in LOSS_TYPES:
                 raise ValueError(f"loss must be one of {sorted(LOSS_TYPES)}, got {loss!r}")
-            request.loss.CopyFrom(job_config_proto(self.cfg, self.cfg.model.path).loss)
-            request.loss.type = LOSS_TYPES[loss]
+            job_loss = training_spec(self.cfg, self.cfg.model.path).loss
+            request.loss.CopyFrom(dataclasses.replace(job_loss, type=loss).to_proto())
         return dict(self.stub.ForwardBackward(request).metrics.values)
 
     def optim_step(self, learning_rate: float | None = None) -> dict[str, float]:

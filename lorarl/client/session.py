@@ -17,6 +17,7 @@ from typing import Any
 
 from lorarl.client.loop import LoopState, job_config_proto
 from lorarl.client.recovery import ActivationFailedError
+from lorarl.contract import versions
 from lorarl.contract.enums import SYNC_MODES
 from lorarl.v1 import trainer_pb2
 
@@ -78,7 +79,8 @@ class JobSession:
             await self.trainer.DeleteJob(trainer_pb2.DeleteJobRequest(job_id=self.cfg.job_id))
             await self._create()
         state = LoopState()
-        if created.job.version > 0:  # a warm start: the starting adapter serves before the first batch
+        # a warm start: the starting adapter serves before the first batch
+        if versions.publishable(created.job.version):
             version = await self.publish()
             state = LoopState(version=version, version_base=version)
         await self.save(state, RESUME)
@@ -106,9 +108,10 @@ class JobSession:
         loaded = await self.trainer.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(
             job_id=self.cfg.job_id, path=point.checkpoint))
         version = int(loaded.version)
-        if version > 0:
+        if versions.publishable(version):
             version = await self.publish()
-        return LoopState(step=point.step, version=version, cursor=point.cursor, version_base=version - point.step)
+        return LoopState(step=point.step, version=version, cursor=point.cursor,
+                         version_base=versions.base_of(version, point.step))
 
     async def save(self, state: LoopState, name: str) -> None:
         """Checkpoints the job as ``name`` and makes it the resume point."""

@@ -10,7 +10,8 @@ nested dataclasses, `X | None`, list[X], tuple[X, ...], dict[str, X] and Any.
 
 Per-field checks go in field metadata (see `setting` and the check helpers below); checks that
 involve several fields go in an optional `validate(self)` method raising `ConfigError` with a key
-relative to that dataclass.
+relative to that dataclass. A dataclass may also check itself on construction, raising a ValueError
+that carries `field` and `problem` (lorarl.contract.errors.SpecError): it becomes a ConfigError there.
 """
 
 from __future__ import annotations
@@ -424,7 +425,16 @@ def _build_dataclass(cls: type[T], value: Any, key: str) -> T:
             kwargs[name] = _convert(to_dict(default), type(default), sub_key)
         elif default is dataclasses.MISSING:
             raise ConfigError(sub_key, f"missing required key ({_describe(hints[name])})")
-    instance = cls(**kwargs)
+    try:
+        instance = cls(**kwargs)
+    except ValueError as exc:
+        # A class that validates itself on construction (lorarl.contract's specs) names the field it refused.
+        if not (isinstance(getattr(exc, "field", None), str) and isinstance(getattr(exc, "problem", None), str)):
+            raise
+        field_name = exc.field.split(".", 1)[0]
+        given = value.get(field_name)
+        origin = given.origin if isinstance(given, RawText) else None
+        raise ConfigError(_join(key, exc.field), exc.problem, origin=origin) from None
     for name, field in fields.items():
         check: Check | None = field.metadata.get(_CHECK_KEY)
         if check is not None:

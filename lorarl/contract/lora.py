@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lorarl.contract.errors import SpecError
 from lorarl.v1 import common_pb2
 
 ALL_LINEAR = "all-linear"
@@ -30,8 +31,9 @@ ExpertMode = Literal["none", "per_expert", "shared"]
 #: The defaults of every entry point (job file, gRPC JobConfig, Python API): rank 16, alpha twice the rank.
 DEFAULT_RANK = 16
 ALPHA_PER_RANK = 2.0
-#: Bounds on what a spec may ask for (vLLM serves ranks up to 512; a rank past this is a typo, not a plan).
-MAX_RANK = 1024
+#: The ranks vLLM's engines take for max_lora_rank (vllm.config.lora.MaxLoRARanks); the largest bounds a spec.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+MAX_RANK = VLLM_LORA_RANKS[-1]
 MAX_TARGETS = 64
 
 EXPERT_MODE_NAMES: dict[int, ExpertMode] = {
@@ -43,6 +45,11 @@ EXPERT_MODE_NAMES: dict[int, ExpertMode] = {
 EXPERT_MODE_ENUMS: dict[str, int] = {"none": common_pb2.EXPERT_ADAPTER_MODE_NONE,
                                      "per_expert": common_pb2.EXPERT_ADAPTER_MODE_PER_EXPERT,
                                      "shared": common_pb2.EXPERT_ADAPTER_MODE_SHARED}
+
+
+def serving_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM takes that serves an adapter of ``rank`` (a rollout's default)."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
 def default_alpha(rank: int) -> float:
@@ -71,15 +78,15 @@ class LoraSpec:
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= MAX_RANK:
-            raise ValueError(f"lora.rank must be in 1..{MAX_RANK}, got {self.rank}")
+            raise SpecError("lora", "rank", f"must be in 1..{MAX_RANK}, got {self.rank}")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"lora.alpha must be a finite number > 0, got {self.alpha}")
+            raise SpecError("lora", "alpha", f"must be a finite number > 0, got {self.alpha}")
         if len(self.target_modules) > MAX_TARGETS or any(len(t) > 128 for t in self.target_modules):
-            raise ValueError(f"lora.target_modules: at most {MAX_TARGETS} names of at most 128 characters")
+            raise SpecError("lora", "target_modules", f"at most {MAX_TARGETS} names of at most 128 characters")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+            raise SpecError("lora", "dropout", f"must be in [0, 1), got {self.dropout}")
         if self.expert_mode not in EXPERT_MODE_ENUMS:
-            raise ValueError(f"lora.expert_mode must be none, per_expert or shared, got {self.expert_mode!r}")
+            raise SpecError("lora", "expert_mode", f"must be none, per_expert or shared, got {self.expert_mode!r}")
 
     @property
     def scale(self) -> float:
@@ -95,11 +102,11 @@ class LoraSpec:
         """The spec as a trainer must receive it: known target names, vLLM-servable combinations."""
         unknown = set(self.target_modules) - {ALL_LINEAR, *LINEAR_TARGETS}
         if unknown:
-            raise ValueError(f"lora.target_modules has unknown names {sorted(unknown)}; "
-                             f"use {ALL_LINEAR!r} or names from {list(LINEAR_TARGETS)}")
+            raise SpecError("lora", "target_modules", f"has unknown names {sorted(unknown)}; "
+                            f"use {ALL_LINEAR!r} or names from {list(LINEAR_TARGETS)}")
         if "in_proj_z" in self.target_modules and "in_proj_qkv" not in self.target_modules:
             # vLLM packs them as in_proj_qkvz and cannot load an adapter with in_proj_z alone.
-            raise ValueError("lora.target_modules: in_proj_z needs in_proj_qkv too (vLLM serves them packed)")
+            raise SpecError("lora", "target_modules", "in_proj_z needs in_proj_qkv too (vLLM serves them packed)")
         return self
 
     def peft_config(self, base_model_path: str = "", target_modules: list[str] | None = None) -> dict[str, Any]:
@@ -182,7 +189,7 @@ class LoraSpec:
         """The spec a proto carries, zeros read as unset (see the module docstring); ValueError says what is
         wrong (a subclass's own checks included: the trainer's LoraConfig checks its targets)."""
         if spec.expert_mode not in EXPERT_MODE_NAMES:
-            raise ValueError(f"lora.expert_mode: unknown value {spec.expert_mode}")
+            raise SpecError("lora", "expert_mode", f"unknown value {spec.expert_mode}")
         rank = spec.rank or DEFAULT_RANK
         return cls(rank=rank, alpha=spec.alpha or default_alpha(rank),
                    target_modules=tuple(spec.target_modules) or (ALL_LINEAR,), dropout=spec.dropout,

@@ -8,9 +8,7 @@ from typing import Literal
 from lorarl.common.config import ConfigError, all_of, existing_dir, in_range, multiple_of, setting
 from lorarl.common.cpu_affinity import check_cpu_setting, cpu_list
 from lorarl.common.server_config import ServerConfig
-
-#: Ranks vLLM accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from lorarl.contract.lora import VLLM_LORA_RANKS
 
 EngineKind = Literal["vllm", "hf"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]

@@ -16,9 +16,10 @@ import enum
 from dataclasses import dataclass
 
 from lorarl.common.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from lorarl.contract import versions
 from lorarl.rollout.schema import BASE_JOB, LATEST, AdapterHandle, Mode, PolicyRef, ServedPolicy
 
-BASE_POLICY = ServedPolicy(job_id=BASE_JOB, version=0)
+BASE_POLICY = ServedPolicy(job_id=BASE_JOB, version=versions.BASE)
 
 
 class State(enum.Enum):
@@ -140,8 +141,8 @@ class PolicyTable:
 
     def check_stage(self, job_id: str, version: int, mode: Mode) -> None:
         """Refuses versions that are not newer, mode changes, and a second merged job."""
-        if version < 1:
-            raise FailedPreconditionError(f"{job_id} v{version}: versions start at 1")
+        if not versions.publishable(version):
+            raise FailedPreconditionError(f"{job_id} v{version}: versions start at {versions.FIRST}")
         known = self.job_mode(job_id)
         if known is not None and known is not mode:
             raise FailedPreconditionError(f"job {job_id!r} is served as {known.value} on this replica; "

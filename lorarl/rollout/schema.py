@@ -9,9 +9,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+from lorarl.contract import versions
+
 BASE_JOB = ""
 """job_id of the base model (no adapter, no merged weights)."""
-LATEST = 0
+LATEST = versions.LATEST
 """PolicyRef.version meaning "the latest active version of the job"."""
 
 

@@ -174,6 +174,16 @@ SINGLE_DEFINITIONS = {
     "loss type map": (re.compile(r"LOSS_TYPE_[A-Z_]+\s*:|[\"']\w+[\"']\s*:\s*trainer_pb2\.LOSS_TYPE"),
                       "lorarl.contract.enums"),
     "sync mode map": (re.compile(r"[\"']\w+[\"']\s*:\s*common_pb2\.SYNC_MODE"), "lorarl.contract.enums"),
+    # the staleness mask: applied by the RL step alone (once per micro-batch, and in the batch's totals)
+    "staleness mask": (re.compile(r"staleness\.fresh\("), "lorarl.trainer.rl.step"),
+    # version numbering: the next version after the latest, nowhere but lorarl.contract.versions
+    "version numbering": (re.compile(r"\b(latest|latest_version|_version|version)\s*(\+=|\+)\s*1\b"),
+                          "lorarl.contract.versions"),
+    # the training spec's defaults (learning rate, limits, weight cap, clip ranges): literals in one place
+    "training defaults": (re.compile(r"\b\w*(learning_rate|max_sequence_tokens|max_buffered_trajectories|"
+                                     r"behavior_weight_cap|clip_eps_\w+|weight_cap|LEARNING_RATE|SEQUENCE_TOKENS|"
+                                     r"BUFFERED_TRAJECTORIES|WEIGHT_CAP|CLIP_EPS\w*)\s*(:\s*[\w| ]+\s*)?(=|or)\s*"
+                                     r"(setting\()?[1-9][\d.]*(e-?\d+)?\b"), "lorarl.contract.training"),
     # the RL step: the one caller of the policy loss and of group advantages
     "policy loss call": (re.compile(r"(?<!def )\bpolicy_loss\("), "lorarl.trainer.rl.step"),
     "advantages call": (re.compile(r"(?<!def )\bcompute_advantages\("), "lorarl.trainer.rl.step"),

@@ -10,8 +10,8 @@ from lorarl.common.errors import InvalidArgumentError
 from lorarl.common.validation import QUOTE_CHARS, check_finite, check_id, check_path, check_version, quote
 from lorarl.contract.ids import MAX_VERSION
 from lorarl.contract.lora import MAX_RANK, LoraSpec
-from lorarl.trainer.engines.api import OptimizerSettings
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.engines.api import OptimizerSpec
+from lorarl.trainer.rl.losses import LossSpec
 from lorarl.v1 import common_pb2
 from lorarl.weightsync.wire.inline import BucketAssembler
 from lorarl.weightsync.wire.payload import PayloadError
@@ -56,13 +56,13 @@ def test_a_lora_spec_refuses_what_cannot_be_meant(kwargs: dict) -> None:
 @pytest.mark.parametrize("name", ["clip_eps_low", "clip_eps_high", "kl_coef", "entropy_coef", "behavior_weight_cap"])
 def test_loss_settings_refuse_non_finite_numbers(name: str) -> None:
     with pytest.raises(ValueError, match=f"loss.{name} must be a finite number"):
-        LossSettings(**{name: math.nan})
+        LossSpec(**{name: math.nan})
 
 
 @pytest.mark.parametrize("name", ["learning_rate", "weight_decay", "beta1", "eps", "max_grad_norm"])
 def test_optimizer_settings_refuse_non_finite_numbers(name: str) -> None:
     with pytest.raises(ValueError, match=f"optimizer.{name} must be a finite number"):
-        OptimizerSettings(**{name: math.inf})
+        OptimizerSpec(**{name: math.inf})
 
 
 def test_a_transfer_reserves_memory_only_as_bytes_arrive_and_up_to_a_limit() -> None:

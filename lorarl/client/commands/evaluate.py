@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.commands.run import add_token_file, client_tls
+from lorarl.contract import versions
 
 ADAPTER_JOB = "eval-adapter"
 
@@ -94,9 +95,10 @@ async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[
             config, tensors = adapter
             caps = await rollout.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
             lora = LoraSpec.from_peft_config(config).to_proto()
-            await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, 1, tensors, common_pb2.SYNC_MODE_ADAPTER,
-                                                          caps.base_model_fingerprint, lora))
-            state.version = 1
+            await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, versions.FIRST, tensors,
+                                                          common_pb2.SYNC_MODE_ADAPTER, caps.base_model_fingerprint,
+                                                          lora))
+            state.version = versions.FIRST
         cfg.job_id = ADAPTER_JOB
         loop = RLLoop(cfg, trainer=None, rollout=rollout, reward=job_reward(cfg), train=test,
                       test=test, on_metrics=lambda m: None, state=state)

@@ -126,7 +126,7 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     **({"ranks": ranks} if (ranks := cfg.trainer.parallel.ranks(cfg.trainer.engine)) > 1 else {})},
         "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
                     "dtype": cfg.model.dtype,
-                    "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.rollout.max_lora_rank,
+                    "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.serving_lora_rank,
                     "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0",
                     "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
                     **({"openai_port": 0} if cfg.rollout.openai else {}),

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lorarl.common.tcp_store import client_store, master_store
-from lorarl.trainer.engines.api import CheckpointInfo, EngineStateError, JobSpec, Metrics, TrajectoryRecord
+from lorarl.trainer.engines.api import CheckpointInfo, EngineStateError, Metrics, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.devices import bind_device
 from lorarl.trainer.engines.torch_engine import TorchEngine, device_for
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.rl.step import BatchTotals
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -144,7 +144,7 @@ class DataParallelEngine(TorchEngine):
     batch instead (what a multi-rank trainer service does) and takes its shard itself.
     """
 
-    def __init__(self, spec: JobSpec, full_batch: bool = False) -> None:
+    def __init__(self, spec: TrainingSpec, full_batch: bool = False) -> None:
         if not dist.is_initialized():
             raise EngineStateError("DataParallelEngine needs torch.distributed initialised (init_distributed)")
         super().__init__(spec, reducer=DataParallelReducer(device_for(spec.device)))
@@ -155,7 +155,7 @@ class DataParallelEngine(TorchEngine):
             for p in self._trainable:
                 dist.broadcast(p.data, src=0)
 
-    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
+    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         if self.full_batch:
             batch = shard_by_group(batch, self.rank, self.world_size)
         return super().forward_backward(batch, loss)

@@ -1,10 +1,10 @@
-"""Builds the engine a JobSpec names. Apart from engine_api, which the engines themselves import: the
+"""Builds the engine a TrainingSpec names. Apart from engine_api, which the engines themselves import: the
 interface stays below the engines, and only this factory sits above them (no import circle)."""
 
 from __future__ import annotations
 
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
-from lorarl.trainer.engines.api import JobSpec, TrainEngine
+from lorarl.trainer.engines.api import TrainEngine, TrainingSpec
 
 
 def check_device(device: str, layer_devices: int = 1) -> None:
@@ -38,7 +38,7 @@ def check_device(device: str, layer_devices: int = 1) -> None:
                                                            f"{kind}:{last}; this trainer has {count} {kind} device(s)")
 
 
-def create_engine(spec: JobSpec) -> TrainEngine:
+def create_engine(spec: TrainingSpec) -> TrainEngine:
     """The engine named by ``spec.engine``, imported lazily (torch is heavy, Megatron optional)."""
     check_device(spec.device, spec.layer_devices)
     if spec.engine == "torch":

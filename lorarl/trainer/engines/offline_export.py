@@ -13,15 +13,15 @@ from typing import Any, Literal
 
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines import checkpoint as ckpt
-from lorarl.trainer.engines.api import JobSpec, MemorySettings
+from lorarl.trainer.engines.api import MemorySpec, TrainingSpec
 from lorarl.trainer.rl.lora import LoraConfig
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 
 ExportMode = Literal["adapter", "merged"]
 
 
-def spec_from_manifest(path: Path, manifest: dict[str, Any], base_model: str | Path | None) -> JobSpec:
-    """The JobSpec the checkpoint's engine was created with, as far as exporting needs it."""
+def spec_from_manifest(path: Path, manifest: dict[str, Any], base_model: str | Path | None) -> TrainingSpec:
+    """The TrainingSpec the checkpoint's engine was created with, as far as exporting needs it."""
     base = str(base_model or manifest.get("base_model_path") or "")
     if not base:
         raise ckpt.CheckpointError(f"checkpoint {path} does not record its base model: pass --base-model DIR")
@@ -40,12 +40,20 @@ def spec_from_manifest(path: Path, manifest: dict[str, Any], base_model: str | P
         lora_fields = dict(manifest.get("lora") or {})
         lora = LoraConfig(**{**lora_fields, "target_modules": tuple(lora_fields.get("target_modules", ()))}) \
             if lora_fields else LoraConfig()
-        return JobSpec(base_model_path=base, device="cpu", dtype=manifest.get("dtype") or "float32", lora=lora,
-                       loss=LossSettings(**(manifest.get("loss") or {})),
-                       full_finetune=bool(manifest.get("full_finetune")),
-                       memory=MemorySettings(activation_checkpointing="off"))
+        return TrainingSpec(base_model_path=base, device="cpu", dtype=manifest.get("dtype") or "float32", lora=lora,
+                            loss=loss_from_manifest(manifest.get("loss") or {}),
+                            full_finetune=bool(manifest.get("full_finetune")),
+                            memory=MemorySpec(activation_checkpointing="off"))
     except (TypeError, ValueError) as e:
         raise ckpt.CheckpointCorruptError(f"checkpoint {path}: {ckpt.MANIFEST} holds an unusable job ({e})") from e
+
+
+def loss_from_manifest(fields: dict) -> LossSpec:
+    """The loss a checkpoint recorded; checkpoints from before lorarl.contract.training name its type "name"."""
+    fields = dict(fields)
+    if "name" in fields and "type" not in fields:
+        fields["type"] = fields.pop("name")
+    return LossSpec(**fields)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, mode: ExportMode,

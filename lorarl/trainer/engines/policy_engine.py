@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lorarl.contract import versions
 from lorarl.trainer.engines import checkpoint as ckpt
 from lorarl.trainer.engines.api import (
     CheckpointInfo,
-    JobSpec,
     Metrics,
-    OptimizerSettings,
+    OptimizerSpec,
     TrainEngine,
+    TrainingSpec,
     TrajectoryRecord,
 )
 from lorarl.trainer.engines.memory import free_device_bytes, needs_checkpointing
@@ -39,7 +40,7 @@ from lorarl.trainer.engines.recompute import (
     enable_activation_checkpointing,
 )
 from lorarl.trainer.rl.batching import PackedBatch
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.rl.step import (
     EngineStateError,
     GradientReducer,
@@ -68,7 +69,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def scheduled_lr(settings: OptimizerSettings, step: int) -> float:
+def scheduled_lr(settings: OptimizerSpec, step: int) -> float:
     """Linear warmup over warmup_steps, then cosine to 0 at total_steps (constant if total_steps unset)."""
     peak = settings.learning_rate
     if step < settings.warmup_steps:
@@ -106,7 +107,7 @@ class PolicyEngine(TrainEngine):
     Not thread-safe: the caller (the servicer) runs one call per engine at a time.
     """
 
-    spec: JobSpec
+    spec: TrainingSpec
     device: torch.device
     optimizer: torch.optim.Optimizer
     rl: RLStep
@@ -217,7 +218,7 @@ class PolicyEngine(TrainEngine):
 
     # ------------------------------------------------------------ training
 
-    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
+    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         """Accumulates gradients through the RL step (lorarl.trainer.rl.step: its metrics)."""
         metrics = self.rl.forward_backward(list(batch), loss or self.spec.loss, self._version)
         self._pending_grads = True
@@ -266,7 +267,7 @@ class PolicyEngine(TrainEngine):
                 group["lr"] = value
             self.optimizer.step()
             self._step += 1
-            self._version += 1
+            self._version = versions.next_version(self._version)
         self.optimizer.zero_grad(set_to_none=True)
         self._pending_grads = False
         return {"grad_norm": grad_norm, "lr": value, "skipped": float(skipped), "version": float(self._version),

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from lorarl.contract import versions
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.contract.peft_files import read_peft_tensors
-from lorarl.trainer.engines.api import EngineStateError, JobSpec
+from lorarl.trainer.engines.api import EngineStateError, TrainingSpec
 from lorarl.trainer.engines.export import save_merged_model, save_peft_adapter
 from lorarl.trainer.engines.head_logprobs import head_token_logprobs
 from lorarl.trainer.engines.layer_split import place_by_layers, split_devices
@@ -86,7 +87,7 @@ class TorchEngine(PolicyEngine):
     share_prompts: bool = True
     pack_completions: bool = True
 
-    def __init__(self, spec: JobSpec, reducer: GradientReducer | None = None) -> None:
+    def __init__(self, spec: TrainingSpec, reducer: GradientReducer | None = None) -> None:
         """``reducer``: how ranks that share the step combine it (engines.distributed); None: one process."""
         self.spec = spec
         self.device = device_for(spec.device)
@@ -112,10 +113,10 @@ class TorchEngine(PolicyEngine):
         self._init_memory(self.model, model.config.to_dict(), max(self.layers_per_device))
         self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad}, reducer)
         if spec.init_adapter_path:
-            self.renumber(1)  # the warm-start adapter is a policy of its own: version 0 stays the base model
+            self.renumber(versions.FIRST)  # the warm-start adapter is a policy of its own: v0 stays the base
 
     @classmethod
-    def create(cls, spec: JobSpec) -> TorchEngine:
+    def create(cls, spec: TrainingSpec) -> TorchEngine:
         return cls(spec)
 
     def model_devices(self) -> list[torch.device]:

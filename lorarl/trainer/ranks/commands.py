@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.trainer.engines.api import (
-    JobSpec,
-    Limits,
-    MegatronSettings,
-    MemorySettings,
-    OptimizerSettings,
+    LimitsSpec,
+    MegatronSpec,
+    MemorySpec,
+    OptimizerSpec,
+    TrainingSpec,
     TrajectoryRecord,
 )
 from lorarl.trainer.rl.lora import LoraConfig
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 
 #: create: build an engine under `engine`; call / iter: run an engine method; close: forget an engine;
 #: ping: do nothing (rank 0's heartbeat); stop: leave the follower loop.
@@ -63,23 +63,23 @@ class Command:
 # ---------------------------------------------------------------- values
 
 
-def spec_to_json(spec: JobSpec) -> dict[str, Any]:
+def spec_to_json(spec: TrainingSpec) -> dict[str, Any]:
     return dataclasses.asdict(spec)
 
 
-def spec_from_json(raw: Any) -> JobSpec:
+def spec_from_json(raw: Any) -> TrainingSpec:
     d = _dict(raw, "spec")
     try:
         lora = _dict(d.get("lora"), "spec.lora")
-        return JobSpec(**{
+        return TrainingSpec(**{
             **d,
             "lora": LoraConfig(**{**lora, "target_modules": tuple(_list(lora.get("target_modules"),
                                                                         "spec.lora.target_modules"))}),
-            "loss": LossSettings(**_dict(d.get("loss"), "spec.loss")),
-            "optimizer": OptimizerSettings(**_dict(d.get("optimizer"), "spec.optimizer")),
-            "limits": Limits(**_dict(d.get("limits"), "spec.limits")),
-            "megatron": MegatronSettings(**_dict(d.get("megatron"), "spec.megatron")),
-            "memory": MemorySettings(**_dict(d.get("memory"), "spec.memory")),
+            "loss": LossSpec(**_dict(d.get("loss"), "spec.loss")),
+            "optimizer": OptimizerSpec(**_dict(d.get("optimizer"), "spec.optimizer")),
+            "limits": LimitsSpec(**_dict(d.get("limits"), "spec.limits")),
+            "megatron": MegatronSpec(**_dict(d.get("megatron"), "spec.megatron")),
+            "memory": MemorySpec(**_dict(d.get("memory"), "spec.memory")),
         })
     except (TypeError, ValueError) as e:
         raise CommandError(f"spec: {e}") from None
@@ -107,15 +107,15 @@ def record_from_json(raw: Any, where: str) -> TrajectoryRecord:
     return record
 
 
-def loss_to_json(loss: LossSettings | None) -> dict[str, Any] | None:
+def loss_to_json(loss: LossSpec | None) -> dict[str, Any] | None:
     return None if loss is None else dataclasses.asdict(loss)
 
 
-def loss_from_json(raw: Any) -> LossSettings | None:
+def loss_from_json(raw: Any) -> LossSpec | None:
     if raw is None:
         return None
     try:
-        return LossSettings(**_dict(raw, "loss"))
+        return LossSpec(**_dict(raw, "loss"))
     except (TypeError, ValueError) as e:
         raise CommandError(f"loss: {e}") from None
 

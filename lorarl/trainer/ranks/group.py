@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorarl.common.errors import FailedPreconditionError, InternalError, InvalidArgumentError, UnavailableError
-from lorarl.trainer.engines.api import CheckpointInfo, JobSpec, Metrics, TrainEngine, TrajectoryRecord
+from lorarl.trainer.engines.api import CheckpointInfo, Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.ranks.commands import Command, decode, encode
 from lorarl.trainer.ranks.control import ControlChannel
 from lorarl.trainer.ranks.launch import FollowerProcesses, RankWorld, join_groups
 from lorarl.trainer.ranks.rank_engines import RankEngines, check_job_fits
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +92,7 @@ class RankGroup:
 
     # ------------------------------------------------------------ engines
 
-    def create_engine(self, spec: JobSpec) -> LockstepEngine:
+    def create_engine(self, spec: TrainingSpec) -> LockstepEngine:
         """Builds the job's engine on every rank (the JobManager's engine factory)."""
         problem = check_job_fits(spec, self.world_size, self.device)
         if problem is not None:
@@ -248,7 +248,7 @@ class LockstepEngine(TrainEngine):
         self.spec = local.spec
 
     @classmethod
-    def create(cls, spec: JobSpec) -> LockstepEngine:
+    def create(cls, spec: TrainingSpec) -> LockstepEngine:
         raise TypeError("a LockstepEngine is made by RankGroup.create_engine")
 
     def _call(self, method: str, **args: Any) -> Any:
@@ -257,13 +257,13 @@ class LockstepEngine(TrainEngine):
     def _iterate(self, method: str) -> Iterator[tuple[str, torch.Tensor]]:
         return self.group.iterate(Command("iter", self.key, method))
 
-    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
+    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         return self._call("forward_backward", batch=list(batch), loss=loss)
 
     def optim_step(self, lr: float | None = None) -> Metrics:
         return self._call("optim_step", lr=lr)
 
-    def train_step(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
+    def train_step(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         return self._call("train_step", batch=list(batch), loss=loss)
 
     def compute_logprobs(self, batch: Sequence[TrajectoryRecord], reference: bool = False) -> list[list[float]]:

@@ -1,6 +1,6 @@
 """One rank's engines and how it runs a decoded command on them (rank 0 and followers alike).
 
-Every rank of a multi-rank trainer holds its own engine per job, built from the same JobSpec with
+Every rank of a multi-rank trainer holds its own engine per job, built from the same TrainingSpec with
 only the device changed to this rank's (cuda:LOCAL_RANK). Running the very same code on rank 0 and
 on the followers is what keeps them in lockstep: same engine class, same calls, same arguments.
 Every rank receives the full batch; the engine picks its data-parallel share itself.
@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from lorarl.trainer.engines.api import JobSpec, TrainEngine
+from lorarl.trainer.engines.api import TrainEngine, TrainingSpec
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.ranks.commands import Command, CommandError
 
-EngineFactory = Callable[[JobSpec], TrainEngine]
+EngineFactory = Callable[[TrainingSpec], TrainEngine]
 
 
 def rank_device(device: str, local_rank: int, world_size: int) -> str:
@@ -31,7 +31,7 @@ def rank_device(device: str, local_rank: int, world_size: int) -> str:
 def parallel_engine(world_size: int) -> EngineFactory:
     """The engine factory of a trainer with `world_size` ranks: torch jobs are data parallel over all of them."""
 
-    def create(spec: JobSpec) -> TrainEngine:
+    def create(spec: TrainingSpec) -> TrainEngine:
         if spec.engine == "torch" and world_size > 1:
             from lorarl.trainer.engines.distributed import DataParallelEngine
 
@@ -41,7 +41,7 @@ def parallel_engine(world_size: int) -> EngineFactory:
     return create
 
 
-def check_job_fits(spec: JobSpec, world_size: int, device: str) -> tuple[str, str] | None:
+def check_job_fits(spec: TrainingSpec, world_size: int, device: str) -> tuple[str, str] | None:
     """(field, problem) when the job's parallel sizes or device do not fit a trainer of `world_size` ranks."""
     if world_size == 1:
         return None
@@ -89,7 +89,7 @@ class RankEngines:
         if command.op == "create":
             if command.engine in self.engines:
                 raise CommandError(f"engine {command.engine!r} exists on this rank already")
-            spec: JobSpec = command.args["spec"]
+            spec: TrainingSpec = command.args["spec"]
             self.engines[command.engine] = self.factory(
                 replace(spec, device=rank_device(spec.device, self.local_rank, self.world_size)))
             return None

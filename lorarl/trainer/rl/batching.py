@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from lorarl.trainer.rl.losses import LossSettings, group_advantages, overlong_penalty
+from lorarl.trainer.rl.losses import LossSpec, group_advantages, overlong_penalty
 from lorarl.trainer.rl.trajectory import TrajectoryRecord
 
 
@@ -49,7 +49,7 @@ def group_index(records: Sequence[TrajectoryRecord]) -> torch.Tensor:
     return torch.tensor([ids.setdefault(r.group_key(), len(ids)) for r in records], dtype=torch.long)
 
 
-def shaped_rewards(records: Sequence[TrajectoryRecord], loss: LossSettings) -> torch.Tensor:
+def shaped_rewards(records: Sequence[TrajectoryRecord], loss: LossSpec) -> torch.Tensor:
     """Rewards with DAPO's soft overlong penalty applied (before advantages, as DAPO does)."""
     rewards = torch.tensor([float(r.reward) for r in records], dtype=torch.float32)
     if loss.overlong_buffer and loss.overlong_penalty:
@@ -59,9 +59,9 @@ def shaped_rewards(records: Sequence[TrajectoryRecord], loss: LossSettings) -> t
     return rewards
 
 
-def compute_advantages(records: Sequence[TrajectoryRecord], loss: LossSettings) -> torch.Tensor:
+def compute_advantages(records: Sequence[TrajectoryRecord], loss: LossSpec) -> torch.Tensor:
     """Per-sequence advantages over the whole batch, by the loss family's group rule."""
-    return group_advantages(shaped_rewards(records, loss), group_index(records), loss.name)
+    return group_advantages(shaped_rewards(records, loss), group_index(records), loss.type)
 
 
 def pack(records: Sequence[TrajectoryRecord], advantages: torch.Tensor | None = None,

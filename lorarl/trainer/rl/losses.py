@@ -6,60 +6,19 @@ float ``mask`` of 1 for real tokens. Per-sequence tensors are [B].
 Decoupled PPO (asynchronous RL): the clipped ratio is taken against the *proximal* policy
 (logprobs recomputed by the trainer before the step), and each token is re-weighted by
 ``proximal / behaviour`` (the policy that actually sampled it), capped; tokens produced more than
-``max_staleness`` versions ago are masked out (lorarl.contract.staleness).
+``max_staleness`` versions ago are masked out: lorarl.trainer.rl.step computes that mask once per
+micro-batch (lorarl.contract.staleness) and hands it in as ``LossInputs.fresh``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from lorarl.contract import staleness
+from lorarl.contract.training import KlName, LossSpec
 
-KlName = Literal["k1", "k2", "k3"]
-LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo")
 EPS = 1e-6
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """Knobs of the policy loss; mirrors lorarl.v1.LossConfig."""
-
-    name: str = "grpo"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: KlName = "k3"
-    behavior_weight_cap: float = 0.0
-    max_staleness: int | None = None  # None: no token is masked for its age; 0: only the current version's
-    overlong_buffer: int = 0
-    overlong_penalty: float = 0.0
-    max_response_tokens: int = 0
-    entropy_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "behavior_weight_cap",
-                     "overlong_penalty", "entropy_coef"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"loss.{name} must be a finite number, got {getattr(self, name)}")
-        if self.name not in LOSS_NAMES:
-            raise ValueError(f"loss.type must be one of {list(LOSS_NAMES)}, got {self.name!r}")
-        if self.clip_eps_low < 0 or self.clip_eps_high < 0:
-            raise ValueError("loss.clip_eps_low and loss.clip_eps_high must be >= 0")
-        if self.dual_clip and self.dual_clip <= 1.0:
-            raise ValueError(f"loss.dual_clip must be > 1 (or 0 to disable), got {self.dual_clip}")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"loss.kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"loss.max_staleness must be >= 0 (or unset), got {self.max_staleness}")
-        if self.behavior_weight_cap < 0:
-            raise ValueError("loss.behavior_weight_cap must be >= 0 (0 disables)")
-        if self.overlong_buffer and not self.max_response_tokens:
-            raise ValueError("loss.overlong_buffer needs loss.max_response_tokens")
 
 
 # ---------------------------------------------------------------- advantages
@@ -150,31 +109,29 @@ class LossInputs:
     proximal_logp: torch.Tensor | None = None  # [B, T] decoupled PPO; None: on-policy w.r.t. behaviour
     ref_logp: torch.Tensor | None = None  # [B, T] for the KL penalty
     entropy: torch.Tensor | None = None  # [B, T]
-    token_versions: torch.Tensor | None = None  # [B, T]
-    current_version: int = 0
+    fresh: torch.Tensor | None = None  # [B, T] 1 where a token is fresh enough to train (None: all); step.py's
 
 
-def policy_loss(inputs: LossInputs, settings: LossSettings, norm_tokens: int = 0
+def policy_loss(inputs: LossInputs, settings: LossSpec, norm_tokens: int = 0
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns the scalar loss to minimise and detached metrics."""
     mask = inputs.mask.float()
     stale_frac = 0.0
-    if settings.max_staleness is not None and inputs.token_versions is not None:
-        fresh = staleness.fresh(inputs.current_version, inputs.token_versions, settings.max_staleness)
-        stale_frac = float(((~fresh).float() * mask).sum() / mask.sum().clamp(min=1.0))
-        mask = mask * fresh.float()
+    if inputs.fresh is not None:
+        stale_frac = float(((1.0 - inputs.fresh) * mask).sum() / mask.sum().clamp(min=1.0))
+        mask = mask * inputs.fresh
 
     old = inputs.proximal_logp if inputs.proximal_logp is not None else inputs.behavior_logp
     weight = torch.ones_like(inputs.logp)
     if inputs.proximal_logp is not None:
         weight = (inputs.proximal_logp - inputs.behavior_logp).exp()
-        if settings.behavior_weight_cap:
-            weight = weight.clamp(max=settings.behavior_weight_cap)
+        if settings.weight_cap:
+            weight = weight.clamp(max=settings.weight_cap)
     weight = weight.detach()
 
     adv = inputs.advantages.float()[:, None]
-    lo, hi = 1.0 - settings.clip_eps_low, 1.0 + settings.clip_eps_high
-    if settings.name == "gspo":
+    lo, hi = 1.0 - settings.clip_eps_low, 1.0 + settings.upper_clip
+    if settings.type == "gspo":
         # Sequence-level ratio: geometric mean of token ratios, gradient through every token.
         log_ratio = (inputs.logp - old.detach()) * mask
         seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1.0)
@@ -190,7 +147,7 @@ def policy_loss(inputs: LossInputs, settings: LossSettings, norm_tokens: int = 0
         per_token = torch.where(adv < 0, dual, per_token)
     per_token = per_token * weight
 
-    mode = AGGREGATION[settings.name]
+    mode = AGGREGATION[settings.type]
     loss = aggregate(per_token, mask, mode, norm_tokens)
     metrics: dict[str, float] = {
         "pg_loss": float(loss.detach()),

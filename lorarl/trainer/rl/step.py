@@ -34,7 +34,7 @@ from torch import nn
 
 from lorarl.contract import staleness
 from lorarl.trainer.rl.batching import PackedBatch, compute_advantages, micro_batches, pack
-from lorarl.trainer.rl.losses import AGGREGATION, LossInputs, LossSettings, policy_loss
+from lorarl.trainer.rl.losses import AGGREGATION, LossInputs, LossSpec, policy_loss
 from lorarl.trainer.rl.trajectory import TrajectoryRecord
 
 Metrics = dict[str, float]
@@ -115,15 +115,17 @@ class LocalReducer:
         return 0
 
 
-def loss_mask(batch: PackedBatch, settings: LossSettings, version: int) -> torch.Tensor:
-    """The completion mask after staleness masking, exactly as policy_loss applies it."""
+def fresh_tokens(batch: PackedBatch, settings: LossSpec, version: int) -> torch.Tensor | None:
+    """Which of a micro-batch's tokens are fresh enough to train ``version`` (1.0 / 0.0; None: every one, no
+    bound): the one staleness mask of a micro-batch, which its loss share and the loss both use."""
     if settings.max_staleness is None:
-        return batch.mask
-    return batch.mask * staleness.fresh(version, batch.token_versions, settings.max_staleness).float()
+        return None
+    return staleness.fresh(version, batch.token_versions, settings.max_staleness).float()
 
 
-def batch_totals(records: Sequence[TrajectoryRecord], settings: LossSettings, version: int) -> BatchTotals:
-    """This process's counts of ``records`` (before any reduction)."""
+def batch_totals(records: Sequence[TrajectoryRecord], settings: LossSpec, version: int) -> BatchTotals:
+    """This process's counts of ``records`` (before any reduction): the whole batch's, needed before its
+    first micro-batch; ``loss_tokens`` counts the tokens each micro-batch's ``fresh_tokens`` keeps."""
     tokens = sum(r.trained_tokens for r in records)
     loss_tokens = tokens
     if settings.max_staleness is not None:
@@ -146,7 +148,7 @@ class RLStep:
     """Accumulates one batch's policy-gradient into the backend's trainable parameters."""
 
     def __init__(self, backend: ModelBackend, reducer: GradientReducer, *, micro_batch_tokens: int,
-                 decoupled: Callable[[LossSettings], bool], has_reference: bool) -> None:
+                 decoupled: Callable[[LossSpec], bool], has_reference: bool) -> None:
         self.backend = backend
         self.reducer = reducer
         self.micro_batch_tokens = micro_batch_tokens
@@ -175,14 +177,14 @@ class RLStep:
                 out[i] = logp[row, : len(records[i].completion_token_ids)].tolist()
         return out
 
-    def needs_proximal_pass(self, settings: LossSettings) -> bool:
+    def needs_proximal_pass(self, settings: LossSpec) -> bool:
         """Whether decoupled PPO's proximal logprobs need a no-grad pass of their own (else they are read
         off the with-grad forward); a micro-step and an idle micro-step must run the same passes."""
         return self._decoupled(settings) and not self.backend.dropout_free()
 
     # ------------------------------------------------------------ the step
 
-    def forward_backward(self, records: Sequence[TrajectoryRecord], settings: LossSettings, version: int
+    def forward_backward(self, records: Sequence[TrajectoryRecord], settings: LossSpec, version: int
                          ) -> Metrics:
         """Accumulates gradients; metrics are full-batch values: loss, pg_loss, entropy, clip_fraction,
         ratio_mean, importance_weight_mean, stale_token_fraction, kl (only when kl_coef > 0, the only
@@ -211,12 +213,13 @@ class RLStep:
                        version=float(version), time_s=time.perf_counter() - start)
         return metrics
 
-    def _micro_step(self, batch: PackedBatch, settings: LossSettings, totals: BatchTotals, version: int
+    def _micro_step(self, batch: PackedBatch, settings: LossSpec, totals: BatchTotals, version: int
                     ) -> dict[str, float]:
         """Forward + backward of one micro-batch, its loss scaled by its share of the whole batch."""
-        mask = loss_mask(batch, settings, version)
+        fresh = fresh_tokens(batch, settings, version)
+        mask = batch.mask if fresh is None else batch.mask * fresh
         token_share = float(mask.sum()) / totals.loss_tokens if totals.loss_tokens else 0.0
-        share = token_share if AGGREGATION[settings.name] == "token-mean" else batch.size / totals.sequences
+        share = token_share if AGGREGATION[settings.type] == "token-mean" else batch.size / totals.sequences
         raw_token_share = float(batch.mask.sum()) / totals.tokens if totals.tokens else 0.0
         # Decoupled PPO's proximal policy is the policy before this update: with no dropout anywhere the
         # with-grad forward below computes exactly its logprobs, so they are read off it (detached)
@@ -230,7 +233,7 @@ class RLStep:
             inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages,
                                 behavior_logp=batch.behavior_logp,
                                 proximal_logp=logp.detach() if reuse_proximal else proximal, ref_logp=ref,
-                                entropy=entropy, token_versions=batch.token_versions, current_version=version)
+                                entropy=entropy, fresh=fresh)
             loss, metrics = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
             return loss * share, metrics
 
@@ -243,7 +246,7 @@ class RLStep:
         out["stale_token_fraction"] = m["stale_token_fraction"] * raw_token_share
         return out
 
-    def _idle_micro_step(self, settings: LossSettings) -> None:
+    def _idle_micro_step(self, settings: LossSpec) -> None:
         """`_micro_step`'s forward and backward passes on a batch of no sequences, with a zero loss."""
         empty = empty_batch(self.backend.device)
         if self.needs_proximal_pass(settings):

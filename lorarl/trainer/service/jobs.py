@@ -29,8 +29,9 @@ from lorarl.common.errors import (
 )
 from lorarl.common.gc_heap import freeze_long_lived
 from lorarl.common.validation import check_id
+from lorarl.contract import versions
 from lorarl.contract.peft_files import read_peft_config
-from lorarl.trainer.engines.api import JobSpec, Metrics, TrainEngine, TrajectoryRecord
+from lorarl.trainer.engines.api import Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.service.validation import (
     BufferFullError,
@@ -51,13 +52,13 @@ def lower_thread_priority(nice: int) -> None:
         logger.warning("could not lower the priority of the engine threads", exc_info=True)
 
 T = TypeVar("T")
-EngineFactory = Callable[[JobSpec], TrainEngine]
+EngineFactory = Callable[[TrainingSpec], TrainEngine]
 
 
 @dataclass
 class Job:
     job_id: str
-    spec: JobSpec
+    spec: TrainingSpec
     engine: TrainEngine
     buffer: TrajectoryBuffer
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -116,7 +117,7 @@ class JobManager:
     def list(self) -> list[Job]:
         return [self._jobs[k] for k in sorted(self._jobs)]
 
-    def _check_model_path(self, spec: JobSpec) -> None:
+    def _check_model_path(self, spec: TrainingSpec) -> None:
         path = Path(spec.base_model_path)
         if self.model_roots:
             resolve_under(spec.base_model_path, self.model_roots, "config.base_model_path", path)
@@ -125,7 +126,7 @@ class JobManager:
                                        f"{spec.base_model_path!r} is not a Hugging Face model directory "
                                        "(no config.json)")
 
-    def _check_init_adapter(self, spec: JobSpec) -> None:
+    def _check_init_adapter(self, spec: TrainingSpec) -> None:
         """A warm start's adapter: under the model roots (when set), a PEFT LoRA directory the job's LoRA
         section matches (lorarl.contract.lora.LoraSpec.warm_start_problems)."""
         if not spec.init_adapter_path:
@@ -143,7 +144,7 @@ class JobManager:
         if problems:
             raise InvalidArgumentError("config.init_adapter_path", "; ".join(problems))
 
-    async def create(self, job_id: str, spec: JobSpec, attach: bool = False) -> tuple[Job, bool]:
+    async def create(self, job_id: str, spec: TrainingSpec, attach: bool = False) -> tuple[Job, bool]:
         """A new job, or with ``attach`` the existing one of the same configuration; True when attached."""
         check_job_id(job_id)
         if job_id in self._creating:
@@ -294,7 +295,7 @@ class JobManager:
         engine = job.engine
         try:
             async with job.lock:
-                if engine.version == 0:
+                if not versions.publishable(engine.version):
                     raise FailedPreconditionError(
                         f"job {job_id!r} is at version 0 (the base model every replica already serves); "
                         "train a step before publishing")
@@ -302,14 +303,15 @@ class JobManager:
                     catalog = await self._in_engine_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
                     registration = await publisher.register_job(
                         job_id, base_model_fingerprint=engine.base_model_fingerprint, lora=job.spec.lora.to_proto(),
-                        catalog=catalog, mode=mode, start_version=engine.version - 1)
+                        catalog=catalog, mode=mode, start_version=versions.previous(engine.version))
                     if registration.latest_version >= engine.version:
                         # Weight sync holds this number (and maybe more) from before a restart or rewind:
                         # these weights continue above them.
                         logger.info("job %s: version %d continues as %d, above weight sync's latest",
-                                    job_id, engine.version, registration.latest_version + 1,
+                                    job_id, engine.version, versions.next_version(registration.latest_version),
                                     extra={"job_id": job_id})
-                        await self._in_engine_thread(engine.renumber, registration.latest_version + 1)
+                        await self._in_engine_thread(engine.renumber,
+                                                     versions.next_version(registration.latest_version))
                     job.sync_unchecked = False
                 version = engine.version
                 result = await publisher.publish(

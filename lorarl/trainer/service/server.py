@@ -121,7 +121,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.TrainStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
 
     async def ForwardBackward(self, request, context):
-        loss = convert.loss_settings(request.loss, "loss") if request.HasField("loss") else None
+        loss = convert.loss_spec(request.loss, "loss") if request.HasField("loss") else None
         records = [convert.trajectory_record(t) for t in request.trajectories]
         metrics = await self.jobs.forward_backward(request.job_id, records, loss)
         return trainer_pb2.ForwardBackwardResponse(metrics=convert.step_metrics(metrics))

@@ -10,7 +10,7 @@ import math
 import threading
 from collections.abc import Sequence
 
-from lorarl.trainer.engines.api import FINISH_REASONS, Limits, TrajectoryRecord
+from lorarl.trainer.engines.api import FINISH_REASONS, LimitsSpec, TrajectoryRecord
 
 #: Largest positive behaviour logprob accepted. Samplers compute log_softmax in low precision and a
 #: near-certain token can come back as a tiny positive number (e.g. 2e-6); anything above this is a
@@ -37,7 +37,7 @@ def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
             raise InvalidTrajectory(field, f"token id {token} at index {i} is outside the vocabulary [0, {vocab_size})")
 
 
-def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version: int, limits: Limits) -> None:
+def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version: int, limits: LimitsSpec) -> None:
     """Raises InvalidTrajectory for the first problem found; returns None when the trajectory is usable."""
     n = len(rec.completion_token_ids)
     if not rec.prompt_token_ids:
@@ -96,7 +96,7 @@ class TrajectoryBuffer:
     one never removes or blocks those accepted before or after it.
     """
 
-    def __init__(self, vocab_size: int, limits: Limits) -> None:
+    def __init__(self, vocab_size: int, limits: LimitsSpec) -> None:
         self.vocab_size = vocab_size
         self.limits = limits
         self._items: list[TrajectoryRecord] = []

@@ -26,6 +26,7 @@ import torch
 
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, ServiceError
 from lorarl.common.validation import check_address, check_id
+from lorarl.contract import versions
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.config import WeightSyncSettings
 from lorarl.weightsync.service.modes import choose_mode
@@ -150,8 +151,8 @@ class WeightSyncCore:
 
     async def upload(self, job_id: str, version: int, chunks: AsyncIterator[common_pb2.WeightChunk]) -> int:
         """Stores a version's adapter bytes durably (verified), then lets its round commit; the bytes received."""
-        if version < 1:
-            raise InvalidArgumentError("version", "must be >= 1")
+        if not versions.publishable(version):
+            raise InvalidArgumentError("version", f"must be >= {versions.FIRST}")
         record = self.registry.version(job_id, version)
         assembler = BucketAssembler(record.adapter)
         verifier = PayloadVerifier(record.adapter)  # checks each chunk as it lands: no second pass at the end
@@ -217,7 +218,7 @@ class WeightSyncCore:
         key = (job.job_id, version)
         round_ = self._rounds.get(key)
         if round_ is None:
-            if not 1 <= version <= job.latest_version:
+            if not (versions.publishable(version) and version <= job.latest_version):
                 raise NotFoundError(f"job {job.job_id} has no version {version} "
                                     f"(latest {job.latest_version})", field="version")
             if version <= job.active_version:

@@ -21,11 +21,12 @@ from lorarl.common.errors import (
     NotFoundError,
 )
 from lorarl.common.validation import check_id, check_version
+from lorarl.contract import versions
 from lorarl.contract.lora import LoraSpec
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.modes import ADAPTER, AUTO, MERGED, ModeChoice
 from lorarl.weightsync.service.store import DurableStore
-from lorarl.weightsync.wire.catalog import JobSpec
+from lorarl.weightsync.wire.catalog import JobCatalog
 from lorarl.weightsync.wire.payload import PayloadError, manifest_digest, validate_manifest
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class VersionRecord:
 @dataclass
 class JobRecord:
     request: weightsync_pb2.RegisterJobRequest
-    spec: JobSpec
+    spec: JobCatalog
     mode: int
     reason: str
     latest_version: int = 0
@@ -102,7 +103,8 @@ class VersionRegistry:
 
     def _load(self, store: DurableStore) -> None:
         for job_id, stored in store.load().items():
-            spec = JobSpec(job_id, stored.request.base_model_fingerprint, stored.request.lora, stored.request.catalog)
+            spec = JobCatalog(job_id, stored.request.base_model_fingerprint, stored.request.lora,
+                              stored.request.catalog)
             job = JobRecord(stored.request, spec, stored.mode, stored.reason, active_version=stored.active_version)
             for v, sv in stored.versions.items():
                 adapter = sv.adapter if stored.mode == MERGED else None
@@ -157,7 +159,7 @@ class VersionRegistry:
             return existing, False
         if choice.mode not in (ADAPTER, MERGED):
             raise ValueError("the mode choice must be resolved")
-        spec = JobSpec(request.job_id, request.base_model_fingerprint, request.lora, request.catalog)
+        spec = JobCatalog(request.job_id, request.base_model_fingerprint, request.lora, request.catalog)
         job = JobRecord(request, spec, choice.mode, choice.reason)
         job.latest_version = request.start_version
         if self.store is not None:
@@ -176,8 +178,8 @@ class VersionRegistry:
             raise FailedPreconditionError(
                 f"manifest.base_model_fingerprint {manifest.base_model_fingerprint!r} is not the job's base model "
                 f"{job.spec.fingerprint!r}", field="manifest.base_model_fingerprint")
-        if manifest.version < 1:
-            raise InvalidArgumentError("manifest.version", "versions start at 1")
+        if not versions.publishable(manifest.version):
+            raise InvalidArgumentError("manifest.version", f"versions start at {versions.FIRST}")
         if manifest.mode != job.mode:
             raise InvalidArgumentError("manifest.mode", f"job {job.job_id} syncs {common_pb2.SyncMode.Name(job.mode)},"
                                                         f" got {common_pb2.SyncMode.Name(manifest.mode)}")
@@ -194,9 +196,10 @@ class VersionRegistry:
                                          "with different content", field="manifest.version")
             raise AlreadyExistsError(f"version {manifest.version} is older than the latest version "
                                      f"{job.latest_version}", field="manifest.version")
-        if manifest.version != job.latest_version + 1:
+        expected = versions.next_version(job.latest_version)
+        if manifest.version != expected:
             raise FailedPreconditionError(f"version gap: latest is {job.latest_version}, so the next version is "
-                                          f"{job.latest_version + 1}, got {manifest.version}", field="manifest.version")
+                                          f"{expected}, got {manifest.version}", field="manifest.version")
 
         stored = common_pb2.WeightManifest()
         stored.CopyFrom(manifest)

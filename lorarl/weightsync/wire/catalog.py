@@ -45,7 +45,7 @@ class CatalogEntry:
     dtype: int
 
 
-class JobSpec:
+class JobCatalog:
     """What a job's payloads may contain: its catalog indexed by name, and its LoRA spec."""
 
     def __init__(self, job_id: str, fingerprint: str, lora: common_pb2.LoraSpec,

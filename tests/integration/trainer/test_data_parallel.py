@@ -15,15 +15,15 @@ from safetensors.torch import load_file, save_file
 
 from lorarl.trainer.engines.distributed import DataParallelEngine, init_distributed, shard_by_group
 from lorarl.trainer.engines.torch_engine import TorchEngine
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.collective_dtypes import assert_no_float64, recorded_dtypes
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.tiny import dense_model
 
 STEPS = 3
 LOSSES = {
-    "grpo": LossSettings(name="grpo"),  # per-sequence shares across ranks
-    "dapo": LossSettings(name="dapo", clip_eps_high=0.28),  # per-token shares across ranks
+    "grpo": LossSpec(type="grpo"),  # per-sequence shares across ranks
+    "dapo": LossSpec(type="dapo", clip_eps_high=0.28),  # per-token shares across ranks
 }
 
 
@@ -32,7 +32,7 @@ def batches() -> list[list]:
     return [synthetic_batch(step, groups=5, group_size=3) for step in range(STEPS)]
 
 
-def spec_for(model_dir: Path, loss: LossSettings):
+def spec_for(model_dir: Path, loss: LossSpec):
     return make_spec(model_dir, lr=1e-2, micro_batch_tokens=24, loss=loss)
 
 

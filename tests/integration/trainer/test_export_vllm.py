@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lorarl.assets import DENSE_MODEL_DIR
-from lorarl.trainer.engines.api import JobSpec
+from lorarl.trainer.engines.api import TrainingSpec
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig, lora_parameters
 from tests.integration.trainer.vllm_parity import assert_engine_logprobs, vllm_greedy_with_and_without
@@ -23,7 +23,7 @@ PROMPTS = [[257, 10, 55, 43, 52, 258, 10, 257, 9], [257, 40, 41, 42, 43, 44], [2
 
 def test_vllm_lora_request_matches_trainer_logprobs(tmp_path: Path) -> None:
 
-    engine = TorchEngine(JobSpec(base_model_path=str(DENSE_MODEL_DIR), lora=LoraConfig(rank=8, alpha=16)))
+    engine = TorchEngine(TrainingSpec(base_model_path=str(DENSE_MODEL_DIR), lora=LoraConfig(rank=8, alpha=16)))
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in lora_parameters(engine.model):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lorarl.assets import DENSE_MODEL_DIR
-from lorarl.trainer.engines.api import JobSpec
+from lorarl.trainer.engines.api import TrainingSpec
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from lorarl.trainer.rl.lora import LoraConfig
 from tests.integration.trainer.vllm_parity import assert_engine_logprobs, vllm_greedy_with_and_without
@@ -29,7 +29,7 @@ def test_vllm_serves_the_megatron_adapter_with_the_engines_logprobs(tmp_path: Pa
 
     from lorarl.trainer.engines.megatron.parallel import teardown
 
-    spec = JobSpec(base_model_path=str(DENSE_MODEL_DIR), engine="megatron", lora=LoraConfig(rank=8, alpha=16))
+    spec = TrainingSpec(base_model_path=str(DENSE_MODEL_DIR), engine="megatron", lora=LoraConfig(rank=8, alpha=16))
     engine = MegatronEngine(spec)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():

@@ -6,20 +6,20 @@ import os
 import random
 from pathlib import Path
 
-from lorarl.trainer.engines.api import JobSpec, OptimizerSettings, TrajectoryRecord
+from lorarl.trainer.engines.api import OptimizerSpec, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.rl.lora import LoraConfig
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 
 #: Engine tests run on CPU; set LORARL_TEST_DEVICE=cuda to run the same tests on a GPU.
 DEVICE = os.environ.get("LORARL_TEST_DEVICE", "cpu")
 
 
-def make_spec(path: Path, *, lr: float = 1e-2, micro_batch_tokens: int = 0, loss: LossSettings | None = None,
-              lora: LoraConfig | None = None, **kwargs: object) -> JobSpec:
-    optimizer = OptimizerSettings(learning_rate=lr, micro_batch_tokens=micro_batch_tokens,
+def make_spec(path: Path, *, lr: float = 1e-2, micro_batch_tokens: int = 0, loss: LossSpec | None = None,
+              lora: LoraConfig | None = None, **kwargs: object) -> TrainingSpec:
+    optimizer = OptimizerSpec(learning_rate=lr, micro_batch_tokens=micro_batch_tokens,
                                   **kwargs.pop("optimizer", {}))  # type: ignore[arg-type]
     kwargs.setdefault("device", DEVICE)
-    return JobSpec(base_model_path=str(path), lora=lora or LoraConfig(rank=4, alpha=8), loss=loss or LossSettings(),
+    return TrainingSpec(base_model_path=str(path), lora=lora or LoraConfig(rank=4, alpha=8), loss=loss or LossSpec(),
                    optimizer=optimizer, **kwargs)  # type: ignore[arg-type]
 
 

@@ -14,7 +14,7 @@ from lorarl.trainer.rl.batching import (
     shaped_rewards,
     split,
 )
-from lorarl.trainer.rl.losses import LossSettings, group_advantages
+from lorarl.trainer.rl.losses import LossSpec, group_advantages
 
 
 def rec(prompt: list[int], completion: list[int], reward: float = 0.0, group: str = "", version: int = 0
@@ -72,7 +72,7 @@ def test_micro_batches_respect_the_budget_and_isolate_long_sequences() -> None:
 def test_advantages_use_the_whole_group_even_when_split_across_micro_batches() -> None:
     records = [rec([1], [2, 3], 1.0, "a"), rec([1], [4, 5], 0.0, "a"), rec([6], [7, 8], 0.0, "b"),
                rec([6], [9, 9], 0.0, "b"), rec([6], [3, 3], 3.0, "b")]
-    adv = compute_advantages(records, LossSettings(name="grpo"))
+    adv = compute_advantages(records, LossSpec(type="grpo"))
     expected = group_advantages(torch.tensor([1.0, 0, 0, 0, 3]), torch.tensor([0, 0, 1, 1, 1]), "grpo")
     torch.testing.assert_close(adv, expected)
     parts = split(records, adv, budget=3)  # one sequence per micro-batch
@@ -88,10 +88,10 @@ def test_empty_group_id_groups_by_prompt() -> None:
 
 
 def test_overlong_penalty_shapes_rewards_before_advantages() -> None:
-    settings = LossSettings(name="dapo", overlong_buffer=2, overlong_penalty=1.0, max_response_tokens=4)
+    settings = LossSpec(type="dapo", overlong_buffer=2, overlong_penalty=1.0, max_response_tokens=4)
     records = [rec([1], [2, 2], 1.0, "g"), rec([1], [2, 2, 2], 1.0, "g"), rec([1], [2, 2, 2, 2], 1.0, "g")]
     assert shaped_rewards(records, settings).tolist() == pytest.approx([1.0, 0.5, 0.0])
     adv = compute_advantages(records, settings)
     assert adv[0] > adv[1] > adv[2]
     # Without the penalty every reward is equal, so there is nothing to learn.
-    assert compute_advantages(records, LossSettings(name="dapo")).abs().max() == 0
+    assert compute_advantages(records, LossSpec(type="dapo")).abs().max() == 0

@@ -11,7 +11,7 @@ import torch
 
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines import checkpoint as ckpt
-from lorarl.trainer.engines.api import JobSpec
+from lorarl.trainer.engines.api import TrainingSpec
 from lorarl.trainer.engines.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig
@@ -21,7 +21,7 @@ from tests.unit.trainer.tiny import dense_model
 BATCHES = [synthetic_batch(seed) for seed in range(4)]
 
 
-def resumable_spec(path: Path) -> JobSpec:
+def resumable_spec(path: Path) -> TrainingSpec:
     # Dropout makes the result depend on the RNG state; warmup + cosine on the restored step;
     # weight decay and micro-batches on the optimiser state and the data path.
     return make_spec(path, lr=1e-2, micro_batch_tokens=20, lora=LoraConfig(rank=4, alpha=8, dropout=0.1),
@@ -183,7 +183,7 @@ def test_no_pickle_in_a_checkpoint(saved: tuple[TorchEngine, Path]) -> None:
     assert sorted(p.name for p in path.iterdir()) == sorted(
         [ckpt.MANIFEST, ckpt.PARAMS_FILE, ckpt.OPTIMIZER_FILE, ckpt.RNG_FILE, ckpt.STATE_FILE])
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
-    assert manifest["lora"]["rank"] == 4 and manifest["loss"]["name"] == "grpo"
+    assert manifest["lora"]["rank"] == 4 and manifest["loss"]["type"] == "grpo"
     assert manifest["base_model_fingerprint"].startswith("sha256:")
 
 

@@ -7,22 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.trainer.engines.api import JobSpec, Limits, MegatronSettings, OptimizerSettings, TrajectoryRecord
+from lorarl.trainer.engines.api import LimitsSpec, MegatronSpec, OptimizerSpec, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.ranks.commands import CALLS, ITERATORS, Command, CommandError, decode, encode
 from lorarl.trainer.rl.lora import LoraConfig
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 
 RECORDS = [
     TrajectoryRecord([1, 2, 3], [4, 5], [-0.1234567890123, -2.5e-9], [0, 1], 0.75, "g0", "length", "id-1"),
     TrajectoryRecord([7], [8], [-1.0], [3], -1.0),
 ]
-SPEC = JobSpec(base_model_path="/models/qwen3", device="cuda", dtype="bfloat16",
+SPEC = TrainingSpec(base_model_path="/models/qwen3", device="cuda", dtype="bfloat16",
                lora=LoraConfig(rank=8, alpha=16.0, dropout=0.05, target_modules=("q_proj", "v_proj"),
                                expert_mode="shared", use_rslora=True),
-               loss=LossSettings(name="dapo", clip_eps_high=0.28, kl_coef=0.01, kl_estimator="k2"),
-               optimizer=OptimizerSettings(learning_rate=3e-4, warmup_steps=5, micro_batch_tokens=64),
-               seed=9, engine="megatron", limits=Limits(max_sequence_tokens=512, max_buffered_trajectories=7),
-               recompute_proximal=True, megatron=MegatronSettings(tensor_parallel_size=2, expert_parallel_size=2))
+               loss=LossSpec(type="dapo", clip_eps_high=0.28, kl_coef=0.01, kl_estimator="k2"),
+               optimizer=OptimizerSpec(learning_rate=3e-4, warmup_steps=5, micro_batch_tokens=64),
+               seed=9, engine="megatron", limits=LimitsSpec(max_sequence_tokens=512, max_buffered_trajectories=7),
+               recompute_proximal=True, megatron=MegatronSpec(tensor_parallel_size=2, expert_parallel_size=2))
 
 
 def roundtrip(command: Command) -> Command:
@@ -36,8 +36,8 @@ def test_job_spec_round_trips_exactly_including_fields_the_proto_lacks() -> None
     assert isinstance(back.args["spec"].lora.target_modules, tuple)
 
 
-@pytest.mark.parametrize("loss", [None, LossSettings(name="gspo", entropy_coef=0.001, max_staleness=2)])
-def test_records_and_loss_settings_round_trip(loss: LossSettings | None) -> None:
+@pytest.mark.parametrize("loss", [None, LossSpec(type="gspo", entropy_coef=0.001, max_staleness=2)])
+def test_records_and_loss_settings_round_trip(loss: LossSpec | None) -> None:
     for method in ("train_step", "forward_backward"):
         back = roundtrip(Command("call", "e", method, {"batch": RECORDS, "loss": loss}))
         assert back.args == {"batch": RECORDS, "loss": loss}

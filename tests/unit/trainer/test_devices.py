@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load, save
 
 from lorarl.trainer.engines import checkpoint, devices
-from lorarl.trainer.engines.api import JobSpec
+from lorarl.trainer.engines.api import TrainingSpec
 
 
 class StandInNpu:
@@ -71,5 +71,5 @@ def test_without_the_accelerator_nothing_is_captured_or_restored() -> None:
 
 def test_megatron_on_npu_is_refused_naming_what_it_needs() -> None:
     with pytest.raises(ValueError, match=r"MindSpeed.*engine 'torch' on device 'npu'"):
-        JobSpec(base_model_path="/m", device="npu", engine="megatron")
-    assert JobSpec(base_model_path="/m", device="npu", engine="torch").device == "npu"
+        TrainingSpec(base_model_path="/m", device="npu", engine="megatron")
+    assert TrainingSpec(base_model_path="/m", device="npu", engine="torch").device == "npu"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.trainer.engines.api import JobSpec, TrajectoryRecord
+from lorarl.trainer.engines.api import TrainingSpec, TrajectoryRecord
 from lorarl.trainer.service.jobs import JobManager
 
 
@@ -38,9 +38,9 @@ class RecordingEngine:
         return {"loss": 0.0}
 
 
-def spec(path: Path) -> JobSpec:
+def spec(path: Path) -> TrainingSpec:
     (path / "config.json").write_text("{}")
-    return JobSpec(base_model_path=str(path))
+    return TrainingSpec(base_model_path=str(path))
 
 
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="niceness is a POSIX notion")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lorarl.common.errors import InvalidArgumentError
-from lorarl.trainer.engines.api import JobSpec, MemorySettings
+from lorarl.trainer.engines.api import MemorySpec, TrainingSpec
 from lorarl.trainer.engines.layer_split import split_devices, to_device
 from lorarl.trainer.engines.memory import stage_sizes
 from lorarl.trainer.engines.torch_engine import TorchEngine
@@ -70,7 +70,7 @@ def test_devices_count_from_the_named_index_and_inputs_follow_nested() -> None:
 def test_a_split_engine_trains_what_one_device_trains(kind: str, checkpointing: str, dense_dir: Path,
                                                       moe_dir: Path) -> None:
     path = dense_dir if kind == "dense" else moe_dir
-    memory = MemorySettings(activation_checkpointing=checkpointing)
+    memory = MemorySpec(activation_checkpointing=checkpointing)
     engines = [TorchEngine(make_spec(path, device="cpu", memory=memory, layer_devices=n)) for n in (1, 2)]
     whole, split = engines
     layers = whole.model.config.num_hidden_layers
@@ -95,9 +95,9 @@ def test_a_split_engine_trains_what_one_device_trains(kind: str, checkpointing: 
 
 def test_a_split_is_checked_against_the_engine_the_ranks_and_the_devices(dense_dir: Path) -> None:
     with pytest.raises(ValueError, match="layer_devices splits the torch engine's layers"):
-        JobSpec(base_model_path="m", engine="megatron", layer_devices=2)
+        TrainingSpec(base_model_path="m", engine="megatron", layer_devices=2)
     with pytest.raises(ValueError, match=r"layer_devices must be 1\.\.64"):
-        JobSpec(base_model_path="m", layer_devices=0)
+        TrainingSpec(base_model_path="m", layer_devices=0)
     spec = make_spec(dense_dir, device="cpu", layer_devices=2)
     assert job_spec(job_config(spec), "cpu").layer_devices == 2  # the proto field round-trips; 0 means 1
     proto = job_config(spec)
@@ -107,5 +107,6 @@ def test_a_split_is_checked_against_the_engine_the_ranks_and_the_devices(dense_d
     assert field == "config.layer_devices" and "one-rank trainer" in problem
     assert check_job_fits(spec, 1, "cpu") is None
     proto.engine, proto.layer_devices = "megatron", 2
-    with pytest.raises(InvalidArgumentError, match="layer_devices splits"):
+    with pytest.raises(InvalidArgumentError, match="splits the torch engine's layers") as raised:
         job_spec(proto, "cpu")
+    assert raised.value.field == "config.layer_devices"

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorarl.trainer.engines.api import Limits, MemorySettings, TrajectoryRecord
+from lorarl.trainer.engines.api import LimitsSpec, MemorySpec, TrajectoryRecord
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.batching import group_index
 from lorarl.trainer.rl.lora import lora_parameters
-from lorarl.trainer.rl.losses import LossSettings, group_advantages
+from lorarl.trainer.rl.losses import LossSpec, group_advantages
 from lorarl.trainer.service.convert import trajectory_record
 from lorarl.trainer.service.validation import InvalidTrajectory, validate_trajectory
 from lorarl.v1 import common_pb2
@@ -94,7 +94,7 @@ def on_policy(engine: TorchEngine, records: list[TrajectoryRecord], masked_logpr
 def engine_gradients(engine: TorchEngine, records: list[TrajectoryRecord], loss: str) -> list[torch.Tensor]:
     engine.optimizer.zero_grad(set_to_none=True)
     engine._pending_grads = False
-    metrics = engine.forward_backward(records, LossSettings(name=loss))
+    metrics = engine.forward_backward(records, LossSpec(type=loss))
     assert metrics["tokens"] == sum(r.trained_tokens for r in records)
     assert all(math.isfinite(v) for v in metrics.values())
     return [p.grad.clone() for p in lora_parameters(engine.model)]
@@ -107,7 +107,7 @@ def test_the_step_trains_only_the_policy_tokens_as_a_plain_loss_does(kind: str, 
                                                                      moe_dir: Path) -> None:
     path = dense_dir if kind == "dense" else moe_dir
     engine = TorchEngine(make_spec(path, device="cpu", micro_batch_tokens=micro_batch_tokens,
-                                   memory=MemorySettings(activation_checkpointing=checkpointing)))
+                                   memory=MemorySpec(activation_checkpointing=checkpointing)))
     randomize_adapters(engine.model, seed=3, std=0.05)
     records = on_policy(engine, episodes(engine.vocab_size))
     assert any(not all(r.trained()) for r in records)
@@ -119,7 +119,7 @@ def test_the_step_trains_only_the_policy_tokens_as_a_plain_loss_does(kind: str, 
 
 
 def test_what_masked_tokens_carry_changes_nothing(dense_dir: Path) -> None:
-    engine = TorchEngine(make_spec(dense_dir, device="cpu", loss=LossSettings(max_staleness=0)))
+    engine = TorchEngine(make_spec(dense_dir, device="cpu", loss=LossSpec(max_staleness=0)))
     randomize_adapters(engine.model, seed=5, std=0.05)
     records = episodes(engine.vocab_size, seed=1)
     calm = on_policy(engine, records, masked_logprob=0.0, masked_version=0)
@@ -153,7 +153,7 @@ def test_the_contract_carries_the_mask_and_the_trainer_checks_it() -> None:
     record = trajectory_record(proto)
     assert record.loss_mask == [True, False, False, True] and record.trained_tokens == 2
     assert record.policy_turns() == 2 and record.turn_rewards == [0.5, 1.0]
-    limits = Limits()
+    limits = LimitsSpec()
     validate_trajectory(record, vocab_size=10, current_version=0, limits=limits)  # masked entries are not read
     old = trajectory_record(common_pb2.Trajectory(prompt_token_ids=[1], completion_token_ids=[2],
                                                   behavior_logprobs=[-1.0], token_versions=[0]))

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
+from lorarl.contract import staleness
 from lorarl.trainer.rl.losses import (
     LossInputs,
-    LossSettings,
+    LossSpec,
     aggregate,
     group_advantages,
     kl_penalty,
@@ -66,7 +67,7 @@ def two_token_inputs(logp: list[float], old: list[float], adv: float) -> LossInp
 def test_ppo_clip_by_hand() -> None:
     # ratios e^0.5 = 1.6487 (clipped to 1.2) and e^-0.5 = 0.6065 (clipped to 0.8); advantage +1.
     inputs = two_token_inputs([0.0, -1.0], [-0.5, -0.5], adv=1.0)
-    loss, metrics = policy_loss(inputs, LossSettings(name="ppo"))
+    loss, metrics = policy_loss(inputs, LossSpec(type="ppo"))
     # token 1: max(-1.6487, -1.2) = -1.2 ; token 2: max(-0.6065, -0.8) = -0.6065
     assert loss.item() == pytest.approx((-1.2 - math.exp(-0.5)) / 2, rel=1e-5)
     assert metrics["clip_fraction"] == pytest.approx(0.5)
@@ -77,15 +78,15 @@ def test_ppo_clip_by_hand() -> None:
 
 def test_dapo_asymmetric_clip() -> None:
     inputs = two_token_inputs([0.0, 0.0], [-0.5, -0.5], adv=1.0)
-    loss, _ = policy_loss(inputs, LossSettings(name="dapo", clip_eps_low=0.2, clip_eps_high=0.28))
+    loss, _ = policy_loss(inputs, LossSpec(type="dapo", clip_eps_low=0.2, clip_eps_high=0.28))
     assert loss.item() == pytest.approx(-1.28, rel=1e-5)
 
 
 def test_dual_clip_bounds_negative_advantage_loss() -> None:
     # ratio e^2 = 7.39 with advantage -1: plain PPO loss 7.39, dual clip c=3 caps it at 3.
     inputs = two_token_inputs([0.0], [-2.0], adv=-1.0)
-    plain, _ = policy_loss(inputs, LossSettings(name="ppo"))
-    dual, _ = policy_loss(inputs, LossSettings(name="ppo", dual_clip=3.0))
+    plain, _ = policy_loss(inputs, LossSpec(type="ppo"))
+    dual, _ = policy_loss(inputs, LossSpec(type="ppo", dual_clip=3.0))
     assert plain.item() == pytest.approx(math.exp(2.0), rel=1e-5)
     assert dual.item() == pytest.approx(3.0)
 
@@ -93,13 +94,13 @@ def test_dual_clip_bounds_negative_advantage_loss() -> None:
 def test_gspo_uses_sequence_ratio() -> None:
     # token log-ratios 0.1 and 0.3 -> sequence ratio s = e^0.2 = 1.2214, inside a 0.3 clip range.
     inputs = two_token_inputs([-0.9, -0.7], [-1.0, -1.0], adv=2.0)
-    loss, _ = policy_loss(inputs, LossSettings(name="gspo", clip_eps_low=0.3, clip_eps_high=0.3))
+    loss, _ = policy_loss(inputs, LossSpec(type="gspo", clip_eps_low=0.3, clip_eps_high=0.3))
     assert loss.item() == pytest.approx(-2.0 * math.exp(0.2), rel=1e-5)
     loss.backward()
     # grad of -A * s with s = exp(mean_t log-ratio_t): -A * s / |y| on every token
     assert inputs.logp.grad.tolist()[0] == pytest.approx([-2.0 * math.exp(0.2) / 2] * 2, rel=1e-5)
     # with the default 0.2 range the sequence ratio is clipped at 1.2 for the whole sequence
-    clipped, metrics = policy_loss(two_token_inputs([-0.9, -0.7], [-1.0, -1.0], adv=2.0), LossSettings(name="gspo"))
+    clipped, metrics = policy_loss(two_token_inputs([-0.9, -0.7], [-1.0, -1.0], adv=2.0), LossSpec(type="gspo"))
     assert clipped.item() == pytest.approx(-2.4, rel=1e-5)
     assert metrics["clip_fraction"] == pytest.approx(1.0)
 
@@ -108,8 +109,8 @@ def test_grpo_sequence_mean_vs_dapo_token_mean() -> None:
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     inputs = LossInputs(logp=logp, mask=mask, advantages=torch.tensor([1.0, -1.0]), behavior_logp=torch.zeros(2, 3))
-    grpo, _ = policy_loss(inputs, LossSettings(name="grpo"))
-    dapo, _ = policy_loss(inputs, LossSettings(name="dapo"))
+    grpo, _ = policy_loss(inputs, LossSpec(type="grpo"))
+    dapo, _ = policy_loss(inputs, LossSpec(type="dapo"))
     assert grpo.item() == pytest.approx(0.0)  # (-1 + 1) / 2
     assert dapo.item() == pytest.approx((-3 + 1) / 4)
 
@@ -120,9 +121,9 @@ def test_decoupled_ppo_weights_and_staleness_mask() -> None:
         logp=logp, mask=torch.ones(1, 3), advantages=torch.tensor([1.0]),
         behavior_logp=torch.tensor([[-2.0, -1.0, -1.0]]),
         proximal_logp=torch.tensor([[-1.0, -1.0, -1.0]]),
-        token_versions=torch.tensor([[5, 5, 1]]), current_version=5,
+        fresh=staleness.fresh(5, torch.tensor([[5, 5, 1]]), 2).float(),
     )
-    loss, metrics = policy_loss(inputs, LossSettings(name="ppo", behavior_weight_cap=2.0, max_staleness=2))
+    loss, metrics = policy_loss(inputs, LossSpec(type="ppo", behavior_weight_cap=2.0, max_staleness=2))
     # token 0: weight e^1 = 2.718 capped at 2; token 1: weight 1; token 2: 4 versions stale -> masked.
     assert loss.item() == pytest.approx((-2.0 - 1.0) / 2, rel=1e-5)
     assert metrics["stale_token_fraction"] == pytest.approx(1 / 3)
@@ -132,13 +133,13 @@ def test_decoupled_ppo_weights_and_staleness_mask() -> None:
 def test_kl_penalty_added_to_loss() -> None:
     inputs = two_token_inputs([-1.0, -1.0], [-1.0, -1.0], adv=0.0)
     inputs.ref_logp = torch.tensor([[-1.5, -1.5]])
-    loss, metrics = policy_loss(inputs, LossSettings(name="ppo", kl_coef=0.1, kl_estimator="k1"))
+    loss, metrics = policy_loss(inputs, LossSpec(type="ppo", kl_coef=0.1, kl_estimator="k1"))
     assert metrics["kl"] == pytest.approx(0.5)
     assert loss.item() == pytest.approx(0.05)
 
 
 def test_bad_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"loss\.type"):
-        LossSettings(name="sft")
+        LossSpec(type="sft")
     with pytest.raises(ValueError, match="dual_clip"):
-        LossSettings(dual_clip=0.5)
+        LossSpec(dual_clip=0.5)

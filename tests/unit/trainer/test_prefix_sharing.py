@@ -24,7 +24,7 @@ from lorarl.trainer.engines.prefix_sharing import (
 from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs
 from lorarl.trainer.rl.batching import micro_batches, pack
 from lorarl.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.engine_utils import make_spec
 from tests.unit.trainer.fp64 import fp64_logprobs, max_diff, spread_bound
 from tests.unit.trainer.tiny import randomize_adapters
@@ -205,7 +205,7 @@ def test_only_full_attention_qwen3_decoders_share() -> None:
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_train_steps_with_split_groups_equal_the_plain_engine(which: str) -> None:
     # KL (reference pass), decoupled PPO (proximal pass) and an entropy bonus: every forward the step runs.
-    loss = LossSettings(name="grpo", kl_coef=0.1, entropy_coef=0.01, behavior_weight_cap=2.0)
+    loss = LossSpec(type="grpo", kl_coef=0.1, entropy_coef=0.01, behavior_weight_cap=2.0)
     budget = 40
     records = groups(2, n_groups=5, size=4)
     plan = micro_batches([r.num_tokens for r in records], budget)

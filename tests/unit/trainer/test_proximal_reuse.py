@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorarl.trainer.engines.api import OptimizerSettings
+from lorarl.trainer.engines.api import OptimizerSpec
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 
-DECOUPLED = LossSettings(behavior_weight_cap=5.0, max_staleness=3)
+DECOUPLED = LossSpec(behavior_weight_cap=5.0, max_staleness=3)
 
 
 def train(path: Path, reuse: bool, steps: int = 3) -> tuple[list[dict[str, float]], dict[str, torch.Tensor], int]:
@@ -60,4 +60,4 @@ def test_dropout_keeps_the_separate_proximal_pass(dense_dir: Path) -> None:
     engine = TorchEngine.create(spec)
     assert not engine.dropout_free()
     assert TorchEngine.create(make_spec(dense_dir, loss=DECOUPLED)).dropout_free()
-    assert OptimizerSettings().max_grad_norm > 0  # clipping stays on in the comparison above
+    assert OptimizerSpec().max_grad_norm > 0  # clipping stays on in the comparison above

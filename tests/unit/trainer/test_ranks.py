@@ -11,7 +11,7 @@ import torch
 
 from lorarl.assets import DENSE_MODEL_DIR
 from lorarl.common.errors import FailedPreconditionError, InternalError
-from lorarl.trainer.engines.api import CheckpointInfo, JobSpec
+from lorarl.trainer.engines.api import CheckpointInfo, TrainingSpec
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.megatron.spawn import run_workers
@@ -38,7 +38,7 @@ class FailsOnRankOne(TorchEngine):
         return CheckpointInfo(Path(path), self.step, self.version, data_cursor)
 
 
-def factory(spec: JobSpec) -> TorchEngine:
+def factory(spec: TrainingSpec) -> TorchEngine:
     return FailsOnRankOne(spec)
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from lorarl.assets.models import init_model, shape_config
 from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from lorarl.trainer.engines.api import MemorySettings, TrajectoryRecord
+from lorarl.trainer.engines.api import MemorySpec, TrajectoryRecord
 from lorarl.trainer.engines.policy_engine import token_logprobs
 from lorarl.trainer.engines.recompute import (
     activation_checkpointing_enabled,
@@ -162,7 +162,7 @@ def test_engine_memory_settings_switch_checkpointing_and_train_alike(tmp_path: P
     records = synthetic_batch(2, groups=3, group_size=4)
     results = {}
     for mode in ("off", "on", "auto"):
-        engine = TorchEngine(make_spec(DENSE_MODEL_DIR, memory=MemorySettings(activation_checkpointing=mode,
+        engine = TorchEngine(make_spec(DENSE_MODEL_DIR, memory=MemorySpec(activation_checkpointing=mode,
                                                                                logits_chunk_tokens=8)))
         assert engine.activation_checkpointing == (mode == "on")
         metrics = engine.forward_backward(records)
@@ -189,6 +189,6 @@ def test_auto_checkpoints_a_micro_batch_that_would_crowd_the_device(monkeypatch:
 
 def test_memory_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="activation_checkpointing"):
-        MemorySettings(activation_checkpointing="sometimes")
+        MemorySpec(activation_checkpointing="sometimes")
     with pytest.raises(ValueError, match="logits_chunk_tokens"):
-        MemorySettings(logits_chunk_tokens=-1)
+        MemorySpec(logits_chunk_tokens=-1)

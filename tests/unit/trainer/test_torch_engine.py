@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lorarl.trainer.engines.api import EngineStateError, OptimizerSettings, TrajectoryRecord
+from lorarl.trainer.engines.api import EngineStateError, OptimizerSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs, scheduled_lr
 from lorarl.trainer.rl.batching import pack
 from lorarl.trainer.rl.lora import LoraConfig, iter_merged_weights, lora_parameters
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.tiny import randomize_adapters
 
@@ -77,15 +77,15 @@ def warm_checkpoint(dense_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.mark.parametrize("loss", [
-    LossSettings(name="grpo"),
-    LossSettings(name="dr_grpo"),
-    LossSettings(name="dapo", clip_eps_high=0.28, max_staleness=1),  # token-mean, stale tokens masked
-    LossSettings(name="grpo", kl_coef=0.2, entropy_coef=0.05),
-    LossSettings(name="gspo", behavior_weight_cap=2.0),
-    LossSettings(name="ppo", dual_clip=3.0),
+    LossSpec(type="grpo"),
+    LossSpec(type="dr_grpo"),
+    LossSpec(type="dapo", clip_eps_high=0.28, max_staleness=1),  # token-mean, stale tokens masked
+    LossSpec(type="grpo", kl_coef=0.2, entropy_coef=0.05),
+    LossSpec(type="gspo", behavior_weight_cap=2.0),
+    LossSpec(type="ppo", dual_clip=3.0),
 ], ids=["grpo", "dr_grpo", "dapo-stale", "grpo-kl-entropy", "gspo-decoupled", "ppo-dual"])
 def test_micro_batched_gradients_equal_the_full_batch(dense_dir: Path, warm_checkpoint: Path,
-                                                      loss: LossSettings) -> None:
+                                                      loss: LossSpec) -> None:
     batch = synthetic_batch(7, groups=3, group_size=3, max_version=2)
     engines = {}
     for budget in (0, 16):
@@ -192,7 +192,7 @@ def test_logprobs_match_a_plain_forward_and_reference_is_the_base(dense_dir: Pat
 
 
 def test_decoupled_ppo_recomputes_the_proximal_policy(dense_dir: Path) -> None:
-    loss = LossSettings(name="grpo", behavior_weight_cap=1.2)
+    loss = LossSpec(type="grpo", behavior_weight_cap=1.2)
     engine = TorchEngine(make_spec(dense_dir, loss=loss))
     batch = on_policy(engine, synthetic_batch(5))
     for rec in batch:  # sampled by an older policy that liked these tokens less
@@ -233,11 +233,11 @@ def test_gradients_add_up_over_forward_backward_calls_and_lr_override(dense_dir:
 
 
 def test_lr_schedule_warms_up_then_decays_by_cosine() -> None:
-    opt = OptimizerSettings(learning_rate=1.0, warmup_steps=4, total_steps=12)
+    opt = OptimizerSpec(learning_rate=1.0, warmup_steps=4, total_steps=12)
     assert [scheduled_lr(opt, s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert scheduled_lr(opt, 8) == pytest.approx(0.5)
     assert scheduled_lr(opt, 12) == pytest.approx(0.0) and scheduled_lr(opt, 50) == pytest.approx(0.0)
-    assert scheduled_lr(OptimizerSettings(learning_rate=0.3), 1000) == 0.3
+    assert scheduled_lr(OptimizerSpec(learning_rate=0.3), 1000) == 0.3
 
 
 def test_export_adapter_loads_in_peft_with_equal_logits(dense_dir: Path, tmp_path: Path) -> None:
@@ -292,7 +292,7 @@ def test_full_finetune_trains_every_parameter(dense_dir: Path) -> None:
     with pytest.raises(EngineStateError):
         engine.export_adapter("unused")
     with pytest.raises(ValueError, match="kl_coef"):
-        make_spec(dense_dir, full_finetune=True, loss=LossSettings(kl_coef=0.1))
+        make_spec(dense_dir, full_finetune=True, loss=LossSpec(kl_coef=0.1))
 
 
 def test_warm_up_runs_the_model_and_leaves_every_step_unchanged(dense_dir: Path) -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from lorarl.trainer.engines.api import JobSpec, Limits, OptimizerSettings, TrajectoryRecord
+from lorarl.trainer.engines.api import LimitsSpec, OptimizerSpec, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.rl.lora import LoraConfig
 from lorarl.trainer.service.validation import (
     LOGPROB_TOLERANCE,
@@ -19,7 +19,7 @@ from lorarl.trainer.service.validation import (
 )
 
 VOCAB = 97
-LIMITS = Limits(max_sequence_tokens=16, max_buffered_trajectories=4)
+LIMITS = LimitsSpec(max_sequence_tokens=16, max_buffered_trajectories=4)
 
 
 def good(group: str = "g", reward: float = 1.0) -> TrajectoryRecord:
@@ -77,7 +77,7 @@ def test_buffer_keeps_accepted_items_when_others_are_rejected_and_refuses_when_f
 
 
 def test_pop_batch_takes_whole_groups_oldest_first() -> None:
-    buf = TrajectoryBuffer(VOCAB, Limits(16, 10))
+    buf = TrajectoryBuffer(VOCAB, LimitsSpec(16, 10))
     for g in ["a", "b", "a", "c", "b", "c", "c"]:
         buf.push(good(g), current_version=2)
     assert [r.group_id for r in buf.pop_batch(4)] == ["a", "b", "a", "b"]
@@ -95,7 +95,7 @@ def test_restore_puts_a_failed_batch_back_in_front() -> None:
 
 
 def test_buffer_never_exceeds_capacity_under_concurrent_pushes() -> None:
-    buf = TrajectoryBuffer(VOCAB, Limits(16, 50))
+    buf = TrajectoryBuffer(VOCAB, LimitsSpec(16, 50))
     results: list[object] = []
 
     def worker() -> None:
@@ -111,16 +111,16 @@ def test_buffer_never_exceeds_capacity_under_concurrent_pushes() -> None:
 
 
 @pytest.mark.parametrize(("build", "message"), [
-    (lambda: OptimizerSettings(learning_rate=0), "optimizer.learning_rate must be > 0"),
-    (lambda: OptimizerSettings(beta2=1.0), "optimizer.beta2"),
-    (lambda: OptimizerSettings(micro_batch_tokens=-1), "optimizer.micro_batch_tokens"),
-    (lambda: OptimizerSettings(max_grad_norm=-1), "optimizer.max_grad_norm"),
-    (lambda: Limits(max_sequence_tokens=0), "limits.max_sequence_tokens"),
-    (lambda: JobSpec(base_model_path=""), "base_model_path"),
-    (lambda: JobSpec(base_model_path="m", device="tpu"), "device"),
-    (lambda: JobSpec(base_model_path="m", dtype="float16"), "dtype"),
-    (lambda: JobSpec(base_model_path="m", engine="jax"), "engine"),
-    (lambda: JobSpec(base_model_path="m", lora=LoraConfig(rank=0)), "lora.rank"),
+    (lambda: OptimizerSpec(learning_rate=0), r"optimizer.learning_rate must be in \(0, 10\]"),
+    (lambda: OptimizerSpec(beta2=1.0), "optimizer.beta2"),
+    (lambda: OptimizerSpec(micro_batch_tokens=-1), "optimizer.micro_batch_tokens"),
+    (lambda: OptimizerSpec(max_grad_norm=-1), "optimizer.max_grad_norm"),
+    (lambda: LimitsSpec(max_sequence_tokens=0), "limits.max_sequence_tokens"),
+    (lambda: TrainingSpec(base_model_path=""), "base_model_path"),
+    (lambda: TrainingSpec(base_model_path="m", device="tpu"), "device"),
+    (lambda: TrainingSpec(base_model_path="m", dtype="float16"), "dtype"),
+    (lambda: TrainingSpec(base_model_path="m", engine="jax"), "engine"),
+    (lambda: TrainingSpec(base_model_path="m", lora=LoraConfig(rank=0)), "lora.rank"),
 ])
 def test_job_spec_validation_names_the_dotted_field(build: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -7,19 +7,19 @@ import torch
 
 from lorarl.common.errors import InvalidArgumentError
 from lorarl.v1 import common_pb2
-from lorarl.weightsync.wire.catalog import JobSpec, adapter_module
+from lorarl.weightsync.wire.catalog import JobCatalog, adapter_module
 from tests.unit.weightsync.fixtures import FINGERPRINT, adapter, base_weights, catalog, lora_spec, manifest_of
 
 MERGED = common_pb2.SYNC_MODE_MERGED
 
 
-def spec(targets: tuple[str, ...] = ("all-linear",), expert_mode: int = 0) -> JobSpec:
+def spec(targets: tuple[str, ...] = ("all-linear",), expert_mode: int = 0) -> JobCatalog:
     lora = lora_spec(targets=targets)
     lora.expert_mode = expert_mode
-    return JobSpec("job", FINGERPRINT, lora, catalog())
+    return JobCatalog("job", FINGERPRINT, lora, catalog())
 
 
-def refusal(tensors: dict[str, torch.Tensor], job: JobSpec | None = None, mode: int = common_pb2.SYNC_MODE_ADAPTER
+def refusal(tensors: dict[str, torch.Tensor], job: JobCatalog | None = None, mode: int = common_pb2.SYNC_MODE_ADAPTER
             ) -> InvalidArgumentError:
     manifest, _ = manifest_of(tensors, mode=mode)
     with pytest.raises(InvalidArgumentError) as info:
@@ -80,12 +80,12 @@ def test_expert_adapters_refused_when_expert_mode_none() -> None:
     catalog_.tensors.add(name="mlp.experts.0.gate_proj.weight", shape=[8, 16], dtype=common_pb2.D_TYPE_FLOAT32)
     lora = lora_spec()
     lora.expert_mode = common_pb2.EXPERT_ADAPTER_MODE_NONE
-    job = JobSpec("job", FINGERPRINT, lora, catalog_)
+    job = JobCatalog("job", FINGERPRINT, lora, catalog_)
     tensors = {"base_model.model.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(4, 16),
                "base_model.model.mlp.experts.0.gate_proj.lora_B.weight": torch.zeros(8, 4)}
     assert "not a target" in refusal(tensors, job).message
     lora.expert_mode = common_pb2.EXPERT_ADAPTER_MODE_PER_EXPERT
-    JobSpec("job", FINGERPRINT, lora, catalog_).check(manifest_of(tensors)[0])
+    JobCatalog("job", FINGERPRINT, lora, catalog_).check(manifest_of(tensors)[0])
 
 
 def test_merged_tensors_must_be_catalog_tensors_with_same_shape_and_dtype() -> None:

@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines import checkpoint as ckpt
-from lorarl.trainer.engines.api import CheckpointInfo, JobSpec, Metrics, TrajectoryRecord
+from lorarl.trainer.engines.api import CheckpointInfo, Metrics, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.megatron.data_parallel import MegatronDataParallel, MegatronReducer
 from lorarl.trainer.engines.megatron.export import iter_hf_weights, peft_tensors, save_merged, save_peft
 from lorarl.trainer.engines.megatron.lora import inject_megatron_lora
@@ -40,11 +40,11 @@ from lorarl.trainer.engines.megatron.model import build_gpt_model, compute_logit
 from lorarl.trainer.engines.megatron.parallel import ParallelSettings
 from lorarl.trainer.engines.policy_engine import TORCH_DTYPES, PolicyEngine, device_for, seed_everything, token_logprobs
 from lorarl.trainer.rl.batching import PackedBatch, micro_batches, pack
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.rl.step import LossFn, empty_batch
 
 
-def parallel_settings(spec: JobSpec) -> ParallelSettings:
+def parallel_settings(spec: TrainingSpec) -> ParallelSettings:
     m = spec.megatron
     return ParallelSettings(tp=m.tensor_parallel_size, pp=m.pipeline_parallel_size, ep=m.expert_parallel_size)
 
@@ -62,7 +62,7 @@ def _checkpoint_elements(model_dir: str) -> int:
 class MegatronEngine(PolicyEngine):
     """TrainEngine on megatron-core: LoRA adapters on a frozen GPTModel, TP/PP/EP and data parallel."""
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: TrainingSpec) -> None:
         if spec.full_finetune:
             raise ValueError("engine 'megatron' trains LoRA adapters only (full_finetune is a torch-engine baseline)")
         self.settings = parallel_settings(spec)
@@ -82,7 +82,7 @@ class MegatronEngine(PolicyEngine):
         self._init_training(self.lora.named_parameters(), MegatronReducer(self.dp, self.lora.sync_gradients))
 
     @classmethod
-    def create(cls, spec: JobSpec) -> MegatronEngine:
+    def create(cls, spec: TrainingSpec) -> MegatronEngine:
         return cls(spec)
 
     @property
@@ -143,7 +143,7 @@ class MegatronEngine(PolicyEngine):
 
     # ------------------------------------------------------------ data parallelism (every rank: the full batch)
 
-    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSettings | None = None) -> Metrics:
+    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         """PolicyEngine.forward_backward on this data-parallel rank's share of the full ``batch``."""
         records = list(batch)
         self.dp.check_same_batch(records)

@@ -12,19 +12,19 @@ from safetensors.torch import load_file
 
 from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
 from lorarl.trainer.engines import checkpoint as ckpt
-from lorarl.trainer.engines.api import JobSpec, MegatronSettings, TrajectoryRecord
+from lorarl.trainer.engines.api import MegatronSpec, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig, load_peft_state_dict
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 
 MODELS = {"dense": DENSE_MODEL_DIR, "moe": MOE_MODEL_DIR}
 VOCAB = 250  # token ids below the tiny models' vocabulary (264)
 
 
-def megatron_spec(path: Path, **kwargs: object) -> JobSpec:
+def megatron_spec(path: Path, **kwargs: object) -> TrainingSpec:
     return make_spec(path, engine="megatron", **kwargs)
 
 
@@ -112,7 +112,7 @@ def test_base_is_frozen_and_only_adapters_train() -> None:
 
 
 def test_micro_batched_gradients_equal_the_full_batch() -> None:
-    loss = LossSettings(name="grpo", kl_coef=0.1, entropy_coef=0.01)
+    loss = LossSpec(type="grpo", kl_coef=0.1, entropy_coef=0.01)
     grads = []
     for budget in (0, 16):
         engine = MegatronEngine(megatron_spec(MOE_MODEL_DIR, micro_batch_tokens=budget, loss=loss))
@@ -127,7 +127,7 @@ def test_micro_batched_gradients_equal_the_full_batch() -> None:
         assert mm[key] == pytest.approx(fm[key], abs=1e-5), key
 
 
-def resumable(path: Path) -> JobSpec:
+def resumable(path: Path) -> TrainingSpec:
     # Dropout: the RNG state matters; warmup + cosine: the step; weight decay + micro-batches: optimiser state.
     return megatron_spec(path, lr=1e-2, micro_batch_tokens=20, lora=LoraConfig(rank=4, alpha=8, dropout=0.1),
                          optimizer={"warmup_steps": 2, "total_steps": 6, "weight_decay": 0.01})
@@ -164,9 +164,9 @@ def test_checkpoints_refuse_another_adapter_shape(tmp_path: Path) -> None:
 
 def test_job_spec_settings_are_checked() -> None:
     with pytest.raises(ValueError, match=r"megatron\.tensor_parallel_size"):
-        MegatronSettings(tensor_parallel_size=0)
+        MegatronSpec(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="engine 'megatron' only"):
-        make_spec(DENSE_MODEL_DIR, megatron=MegatronSettings(tensor_parallel_size=2))
+        make_spec(DENSE_MODEL_DIR, megatron=MegatronSpec(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="full_finetune"):
         MegatronEngine(megatron_spec(DENSE_MODEL_DIR, full_finetune=True))
     with pytest.raises(ValueError, match="megatron fuses"):
@@ -175,12 +175,12 @@ def test_job_spec_settings_are_checked() -> None:
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_activation_checkpointing_trains_exactly_what_the_plain_layers_train(which: str) -> None:
-    from lorarl.trainer.engines.api import MemorySettings
+    from lorarl.trainer.engines.api import MemorySpec
 
     batch = synthetic_batch(6, vocab=VOCAB)
     grads = {}
     for mode in ("off", "on"):
-        engine = create_engine(megatron_spec(MODELS[which], memory=MemorySettings(activation_checkpointing=mode)))
+        engine = create_engine(megatron_spec(MODELS[which], memory=MemorySpec(activation_checkpointing=mode)))
         assert engine.activation_checkpointing == (mode == "on")
         randomize(engine)
         metrics = engine.forward_backward(batch)

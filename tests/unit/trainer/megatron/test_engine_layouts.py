@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from lorarl.trainer.engines.api import JobSpec, MegatronSettings, TrajectoryRecord
+from lorarl.trainer.engines.api import MegatronSpec, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from lorarl.trainer.rl.lora import LoraConfig
-from lorarl.trainer.rl.losses import LossSettings
+from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.collective_dtypes import assert_no_float64, recorded_dtypes
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.fp64 import fp64_logprobs, max_diff, spread_bound
@@ -39,15 +39,15 @@ CASES = {
 }
 
 
-def spec(name: str, sizes: tuple[int, int, int] = (1, 1, 1)) -> JobSpec:
+def spec(name: str, sizes: tuple[int, int, int] = (1, 1, 1)) -> TrainingSpec:
     # Every kind of forward pass (proximal, reference, with grad) and uneven micro-batch counts per DP rank.
     # Adam's eps above fp32 rounding of the gradients (a gradient 0 up to rounding could otherwise move a
     # weight by lr: Adam's first step is lr * sign(g)).
     model, expert_mode, (tp, pp, ep) = CASES[name][0], CASES[name][1], sizes
     return make_spec(model, engine="megatron", lr=1e-3, micro_batch_tokens=24, optimizer={"eps": 1e-4},
-                     loss=LossSettings(name="grpo", kl_coef=0.05, entropy_coef=0.01), recompute_proximal=True,
+                     loss=LossSpec(type="grpo", kl_coef=0.05, entropy_coef=0.01), recompute_proximal=True,
                      lora=LoraConfig(rank=4, alpha=8, expert_mode=expert_mode),
-                     megatron=MegatronSettings(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                     megatron=MegatronSpec(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                                expert_parallel_size=ep))
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from lorarl.trainer.engines.api import JobSpec, MegatronSettings
+from lorarl.trainer.engines.api import MegatronSpec, TrainingSpec
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.fp64 import fp64_logprobs, max_diff, spread_bound
@@ -21,11 +21,11 @@ MODELS = {"dense": DENSE_MODEL_DIR, "moe": MOE_MODEL_DIR}
 KEYS = ("loss", "pg_loss", "entropy", "grad_norm", "clip_fraction")
 
 
-def spec(path: Path, tp: int) -> JobSpec:
+def spec(path: Path, tp: int) -> TrainingSpec:
     # Adam's eps above fp32 rounding of the gradients: with a tiny eps, Adam's first step is lr * sign(g), so
     # a gradient that is 0 up to rounding (summed in another order under TP) could move a weight by 2 * lr.
     return make_spec(path, engine="megatron", lr=0.1, micro_batch_tokens=24, optimizer={"eps": 1e-4},
-                     megatron=MegatronSettings(tensor_parallel_size=tp))
+                     megatron=MegatronSpec(tensor_parallel_size=tp))
 
 
 def start(engine: MegatronEngine) -> None:

@@ -1,0 +1,367 @@
+"""The training spec: what a job trains by — loss, optimizer, memory, parallel sizes, limits — with its
+defaults, bounds and proto form in one place, as lorarl.contract.lora is for the adapter.
+
+The job file's `trainer.loss` / `trainer.optimizer` / `trainer.memory` sections are these classes, the SDK
+and every other client send them with `to_proto`, and the trainer reads them with `from_proto`: a default or
+a bound changes here and nowhere else. A bad value raises `SpecError` naming its field, which each surface
+puts under its own path (`trainer.optimizer.learning_rate` in a job file, `config.optimizer.learning_rate`
+over gRPC).
+
+Proto3 scalars have no presence, so on the wire a zero means "unset, the default" wherever zero is not a
+meaningful setting (learning rate, clip ranges, betas, eps, limits); where unset must differ from zero the
+field is `optional` and read by presence (`max_grad_norm`, `loss.max_staleness`,
+`loss.behavior_weight_cap`, `memory.logits_chunk_tokens`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from lorarl.common.config import setting
+from lorarl.contract.enums import KL_ESTIMATORS, KL_NAMES, LOSS_NAMES, LOSS_TYPES
+from lorarl.contract.errors import SpecError
+from lorarl.contract.lora import LoraSpec
+from lorarl.v1 import trainer_pb2
+
+LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo"]
+KlName = Literal["k1", "k2", "k3"]
+Checkpointing = Literal["auto", "on", "off"]
+Engine = Literal["torch", "megatron"]
+Dtype = Literal["float32", "bfloat16"]
+DTYPES = ("float32", "bfloat16")
+ENGINES = ("torch", "megatron")
+CHECKPOINTING = ("auto", "on", "off")
+
+#: Adam's learning rate when none is given: the Tinker API's default, in the range LoRA RL uses (LoRA wants
+#: ~10x a full fine-tune's rate); the shipped tiny-model examples set their own, larger one.
+DEFAULT_LEARNING_RATE = 1e-4
+CLIP_EPS = 0.2
+#: DAPO's "clip-higher" upper range (arXiv 2503.14476), the default upper clip of loss type dapo.
+DAPO_CLIP_EPS_HIGH = 0.28
+#: Decoupled PPO's cap on behaviour importance weights when tokens may be stale (``max_staleness`` set) and
+#: no cap is given: AReaL's choice. Without staleness the loss is on-policy and nothing is capped.
+STALE_WEIGHT_CAP = 5.0
+DEFAULT_LOGITS_CHUNK_TOKENS = 1024
+#: Prompt + completion tokens a job accepts by default, and trajectories it buffers between steps.
+DEFAULT_MAX_SEQUENCE_TOKENS = 4096
+DEFAULT_MAX_BUFFERED_TRAJECTORIES = 4096
+#: Model-parallel sizes past this are typos, not plans.
+MAX_PARALLEL = 1024
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?|npu(:\d+)?")
+
+
+def _finite(section: str, obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not math.isfinite(value):
+            raise SpecError(section, name, f"must be a finite number, got {value}")
+
+
+def _at_least(section: str, obj: object, names: tuple[str, ...], low: float, note: str = "") -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < low:
+            raise SpecError(section, name, f"must be >= {low}{note}, got {value}")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The policy loss (lorarl.trainer.rl.losses computes it)."""
+
+    type: LossName = setting("grpo", doc="grpo, dr_grpo, dapo, rloo, gspo or ppo.")
+    clip_eps_low: float = setting(CLIP_EPS, doc="PPO clip range below 1, in [0, 1).")
+    clip_eps_high: float | None = setting(None, doc=f"Clip range above 1 (null: {DAPO_CLIP_EPS_HIGH} for dapo's "
+                                                    f"clip-higher, else {CLIP_EPS}).")
+    dual_clip: float = setting(0.0, doc="Dual-clip constant c > 1 (0: off).")
+    kl_coef: float = setting(0.0, doc="Weight of the KL to the base model (0: off).")
+    kl_estimator: KlName = setting("k3", doc="k1, k2 or k3.")
+    behavior_weight_cap: float | None = setting(
+        None, doc=f"Decoupled PPO: cap on behaviour importance weights (null: {STALE_WEIGHT_CAP} when tokens may be "
+                  "stale, i.e. max_staleness is set, as in an async loop; else off; 0: off).")
+    max_staleness: int | None = setting(
+        None, doc="Mask tokens produced more than this many versions ago (0: all but the current version's; "
+                  "null: none; a job file's async loop sets loop.max_staleness here).")
+    overlong_buffer: int = setting(0, doc="DAPO overlong penalty: tokens before max_response_tokens it ramps over.")
+    overlong_penalty: float = setting(0.0, doc="DAPO overlong penalty at max_response_tokens.")
+    max_response_tokens: int = setting(0, doc="Length the overlong penalty is measured against (a job file: "
+                                              "rollout.max_tokens).")
+    entropy_coef: float = setting(0.0, doc="Entropy bonus weight.")
+
+    def __post_init__(self) -> None:
+        s = "loss"
+        if self.type not in LOSS_TYPES:
+            raise SpecError(s, "type", f"must be one of {list(LOSS_TYPES)}, got {self.type!r}")
+        _finite(s, self, ("clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "behavior_weight_cap",
+                          "overlong_penalty", "entropy_coef"))
+        if not 0.0 <= self.clip_eps_low < 1.0:
+            raise SpecError(s, "clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low}")
+        if self.clip_eps_high is not None and not 0.0 <= self.clip_eps_high <= 10.0:
+            raise SpecError(s, "clip_eps_high", f"must be in [0, 10], got {self.clip_eps_high}")
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise SpecError(s, "dual_clip", f"must be > 1 (or 0 to disable), got {self.dual_clip}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise SpecError(s, "kl_estimator", f"must be k1, k2 or k3, got {self.kl_estimator!r}")
+        _at_least(s, self, ("kl_coef", "behavior_weight_cap", "max_staleness", "overlong_buffer",
+                            "overlong_penalty", "max_response_tokens"), 0)
+        if self.overlong_buffer and not self.max_response_tokens:
+            raise SpecError(s, "overlong_buffer", "needs loss.max_response_tokens")
+
+    @property
+    def upper_clip(self) -> float:
+        """The clip range above 1 the loss applies: the given one, else the loss type's default."""
+        if self.clip_eps_high is not None:
+            return self.clip_eps_high
+        return DAPO_CLIP_EPS_HIGH if self.type == "dapo" else CLIP_EPS
+
+    @property
+    def weight_cap(self) -> float:
+        """The behaviour-weight cap the loss applies (0: none): the given one, else the rule above."""
+        if self.behavior_weight_cap is not None:
+            return self.behavior_weight_cap
+        return STALE_WEIGHT_CAP if self.max_staleness is not None else 0.0
+
+    def to_proto(self) -> trainer_pb2.LossConfig:
+        return trainer_pb2.LossConfig(
+            type=LOSS_TYPES[self.type], clip_eps_low=self.clip_eps_low, clip_eps_high=self.upper_clip,
+            dual_clip=self.dual_clip, kl_coef=self.kl_coef, kl_estimator=KL_ESTIMATORS[self.kl_estimator],
+            behavior_weight_cap=self.behavior_weight_cap, max_staleness=self.max_staleness,
+            overlong_buffer=self.overlong_buffer, overlong_penalty=self.overlong_penalty,
+            max_response_tokens=self.max_response_tokens, entropy_coef=self.entropy_coef)
+
+    @classmethod
+    def from_proto(cls, cfg: trainer_pb2.LossConfig) -> LossSpec:
+        if cfg.type not in LOSS_NAMES:
+            raise SpecError("loss", "type", f"unknown loss type {cfg.type}")
+        if cfg.kl_estimator not in KL_NAMES:
+            raise SpecError("loss", "kl_estimator", f"unknown estimator {cfg.kl_estimator}")
+        return cls(type=LOSS_NAMES[cfg.type], clip_eps_low=cfg.clip_eps_low or CLIP_EPS,
+                   clip_eps_high=cfg.clip_eps_high or None, dual_clip=cfg.dual_clip, kl_coef=cfg.kl_coef,
+                   kl_estimator=KL_NAMES[cfg.kl_estimator],
+                   behavior_weight_cap=cfg.behavior_weight_cap if cfg.HasField("behavior_weight_cap") else None,
+                   max_staleness=cfg.max_staleness if cfg.HasField("max_staleness") else None,
+                   overlong_buffer=cfg.overlong_buffer, overlong_penalty=cfg.overlong_penalty,
+                   max_response_tokens=cfg.max_response_tokens, entropy_coef=cfg.entropy_coef)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW and its schedule: linear warmup over ``warmup_steps``, then cosine decay to 0 at ``total_steps``
+    when ``total_steps > warmup_steps``, constant otherwise (RL jobs often run open-ended)."""
+
+    learning_rate: float = setting(DEFAULT_LEARNING_RATE, doc="Adam's learning rate, in (0, 10].")
+    weight_decay: float = setting(0.0, doc="AdamW weight decay (of this job's adapter only).")
+    beta1: float = setting(0.9)
+    beta2: float = setting(0.999)
+    eps: float = setting(1e-8)
+    warmup_steps: int = setting(0, doc="Linear warmup steps.")
+    total_steps: int = setting(0, doc="Cosine decay to 0 at this step (0: constant after warmup).")
+    max_grad_norm: float = setting(1.0, doc="Gradient clipping norm (0: no clipping; the norm is still reported).")
+    micro_batch_tokens: int = setting(0, doc="Token budget of one micro-batch (0: the whole batch at once).")
+
+    def __post_init__(self) -> None:
+        s = "optimizer"
+        _finite(s, self, ("learning_rate", "weight_decay", "beta1", "beta2", "eps", "max_grad_norm"))
+        if not 0 < self.learning_rate <= 10.0:
+            raise SpecError(s, "learning_rate", f"must be in (0, 10], got {self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise SpecError(s, name, f"must be in [0, 1), got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise SpecError(s, "eps", f"must be > 0, got {self.eps}")
+        _at_least(s, self, ("weight_decay", "warmup_steps", "total_steps", "micro_batch_tokens"), 0)
+        _at_least(s, self, ("max_grad_norm",), 0, " (0 disables)")
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return (self.beta1, self.beta2)
+
+    def to_proto(self) -> trainer_pb2.OptimizerConfig:
+        return trainer_pb2.OptimizerConfig(
+            learning_rate=self.learning_rate, weight_decay=self.weight_decay, beta1=self.beta1, beta2=self.beta2,
+            eps=self.eps, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+            max_grad_norm=self.max_grad_norm, micro_batch_tokens=self.micro_batch_tokens)
+
+    @classmethod
+    def from_proto(cls, cfg: trainer_pb2.OptimizerConfig) -> OptimizerSpec:
+        return cls(learning_rate=cfg.learning_rate or DEFAULT_LEARNING_RATE, weight_decay=cfg.weight_decay,
+                   beta1=cfg.beta1 or 0.9, beta2=cfg.beta2 or 0.999, eps=cfg.eps or 1e-8,
+                   warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps,
+                   max_grad_norm=cfg.max_grad_norm if cfg.HasField("max_grad_norm") else 1.0,
+                   micro_batch_tokens=cfg.micro_batch_tokens)
+
+
+CHECKPOINTING_NAMES = {
+    trainer_pb2.ACTIVATION_CHECKPOINTING_UNSPECIFIED: "auto",
+    trainer_pb2.ACTIVATION_CHECKPOINTING_AUTO: "auto",
+    trainer_pb2.ACTIVATION_CHECKPOINTING_ON: "on",
+    trainer_pb2.ACTIVATION_CHECKPOINTING_OFF: "off",
+}
+CHECKPOINTING_VALUES = {name: value for value, name in CHECKPOINTING_NAMES.items() if value}
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """How the engine trades compute for memory (lorarl.trainer.engines.memory decides 'auto')."""
+
+    activation_checkpointing: Checkpointing = setting(
+        "auto", doc="Recompute decoder activations in backward: 'on', 'off', or 'auto' (on for micro-batches whose "
+        "activations would not fit the device).")
+    logits_chunk_tokens: int = setting(DEFAULT_LOGITS_CHUNK_TOKENS, doc="Tokens per LM-head/log-softmax chunk "
+                                                                        "(0: a whole micro-batch at once).")
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise SpecError("memory", "activation_checkpointing",
+                            f"must be one of {list(CHECKPOINTING)}, got {self.activation_checkpointing!r}")
+        _at_least("memory", self, ("logits_chunk_tokens",), 0, " (0: no chunks)")
+
+    def to_proto(self) -> trainer_pb2.MemoryConfig:
+        return trainer_pb2.MemoryConfig(activation_checkpointing=CHECKPOINTING_VALUES[self.activation_checkpointing],
+                                        logits_chunk_tokens=self.logits_chunk_tokens)
+
+    @classmethod
+    def from_proto(cls, cfg: trainer_pb2.MemoryConfig) -> MemorySpec:
+        if cfg.activation_checkpointing not in CHECKPOINTING_NAMES:
+            raise SpecError("memory", "activation_checkpointing",
+                            f"unknown value {cfg.activation_checkpointing} (use AUTO, ON or OFF)")
+        chunk = cfg.logits_chunk_tokens if cfg.HasField("logits_chunk_tokens") else DEFAULT_LOGITS_CHUNK_TOKENS
+        return cls(activation_checkpointing=CHECKPOINTING_NAMES[cfg.activation_checkpointing],
+                   logits_chunk_tokens=chunk)
+
+
+@dataclass(frozen=True)
+class MegatronSpec:
+    """Model-parallel sizes of the Megatron engine; the job's ranks divided by tp * pp are data parallel."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            if not 1 <= getattr(self, name) <= MAX_PARALLEL:
+                raise SpecError("megatron", name, f"must be in 1..{MAX_PARALLEL}, got {getattr(self, name)}")
+
+    def to_proto(self) -> trainer_pb2.MegatronConfig:
+        return trainer_pb2.MegatronConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                          pipeline_parallel_size=self.pipeline_parallel_size,
+                                          expert_parallel_size=self.expert_parallel_size)
+
+    @classmethod
+    def from_proto(cls, cfg: trainer_pb2.MegatronConfig) -> MegatronSpec:
+        return cls(cfg.tensor_parallel_size or 1, cfg.pipeline_parallel_size or 1, cfg.expert_parallel_size or 1)
+
+
+@dataclass(frozen=True)
+class LimitsSpec:
+    """Bounds on what a job accepts, so one client cannot exhaust the trainer's memory."""
+
+    max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS
+    max_buffered_trajectories: int = DEFAULT_MAX_BUFFERED_TRAJECTORIES
+
+    def __post_init__(self) -> None:
+        _at_least("limits", self, ("max_sequence_tokens", "max_buffered_trajectories"), 1)
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """Everything a trainer needs to build a job's engine; the proto form is lorarl.v1.JobConfig.
+
+    ``seed`` is the job's only seed (adapter initialisation, the torch/python RNGs, so LoRA dropout).
+    ``recompute_proximal`` forces decoupled PPO (proximal logprobs recomputed before the step); it is also on
+    whenever the loss caps behaviour weights or masks stale tokens. ``layer_devices`` splits the torch
+    engine's decoder layers across that many devices of its one process. ``init_adapter_path``: a PEFT adapter
+    the adapters start from (version 1 then; 0 stays the base model).
+    """
+
+    base_model_path: str
+    device: str = "cpu"
+    dtype: Dtype = "float32"
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    loss: LossSpec = field(default_factory=LossSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    full_finetune: bool = False
+    seed: int = 0
+    engine: Engine = "torch"
+    limits: LimitsSpec = field(default_factory=LimitsSpec)
+    recompute_proximal: bool = False
+    megatron: MegatronSpec = field(default_factory=MegatronSpec)
+    memory: MemorySpec = field(default_factory=MemorySpec)
+    layer_devices: int = 1
+    init_adapter_path: str = ""
+
+    def __post_init__(self) -> None:
+        def fail(name: str, problem: str) -> None:
+            raise SpecError("", name, problem)
+
+        if not self.base_model_path:
+            fail("base_model_path", "is required (a local Hugging Face model directory)")
+        if not _DEVICE.fullmatch(self.device):
+            fail("device", f"must look like 'cpu', 'cuda', 'cuda:1' or 'npu', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            fail("dtype", f"must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.engine not in ENGINES:
+            fail("engine", f"must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.seed < 0:
+            fail("seed", f"must be >= 0, got {self.seed}")
+        if self.engine == "megatron" and self.device.startswith("npu"):
+            fail("engine", "'megatron' cannot run on Ascend NPUs: megatron-core needs MindSpeed (Ascend's adaptation "
+                           "of it) there, which lorarl does not ship; use engine 'torch' on device 'npu'")
+        if self.engine != "megatron" and self.megatron != MegatronSpec():
+            fail("megatron", f"settings apply to engine 'megatron' only, not {self.engine!r}")
+        if not 1 <= self.layer_devices <= 64:
+            fail("layer_devices", f"must be 1..64, got {self.layer_devices}")
+        if self.layer_devices > 1 and self.engine != "torch":
+            fail("layer_devices", f"splits the torch engine's layers; engine {self.engine!r} has "
+                                  "megatron.pipeline_parallel_size for that")
+        if self.init_adapter_path and (self.engine != "torch" or self.full_finetune):
+            fail("init_adapter_path", "(a warm start from a PEFT adapter) needs engine 'torch' and adapters "
+                                      f"(engine {self.engine!r}, full_finetune {self.full_finetune})")
+        if self.full_finetune and self.loss.kl_coef:
+            fail("loss.kl_coef", "must be 0 with full_finetune (the reference is the base with adapters off)")
+
+    def decoupled(self, loss: LossSpec | None = None) -> bool:
+        """Whether proximal logprobs must be recomputed before the step (decoupled PPO)."""
+        loss = loss or self.loss
+        return self.recompute_proximal or loss.weight_cap > 0 or loss.max_staleness is not None
+
+    def to_proto(self) -> trainer_pb2.JobConfig:
+        """The JobConfig with every default made explicit (what the job really runs with)."""
+        return trainer_pb2.JobConfig(
+            base_model_path=self.base_model_path, device=self.device, dtype=self.dtype, lora=self.lora.to_proto(),
+            loss=self.loss.to_proto(), optimizer=self.optimizer.to_proto(), full_finetune=self.full_finetune,
+            seed=self.seed, engine=self.engine, max_sequence_tokens=self.limits.max_sequence_tokens,
+            max_buffered_trajectories=self.limits.max_buffered_trajectories, megatron=self.megatron.to_proto(),
+            memory=self.memory.to_proto(), layer_devices=self.layer_devices,
+            init_adapter_path=self.init_adapter_path)
+
+    @classmethod
+    def from_proto(cls, cfg: trainer_pb2.JobConfig, default_device: str = "cpu",
+                   lora_type: type[LoraSpec] = LoraSpec) -> TrainingSpec:
+        """The spec a JobConfig asks for, zeros read as unset; ``lora_type``: the trainer's checked LoraSpec.
+        A lora problem is a SpecError under ``lora`` too."""
+        lora = lora_type.from_proto(cfg.lora)
+        return cls(
+            base_model_path=cfg.base_model_path, device=cfg.device or default_device, dtype=cfg.dtype or "float32",
+            lora=lora, loss=LossSpec.from_proto(cfg.loss), optimizer=OptimizerSpec.from_proto(cfg.optimizer),
+            full_finetune=cfg.full_finetune, seed=cfg.seed, engine=cfg.engine or "torch",
+            limits=LimitsSpec(max_sequence_tokens=cfg.max_sequence_tokens or DEFAULT_MAX_SEQUENCE_TOKENS,
+                              max_buffered_trajectories=cfg.max_buffered_trajectories
+                              or DEFAULT_MAX_BUFFERED_TRAJECTORIES),
+            megatron=MegatronSpec.from_proto(cfg.megatron), memory=MemorySpec.from_proto(cfg.memory),
+            layer_devices=cfg.layer_devices or 1, init_adapter_path=cfg.init_adapter_path)
+
+
+def loss_for_loop(loss: LossSpec, *, mode: str, max_staleness: int, max_tokens: int) -> LossSpec:
+    """A job's loss with what its loop decides and the job file left unset: an async loop masks the tokens
+    admission let through (``max_staleness``, and with it the weight cap's rule above); the overlong penalty
+    measures against the rollout's ``max_tokens``."""
+    changes: dict[str, Any] = {}
+    if mode == "async" and loss.max_staleness is None:
+        changes["max_staleness"] = max_staleness
+    if not loss.max_response_tokens:
+        changes["max_response_tokens"] = max_tokens
+    return replace(loss, **changes)
