@@ -99,7 +99,7 @@ def table(runs: list[ModeRun], steps: int, tolerance: float = TOLERANCE) -> list
 
 def run_mode(config: str, overrides: list[str], mode: str, out: Path) -> ModeRun:
     from bench.lorarl_job import run_job
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
 
     cfg = load_job_config(config, [*overrides, f"loop.mode={mode}", f"output.dir={out}"])
     timing = run_job(cfg, out)
@@ -125,7 +125,7 @@ def main() -> int:
     for key, value in (("loop.steps", args.steps), ("loop.prompts_per_step", args.prompts_per_step)):
         if value is not None:
             overrides.append(f"{key}={value}")
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
 
     cfg = load_job_config(str(ROOT / args.config), overrides)
     load_start = os.getloadavg()[0]

@@ -109,8 +109,8 @@ def main() -> int:
     if args.quick:
         args.pairs, args.from_step, args.to_step = 1, 2, 6
     sys.path.insert(0, str(ROOT))
-    from lorarl.client.commands.run import cpu_pins
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.launch.services import cpu_pins
 
     pins = cpu_pins(load_job_config(str(ROOT / "examples/demo.yaml"), []))
     if not pins:

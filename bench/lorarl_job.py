@@ -1,6 +1,6 @@
 """A lorarl job run the way `lorarl run` runs it, with the clocks the benchmarks need.
 
-The services start on loopback exactly as in `lorarl run` (lorarl.client.stack.LocalStack, same service
+The services start on loopback exactly as in `lorarl run` (lorarl.client.launch.local.LocalStack, same service
 sections, one OpenMP thread each); the job goes through the same RLLoop. On top, the benchmark
 needs what `lorarl run` does not report: start-up and loop time apart, training time with the loop's
 own held-out evaluations and the adapter exports taken out (so a curve of held-out accuracy
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lorarl.client.job_config import JobFileConfig
-from lorarl.client.loop import LoopState, RLLoop
+from lorarl.client.job.config import JobFileConfig
+from lorarl.client.rl.loop import LoopState, RLLoop
 from lorarl.common.config import to_dict
 
 if TYPE_CHECKING:
-    from lorarl.client.stack import LocalStack
+    from lorarl.client.launch.local import LocalStack
 
 
 @dataclass
@@ -75,7 +75,7 @@ def run_job(cfg: JobFileConfig, out: Path, export_every: int = 0, progress: bool
             before_stop: Callable[[LocalStack], None] | None = None) -> JobTiming:
     """Starts the services, runs the job once from scratch, stops the services (``before_stop`` sees
     them still running, e.g. to read a process's peak memory)."""
-    from lorarl.client.commands.run import local_stack
+    from lorarl.client.launch.services import local_stack
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -91,10 +91,10 @@ def run_job(cfg: JobFileConfig, out: Path, export_every: int = 0, progress: bool
 
 async def _drive(cfg: JobFileConfig, trainer_address: str, rollout_address: str, weightsync_address: str,
                  token: str, out: Path, export_every: int, timing: JobTiming, progress: bool, started: float) -> None:
-    from lorarl.client.datasets import load_examples
-    from lorarl.client.loop import job_config_proto
-    from lorarl.client.rewards import load_reward
-    from lorarl.client.run_log import RunLog
+    from lorarl.client.job.datasets import load_examples
+    from lorarl.client.job.rewards import load_reward
+    from lorarl.client.rl.loop import job_config_proto
+    from lorarl.client.rl.run_log import RunLog
     from lorarl.common.channel import aio_channel
     from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
@@ -150,8 +150,8 @@ async def _drive(cfg: JobFileConfig, trainer_address: str, rollout_address: str,
 async def _evaluate_adapters(cfg: JobFileConfig, address: str, token: str, adapters: list[str | None]
                              ) -> list[float]:
     from lorarl.client.commands.evaluate import ADAPTER_JOB, read_adapter
-    from lorarl.client.datasets import load_examples
-    from lorarl.client.rewards import load_reward
+    from lorarl.client.job.datasets import load_examples
+    from lorarl.client.job.rewards import load_reward
     from lorarl.common.channel import aio_channel
     from lorarl.contract.lora import LoraSpec
     from lorarl.rollout.client import load_weights_stream
@@ -185,8 +185,8 @@ async def _evaluate_adapters(cfg: JobFileConfig, address: str, token: str, adapt
 def evaluate_adapters(cfg: JobFileConfig, out: Path, adapters: list[str | None]) -> list[float]:
     """Held-out greedy accuracy of each PEFT adapter directory (None: the base model), through one
     rollout service started for the purpose: the same evaluator for every trainer's adapters."""
-    from lorarl.client.commands.run import stack_sections
-    from lorarl.client.stack import LocalStack
+    from lorarl.client.launch.local import LocalStack
+    from lorarl.client.launch.services import stack_sections
 
     sections = stack_sections(cfg, out)
     with LocalStack(out / "eval-services", {"rollout": sections["rollout"]}, services=("rollout",)) as stack:

@@ -51,7 +51,7 @@ def batch(seed: int, vocab: int, groups: int = 3, group_size: int = 3, prompt: i
 
 
 def spec(path: Path, engine: str, device: str, dtype: str = "float32", lr: float = 1e-2, **kw: object):
-    from lorarl.trainer.engines.api import TrainingSpec, OptimizerSpec
+    from lorarl.trainer.engines.api import OptimizerSpec, TrainingSpec
     from lorarl.trainer.rl.lora import LoraConfig
 
     return TrainingSpec(base_model_path=str(path), engine=engine, device=device, dtype=dtype,

@@ -74,7 +74,7 @@ def measure(row: Row, model_dir: str, device: str) -> dict[str, float]:
     """One row in this process: the engine, one forward_backward, the peaks (bytes)."""
     import torch
 
-    from lorarl.trainer.engines.api import TrainingSpec, MemorySpec, OptimizerSpec, TrajectoryRecord
+    from lorarl.trainer.engines.api import MemorySpec, OptimizerSpec, TrainingSpec, TrajectoryRecord
     from lorarl.trainer.engines.torch_engine import TorchEngine
     from lorarl.trainer.rl.lora import LoraConfig
 
@@ -109,7 +109,7 @@ def measure(row: Row, model_dir: str, device: str) -> dict[str, float]:
 
 
 def planned(row: Row, shape: dict, device: str) -> dict[str, float]:
-    from lorarl.client.plan import ADAPTER_BYTES, count
+    from lorarl.client.job.plan import ADAPTER_BYTES, count
     from lorarl.trainer.engines.memory import CPU_RUNTIME_BYTES, dtype_bytes, step_memory
 
     step = step_memory(shape, RANK, row.dtype, row.batch * row.seq, row.checkpointing, 1024)

@@ -125,9 +125,9 @@ async def check_parity(cfg, trainer, rollout, prompts: list[str]) -> tuple[int, 
 
 
 async def drive(cfg, stack, result: ModeResult) -> None:
-    from lorarl.client.datasets import load_examples
-    from lorarl.client.loop import RLLoop, job_config_proto
-    from lorarl.client.rewards import load_reward
+    from lorarl.client.job.datasets import load_examples
+    from lorarl.client.job.rewards import load_reward
+    from lorarl.client.rl.loop import RLLoop, job_config_proto
     from lorarl.common.channel import aio_channel
     from lorarl.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
@@ -151,8 +151,8 @@ async def drive(cfg, stack, result: ModeResult) -> None:
 
 
 def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, tmp: Path) -> ModeResult:
-    from lorarl.client.commands.run import local_stack
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.launch.services import local_stack
 
     result = ModeResult(mode)
     started = time.perf_counter()

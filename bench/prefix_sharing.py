@@ -77,7 +77,7 @@ TITLES = {"plain": "plain (prompt per completion)", "padded": "shared prompt, pa
 
 def engine(variant: str, micro_batch_tokens: int):
     from lorarl.assets.paths import DENSE_MODEL_DIR
-    from lorarl.trainer.engines.api import TrainingSpec, OptimizerSpec
+    from lorarl.trainer.engines.api import OptimizerSpec, TrainingSpec
     from lorarl.trainer.engines.torch_engine import TorchEngine
     from lorarl.trainer.rl.lora import LoraConfig
 

@@ -70,7 +70,7 @@ def peak_rss_gib(pid: int) -> float:
 
 def run_setting(model_dir: Path, out: Path, completion: int, group: int, steps: int) -> Point:
     from bench.lorarl_job import run_job
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
 
     cfg = load_job_config(str(ROOT / "examples/demo.yaml"), [
         f"model.path={model_dir}", "loop.mode=sync", f"loop.steps={steps}", "loop.prompts_per_step=1",

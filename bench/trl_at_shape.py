@@ -34,7 +34,7 @@ GOAL = 0.5
 
 
 def job(model_dir: Path, out: Path, steps: int, tokens: int, group: int, prompts: int):
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
 
     return load_job_config(str(ROOT / "examples/demo.yaml"), [
         f"model.path={model_dir}", "loop.mode=sync", f"loop.steps={steps}", f"loop.prompts_per_step={prompts}",

@@ -60,7 +60,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lorarl.client.rewards import load_reward
+    from lorarl.client.job.rewards import load_reward
 
     reward_fn = load_reward(spec["reward"])
 

@@ -134,7 +134,7 @@ def table(ours: Curve, peer: Curve, base: float, target: float, tolerance: float
 
 def trl_spec(cfg: Any, threads: int, export_every: int) -> dict[str, Any]:
     """The lorarl job's settings and its exact prompt stream, for bench/trl_grpo.py."""
-    from lorarl.client.datasets import TrainStream, load_examples
+    from lorarl.client.job.datasets import TrainStream, load_examples
 
     train = load_examples(cfg.data.source, "train", cfg.data.train_path)
     examples = TrainStream(train, cfg.data.seed).take(cfg.loop.steps * cfg.loop.prompts_per_step)
@@ -236,7 +236,7 @@ def main() -> int:
         return 2
 
     from bench.lorarl_job import evaluate_adapters, run_job
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
 
     out = ROOT / args.out
     overrides = ["output.tensorboard=false", "loop.eval_every=0", "job_id=bench-lorarl"]

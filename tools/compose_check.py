@@ -353,7 +353,7 @@ def _advertised_hosts(config: Any) -> dict[str, str]:
 
 def _client_problems(where: str, service: Mapping[str, Any], args: argparse.Namespace,
                      mounts: Mapping[str, Path]) -> list[str]:
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
 
     working_dir = service.get("working_dir", IMAGE_ROOT)
     job_file = repo_path(args.config, working_dir)

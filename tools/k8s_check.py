@@ -258,7 +258,7 @@ def _device_problem(where: str, container: Mapping[str, Any], env: Mapping[str, 
 
 def _loop_problems(by_kind: Mapping[tuple[str, str], Mapping[str, Any]], configmap: Mapping[str, Any],
                    addresses: Mapping[str, str], configs: Mapping[str, Any], devices: Mapping[str, str]) -> list[str]:
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
     from lorarl.contract import staleness
 
     job = by_kind.get(("Job", "lorarl-loop"))

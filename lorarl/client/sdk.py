@@ -30,8 +30,8 @@ from typing import Any
 import grpc
 
 from lorarl.client.calls import ServiceCallError, client_token
-from lorarl.client.job_config import JobFileConfig, load_job_config, training_spec
-from lorarl.client.loop import job_config_proto
+from lorarl.client.job.config import JobFileConfig, load_job_config, training_spec
+from lorarl.client.rl.loop import job_config_proto
 from lorarl.client.workflow import Episode, Sampled
 from lorarl.common.channel import ClientTls, sync_channel
 from lorarl.contract.chat import ChatRenderer
@@ -274,7 +274,7 @@ class SamplingClient:
 def local_services(config: str | Path | JobFileConfig, overrides: Sequence[str] = (), *,
                    out: str | Path | None = None) -> Iterator[ServiceClient]:
     """The job's three services started on this machine (as `lorarl run` starts them) and a client on them."""
-    from lorarl.client.commands.run import local_stack
+    from lorarl.client.launch.services import local_stack
 
     cfg = _config(config, overrides)
     stack = local_stack(cfg, Path(out or cfg.output.dir))
@@ -300,7 +300,9 @@ class RLJob:
         """Trains to the end; returns the run's metrics rows (what metrics.jsonl holds). Raises on failure."""
         import json
 
-        from lorarl.client.commands.run import drive, inputs_ok, local_stack
+        from lorarl.client.job.inputs import inputs_ok
+        from lorarl.client.launch.services import local_stack
+        from lorarl.client.rl.drive import drive
 
         if not inputs_ok(self.cfg):
             raise ValueError("the job's inputs do not check out (see the message above)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.client.stack import lorarl_command
+from lorarl.client.launch.local import lorarl_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from bench.recovery import TARGETS, Kill, lorarl_command, read_rows, run_with_faults
-from lorarl.client.commands.run import local_stack
-from lorarl.client.job_config import load_job_config
+from lorarl.client.job.config import load_job_config
+from lorarl.client.launch.services import local_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import pytest
 
 from lorarl.assets.paths import DENSE_MODEL_DIR
 from lorarl.assets.tasks import load_split
-from lorarl.client.stack import lorarl_command
+from lorarl.client.launch.local import lorarl_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorarl.client.stack import lorarl_command
+from lorarl.client.launch.local import lorarl_command
 from lorarl.common.ready import wait_for_ready_file
 from tests.e2e.ray_cluster import RAY_ENV, RayCluster, ray_cluster
 from tests.e2e.test_faults import leftover_processes, step_rows

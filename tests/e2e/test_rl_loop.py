@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorarl.client.commands.run import cpu_pins
-from lorarl.client.job_config import load_job_config
+from lorarl.client.job.config import load_job_config
+from lorarl.client.launch.services import cpu_pins
 from lorarl.common.cpu_affinity import available_cpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]

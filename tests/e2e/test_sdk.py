@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lorarl.client.calls import ServiceCallError
+from lorarl.client.launch.local import lorarl_command
 from lorarl.client.sdk import RLJob, ServiceClient, local_services
-from lorarl.client.stack import lorarl_command
 from lorarl.client.workflow import Episode
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]

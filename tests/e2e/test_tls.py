@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.client.commands.run import local_stack
-from lorarl.client.job_config import load_job_config
-from lorarl.client.stack import lorarl_command
+from lorarl.client.job.config import load_job_config
+from lorarl.client.launch.local import lorarl_command
+from lorarl.client.launch.services import local_stack
 from tests.integration.tls_certs import make_pki
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]

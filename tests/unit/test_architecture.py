@@ -117,6 +117,14 @@ FORBIDDEN = [
     ("lorarl.contract", "lorarl.weightsync"),
     *((service, "lorarl.client") for service in
       ("lorarl.common", "lorarl.contract", "lorarl.trainer", "lorarl.rollout", "lorarl.weightsync")),
+    # the client's rooms: commands (the CLI) on top; the SDK, the loop (rl) and the launchers beside each other
+    # over what a job is (job); none of them imports a command
+    *((room, "lorarl.client.commands") for room in
+      ("lorarl.client.job", "lorarl.client.rl", "lorarl.client.launch", "lorarl.client.workflow",
+       "lorarl.client.sdk", "lorarl.client.calls")),
+    *(("lorarl.client.job", room) for room in ("lorarl.client.rl", "lorarl.client.launch", "lorarl.client.sdk")),
+    *(("lorarl.client.rl", room) for room in ("lorarl.client.launch", "lorarl.client.sdk")),
+    *(("lorarl.client.launch", room) for room in ("lorarl.client.rl", "lorarl.client.sdk")),
     # weight sync: the libraries other processes embed never reach into the service
     ("lorarl.weightsync.client", "lorarl.weightsync.service"),
     ("lorarl.weightsync.wire", "lorarl.weightsync.service"),
@@ -199,7 +207,7 @@ def test_one_definition_of_each_concept(concept: str) -> None:
 
 def test_the_lora_defaults_are_the_contracts_everywhere() -> None:
     """The job file's section, an all-zero JobConfig.lora and the trainer's own spec mean the same LoRA."""
-    from lorarl.client.job_config import LoraSection
+    from lorarl.client.job.config import LoraSection
     from lorarl.contract.lora import LoraSpec
     from lorarl.trainer.rl.lora import LoraConfig
 

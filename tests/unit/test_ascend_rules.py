@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.client.job_config import load_job_config
-from lorarl.client.plan import model_shape, sync_choice
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.plan import model_shape, sync_choice
 from lorarl.common import ascend
 from lorarl.common.config import ConfigError
 

@@ -67,8 +67,8 @@ def test_trl_table_has_the_verdict_rows_and_the_curves() -> None:
 
 
 def test_trl_spec_carries_the_job_and_its_prompt_stream() -> None:
-    from lorarl.client.datasets import TrainStream, load_examples
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.job.datasets import TrainStream, load_examples
 
     cfg = load_job_config(str(ROOT / "examples" / "demo.yaml"), ["loop.steps=3", "loop.prompts_per_step=4"])
     spec = trl_spec(cfg, threads=2, export_every=1)
@@ -83,7 +83,7 @@ def test_trl_config_matches_the_job() -> None:
     from trl import GRPOConfig
 
     from bench.trl_grpo import grpo_config_kwargs
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
 
     cfg = load_job_config(str(ROOT / "examples" / "demo.yaml"), ["loop.steps=3"])
     args = GRPOConfig(**grpo_config_kwargs(trl_spec(cfg, threads=2, export_every=1), "/tmp/unused"))

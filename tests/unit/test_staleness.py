@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lorarl.client.commands.run import stack_sections
-from lorarl.client.job_config import load_job_config
-from lorarl.client.loop import job_config_proto
+from lorarl.client.job.config import load_job_config
+from lorarl.client.launch.services import stack_sections
+from lorarl.client.rl.loop import job_config_proto
 from lorarl.contract import staleness
 
 

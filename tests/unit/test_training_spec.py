@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from lorarl.client.job_config import JobFileConfig, load_job_config, training_spec
+from lorarl.client.job.config import JobFileConfig, load_job_config, training_spec
 from lorarl.common.config import ConfigError
 from lorarl.common.errors import InvalidArgumentError
 from lorarl.contract.errors import SpecError

@@ -57,8 +57,9 @@ def read_adapter(directory: Path) -> tuple[dict, dict]:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from lorarl.client.commands.run import load, stack_sections
-    from lorarl.client.stack import LocalStack
+    from lorarl.client.commands.run import load
+    from lorarl.client.launch.local import LocalStack
+    from lorarl.client.launch.services import stack_sections
 
     cfg = load(args)
     if cfg is None:
@@ -80,8 +81,8 @@ def eval_command(args: argparse.Namespace) -> int:
 
 async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[dict, dict] | None
                    ) -> dict[str, float]:
-    from lorarl.client.job_inputs import job_examples, job_reward
-    from lorarl.client.loop import LoopState, RLLoop
+    from lorarl.client.job.inputs import job_examples, job_reward
+    from lorarl.client.rl.loop import LoopState, RLLoop
     from lorarl.common.channel import aio_channel
     from lorarl.contract.lora import LoraSpec
     from lorarl.rollout.client import load_weights_stream

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from lorarl.common.parent_watch import watch_if_marked
     from lorarl.common.server import ServiceDiedError, StartupError
 
-    watch_if_marked()  # started by a Ray actor (lorarl.client.ray_host): gone with it, even by SIGKILL
+    watch_if_marked()  # started by a Ray actor (lorarl.client.launch.ray_host): gone with it, even by SIGKILL
 
     module: ModuleType = importlib.import_module(SERVICES[args.service])
     prefix = f"lorarl serve {args.service}"

@@ -1,5 +1,5 @@
 """`lorarl slurm CONFIG [key=value ...] [-o FILE]`: writes an sbatch script that runs the job on a Slurm
-allocation (lorarl/client/slurm.py), and the service configs it reads, under the run folder."""
+allocation (lorarl/client/launch/slurm.py), and the service configs it reads, under the run folder."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lorarl.client.job_config import load_job_config
-    from lorarl.client.slurm import write
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.launch.slurm import write
 
     try:
         cfg = load_job_config(args.config, list(args.overrides))

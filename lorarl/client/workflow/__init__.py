@@ -15,7 +15,7 @@ SHIPPED = {"single_turn": "lorarl.client.workflow.single_turn:SingleTurn"}
 
 def load_workflow(name: str, settings: dict[str, Any], job_dir: str = "") -> Workflow:
     """The workflow a job names, built with its settings; a ConfigError under ``workflow.*`` otherwise."""
-    from lorarl.client.imports import import_object
+    from lorarl.client.job.imports import import_object
 
     cls = import_object(SHIPPED.get(name, name), "workflow.name", job_dir)
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):

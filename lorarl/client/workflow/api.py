@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorarl.client.datasets import Example
+from lorarl.client.job.datasets import Example
 from lorarl.v1 import common_pb2
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 
 from lorarl.client.calls import ServiceCallError
-from lorarl.client.datasets import Example
-from lorarl.client.rewards import Reward
+from lorarl.client.job.datasets import Example
+from lorarl.client.job.rewards import Reward
 from lorarl.client.workflow.api import Episode, EpisodeContext, Sampled
 from lorarl.client.workflow.coalesce import CoalescingRollout
 from lorarl.client.workflow.sessions import session_episodes

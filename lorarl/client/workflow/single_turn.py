@@ -6,7 +6,7 @@ What `lorarl run examples/demo.yaml` trains; every other workflow is written the
 
 from __future__ import annotations
 
-from lorarl.client.datasets import Example
+from lorarl.client.job.datasets import Example
 from lorarl.client.workflow.api import Episode, EpisodeContext, Workflow
 
 

@@ -22,6 +22,7 @@ from lorarl.common.errors import (
 )
 from lorarl.common.validation import check_id, check_version
 from lorarl.contract import versions
+from lorarl.contract.errors import SpecError
 from lorarl.contract.lora import LoraSpec
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.modes import ADAPTER, AUTO, MERGED, ModeChoice
@@ -130,11 +131,14 @@ class VersionRegistry:
         if not request.base_model_fingerprint:
             raise InvalidArgumentError("base_model_fingerprint", "is empty")
         if request.lora.rank < 1:
-            raise InvalidArgumentError("lora.rank", "must be >= 1 (merged jobs also keep the adapter)")
+            # A registration describes tensors that exist, so it states their rank: the spec's "0 = the
+            # default rank" (lorarl.contract.lora) applies to a job being created, not to one being described.
+            raise InvalidArgumentError("lora.rank", "must be >= 1: the rank of the adapter the trainer holds "
+                                                    "(merged jobs also keep the adapter)")
         try:
             LoraSpec.from_proto(request.lora)
-        except ValueError as exc:
-            raise InvalidArgumentError("lora", str(exc)) from None
+        except SpecError as exc:
+            raise InvalidArgumentError(exc.path, exc.problem) from None
         if request.mode not in (ADAPTER, MERGED, AUTO):
             raise InvalidArgumentError("mode", "must be ADAPTER, MERGED or AUTO")
         if not request.catalog.tensors:

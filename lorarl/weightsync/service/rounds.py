@@ -198,7 +198,7 @@ class ActivationCoordinator:
 
     def _supersede(self, newer: Round, now: float) -> None:
         """Fails the job's older publish rounds still queued or staging: a trainer publishes a version only
-        once the previous one has settled (lorarl.client.loop), so a newer one arriving first means the
+        once the previous one has settled (lorarl.client.rl.loop), so a newer one arriving first means the
         older one's publisher is gone (a trainer restarted mid-publish, its sender never to come) and its
         members may be stuck joining a group nobody sends to. They get an Abort and stage the newer one."""
         queue = self.queued.get(newer.job_id, deque())

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from lorarl.client.stack import LocalStack, ServiceProcess, lorarl_command
+from lorarl.client.launch.local import LocalStack, ServiceProcess, lorarl_command
 from tools.compose_check import IMAGE_ROOT, ROOT, environment, parse_command, secret_mounts, service_config
 
 _ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9_.:\[\]-]+):(?P<port>\d+)")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorarl.client.job_config import load_job_config
-from lorarl.client.plan import place
-from lorarl.client.slurm import ROLLOUT_PORT, TRAINER_PORT, WEIGHTSYNC_PORT
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.plan import place
+from lorarl.client.launch.slurm import ROLLOUT_PORT, TRAINER_PORT, WEIGHTSYNC_PORT
 from lorarl.common.config import load_config
 from lorarl.rollout.config import RolloutServiceConfig
 from lorarl.trainer.service.config import TrainerServiceConfig

@@ -55,7 +55,7 @@ def test_the_loop_warns_when_the_rollout_serves_another_dtype(service: RolloutHa
     from types import SimpleNamespace
 
     from lorarl.client.calls import NamedStub
-    from lorarl.client.preflight import rollout_warnings
+    from lorarl.client.rl.preflight import rollout_warnings
     from lorarl.common.channel import aio_channel
     from lorarl.v1 import rollout_pb2_grpc
     from tests.integration.rollout.harness import TOKEN

@@ -246,7 +246,7 @@ def test_idle_followers_stay_in_touch_and_a_killed_one_fails_the_next_call_clear
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_publish_from_two_ranks_reaches_a_vllm_rollout_with_the_trainers_logprobs(tmp_path: Path) -> None:
-    from lorarl.client.stack import LocalStack
+    from lorarl.client.launch.local import LocalStack
 
     sections = {
         "weightsync": {"storage_dir": str(tmp_path / "ws"), "collective_backend": "gloo"},

@@ -244,7 +244,7 @@ def test_fleet_lists_advertised_replicas_and_the_pool_follows_it(tmp_path: Path)
     """Replicas advertise where they serve; weight sync lists them before any job publishes, with their
     versions once one does; a dropped stream leaves the fleet; a bad address is refused naming the field."""
     from lorarl.client.calls import NamedStub
-    from lorarl.client.fleet import weightsync_fleet
+    from lorarl.client.rl.fleet import weightsync_fleet
     from lorarl.common.channel import aio_channel
     from lorarl.v1 import weightsync_pb2_grpc
 

@@ -17,10 +17,10 @@ import pytest
 
 from lorarl.assets.paths import DENSE_MODEL_DIR
 from lorarl.client.cli import main
-from lorarl.client.datasets import Example, load_examples
-from lorarl.client.job_config import load_job_config
-from lorarl.client.job_inputs import job_examples, job_workflow
-from lorarl.client.rewards import Reward, RewardError, load_reward
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.datasets import Example, load_examples
+from lorarl.client.job.inputs import job_examples, job_workflow
+from lorarl.client.job.rewards import Reward, RewardError, load_reward
 from lorarl.common.config import ConfigError
 from lorarl.contract.chat import ChatRenderer
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from lorarl.client.datasets import Example
-from lorarl.client.job_config import load_job_config
-from lorarl.client.loop import RLLoop
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.datasets import Example
+from lorarl.client.rl.loop import RLLoop
 from lorarl.v1 import rollout_pb2, trainer_pb2, weightsync_pb2
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from lorarl.client.cli import main
-from lorarl.client.commands.run import stack_sections, visible_devices
-from lorarl.client.job_config import load_job_config
-from lorarl.client.plan import KNOWN_SHAPES, count, human_bytes, human_count, place
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.plan import KNOWN_SHAPES, count, human_bytes, human_count, place
+from lorarl.client.launch.services import stack_sections, visible_devices
 from lorarl.common.config import ConfigError
 from lorarl.trainer.engines.memory import stage_sizes
 
@@ -234,7 +234,7 @@ def test_lorarl_run_pins_a_cpu_jobs_engine_core_and_trainer_to_halves_of_the_cpu
     trainer on the rest; in a sync loop (they take turns) both on all of them; one OpenMP thread per
     pinned CPU; written into the configs and environments the local stack starts them with; nothing
     pinned when off, for an accelerator trainer, several replicas, or a single CPU."""
-    from lorarl.client.commands.run import cpu_pins, local_stack
+    from lorarl.client.launch.services import cpu_pins, local_stack
     from lorarl.common.cpu_affinity import format_cpu_list
 
     demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
@@ -270,7 +270,7 @@ def test_the_plan_counts_activations_as_the_engine_will_run_them(capsys) -> None
     code, out = dry_run(capsys, path)
     assert code == 0 and "checkpointing on (auto)" in out and "micro-batch of 32,768 tokens" in out
     cfg = load_job_config(str(path), [])
-    from lorarl.client.plan import model_shape, trainer_memory
+    from lorarl.client.job.plan import model_shape, trainer_memory
 
     shape = model_shape(cfg)
     memory = trainer_memory(cfg, shape, count(shape, 32), free_bytes=72 * 2**30)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from lorarl.client.progress import ProgressBar, bar, format_duration
-from lorarl.client.run_log import RunLog
+from lorarl.client.rl.progress import ProgressBar, bar, format_duration
+from lorarl.client.rl.run_log import RunLog
 
 
 class FakeClock:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lorarl.client.job_config import load_job_config
-from lorarl.client.ray_stack import check_resources, gcs_address, job_bundles
+from lorarl.client.job.config import load_job_config
+from lorarl.client.launch.ray_cluster import check_resources, gcs_address, job_bundles
 from lorarl.common.config import ConfigError
 from lorarl.rollout.sync import advertised_address
 
@@ -48,7 +48,7 @@ def test_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_bundle_no_single_node_holds_is_refused() -> None:
-    from lorarl.client.ray_stack import check_fit
+    from lorarl.client.launch.ray_cluster import check_fit
 
     job = cfg("trainer.device=cuda", "trainer.parallel.data=16", "rollout.replicas=16")
     nodes = [{"CPU": 64, "GPU": 8}] * 4  # 32 GPUs: enough in total, but the trainer's 16 span two nodes

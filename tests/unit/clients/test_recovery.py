@@ -12,19 +12,19 @@ from pathlib import Path
 import grpc
 import pytest
 
-from lorarl.client import recovery
 from lorarl.client.calls import NamedStub, ServiceCallError
-from lorarl.client.datasets import Example
-from lorarl.client.job_config import load_job_config
-from lorarl.client.loop import LoopState, RLLoop
-from lorarl.client.recovery import (
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.datasets import Example
+from lorarl.client.rl import recovery
+from lorarl.client.rl.loop import LoopState, RLLoop
+from lorarl.client.rl.recovery import (
     ActivationFailedError,
     RecoveryBudget,
     RecoveryExhaustedError,
     recoverable,
     wait_serving,
 )
-from lorarl.client.run_log import RunLog
+from lorarl.client.rl.run_log import RunLog
 from lorarl.common.server import start_server
 from lorarl.common.server_config import ServerConfig
 from lorarl.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.client.datasets import Example
-from lorarl.client.job_config import load_job_config
-from lorarl.client.loop import RLLoop
-from lorarl.client.rewards import GuardedReward, RewardError
-from lorarl.client.run_log import RunLog
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.datasets import Example
+from lorarl.client.job.rewards import GuardedReward, RewardError
+from lorarl.client.rl.loop import RLLoop
+from lorarl.client.rl.run_log import RunLog
 from lorarl.common.config import ConfigError
 from tests.unit.clients.test_loop_async import Recorder
 
@@ -31,7 +31,7 @@ def flaky(text: str, answer: str) -> float:
 
 def test_a_failing_sample_scores_zero_is_counted_and_reported_once(caplog: pytest.LogCaptureFixture) -> None:
     reward = GuardedReward(flaky, "zero", name="mine:flaky")
-    with caplog.at_level(logging.WARNING, logger="lorarl.client.rewards"):
+    with caplog.at_level(logging.WARNING, logger="lorarl.client.job.rewards"):
         scores = [reward("1", a) for a in ("1", "boom", "nan", "boom", "2")]
     assert scores == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert reward.errors == 3

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from lorarl.client.rollout_pool import RolloutPool, split_evenly
+from lorarl.client.rl.rollout_pool import RolloutPool, split_evenly
 from lorarl.v1 import rollout_pb2
 
 
@@ -112,7 +112,7 @@ def test_request_errors_are_not_redone_and_a_lone_dead_replica_fails_the_call() 
 
 
 def test_discovered_fleet_joins_once_caught_up_and_drops_leavers() -> None:
-    from lorarl.client.rollout_pool import Fleet, FleetReplica
+    from lorarl.client.rl.rollout_pool import Fleet, FleetReplica
 
     stubs = {"h:1": Replica("one"), "h:2": Replica("two")}
     fleet = Fleet(3, (FleetReplica("one", "h:1", 3),))

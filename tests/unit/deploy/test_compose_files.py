@@ -75,8 +75,8 @@ def assert_sized_like_lorarl_run(config: str, job: str, overrides: list[str], tm
     """The compose rollout config `config` holds the settings `lorarl run JOB OVERRIDES` gives its rollout."""
     import yaml
 
-    from lorarl.client.commands.run import stack_sections
-    from lorarl.client.job_config import load_job_config
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.launch.services import stack_sections
 
     compose = yaml.safe_load((DEPLOY / "config" / config).read_text())["rollout"]
     local = stack_sections(load_job_config(str(ROOT / job), overrides), tmp_path)["rollout"]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.client.commands.run import stack_sections
-from lorarl.client.job_config import load_job_config, serving_length
+from lorarl.client.job.config import load_job_config, serving_length
+from lorarl.client.launch.services import stack_sections
 from lorarl.common.config import ConfigError, load_config
 from lorarl.rollout.config import RolloutServiceConfig, RolloutSettings
 from lorarl.rollout.vllm.engine import engine_memory_args
@@ -51,7 +51,7 @@ def test_lorarl_run_sizes_the_context_from_prompt_and_completion(tmp_path: Path)
 
 
 def test_the_trainer_accepts_every_sequence_the_rollout_can_return(tmp_path: Path) -> None:
-    from lorarl.client.loop import job_config_proto
+    from lorarl.client.rl.loop import job_config_proto
 
     model = tmp_path / "model"
     model.mkdir()
@@ -64,7 +64,7 @@ def test_the_trainer_accepts_every_sequence_the_rollout_can_return(tmp_path: Pat
 
 
 def test_the_job_file_selects_lora_and_the_in_worker_receive(tmp_path: Path) -> None:
-    from lorarl.client.commands.run import cpu_pins
+    from lorarl.client.launch.services import cpu_pins
 
     demo = str(ROOT / "examples/demo.yaml")
     merged = load_job_config(demo, ["sync.mode=merged", "rollout.enable_lora=false", "rollout.receive_in_worker=on",

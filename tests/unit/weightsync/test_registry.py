@@ -47,7 +47,7 @@ def test_registration_is_validated_and_idempotent() -> None:
                           # past what JSON keeps exact, a non-finite alpha
                           ("job_id", lambda r: setattr(r, "job_id", "job\nid")),
                           ("start_version", lambda r: setattr(r, "start_version", 2**64 - 1)),
-                          ("lora", lambda r: setattr(r.lora, "alpha", float("nan")))]:
+                          ("lora.alpha", lambda r: setattr(r.lora, "alpha", float("nan")))]:
         request = register_request()
         mutate(request)
         with pytest.raises(InvalidArgumentError) as info:

@@ -8,7 +8,7 @@ SIGTERM first (services drain in-flight RPCs), SIGKILL after a bound.
 ``supervise`` watches them: a service that exits is restarted on the same port, with the same
 config (the same storage, the same replica id), after a growing pause, a bounded number of times.
 Whatever it left behind (a vLLM engine core, trainer ranks: its process group) is killed first, so
-no child outlives its service. The loop meanwhile waits the restart out (lorarl.client.recovery).
+no child outlives its service. The loop meanwhile waits the restart out (lorarl.client.rl.recovery).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.loop import LoopState, job_config_proto
-from lorarl.client.recovery import ActivationFailedError
+from lorarl.client.rl.loop import LoopState, job_config_proto
+from lorarl.client.rl.recovery import ActivationFailedError
 from lorarl.contract import versions
 from lorarl.contract.enums import SYNC_MODES
 from lorarl.v1 import trainer_pb2

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.stack import LocalStack
+from lorarl.client.launch.local import LocalStack
 
 LOG_CHUNK_BYTES = 1 << 20
 

@@ -1,7 +1,7 @@
 """An sbatch script that runs a job on a Slurm allocation: the services with `srun` on its nodes, then the loop.
 
-The same services and configs `lorarl run` starts (lorarl.client.commands.run.stack_sections), placed by
-the job's placement plan (lorarl.client.plan.place: the trainer's devices on the first node, each rollout
+The same services and configs `lorarl run` starts (lorarl.client.launch.services.stack_sections), placed by
+the job's placement plan (lorarl.client.job.plan.place: the trainer's devices on the first node, each rollout
 replica's tensor-parallel group on one node): weight sync and the trainer on the first node of the
 allocation, one `srun` step per rollout replica on the node the plan gives it, each with its device
 mask. Services bind every interface on fixed ports and reach each other by the nodes' host names; the
@@ -46,7 +46,7 @@ class Task:
 def tasks(cfg) -> list[Task]:
     """Weight sync and the trainer on node 0, rollout replicas where the placement plan puts them (CPU jobs:
     round-robin over the other nodes, or node 0 alone), ports counting up per node."""
-    from lorarl.client.plan import Slot, place
+    from lorarl.client.job.plan import Slot, place
 
     nodes = cfg.placement.nodes
     if cfg.placement.devices_per_node:
@@ -82,7 +82,7 @@ def trainer_nodes(cfg) -> int:
 def service_configs(cfg, run_dir: Path) -> dict[str, dict[str, Any]]:
     """Each service's config file: stack_sections' settings, bound to every interface on a fixed port, the
     run's token file, addresses by node host name filled in by the script (environment variables)."""
-    from lorarl.client.commands.run import stack_sections
+    from lorarl.client.launch.services import stack_sections
 
     sections = stack_sections(cfg, run_dir)
     sections["weightsync"]["storage_dir"] = str(run_dir / "weightsync")
@@ -109,7 +109,7 @@ def sbatch_script(cfg, config_path: str, overrides: list[str], run_dir: Path, pa
     lines = [
         "#!/bin/bash",
         f"# Written by `lorarl slurm {shlex.join([config_path, *overrides])}`: the job on a Slurm allocation",
-        "# (lorarl/client/slurm.py). Submit it with sbatch; the run folder must be on a shared filesystem.",
+        "# (lorarl/client/launch/slurm.py). Submit it with sbatch; the run folder must be on a shared filesystem.",
         f"#SBATCH --job-name=lorarl-{cfg.job_id}",
         f"#SBATCH --nodes={cfg.placement.nodes}",
         "#SBATCH --ntasks-per-node=1",

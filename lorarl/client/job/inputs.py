@@ -4,9 +4,11 @@ reward and builds the workflow: a missing file or a bad reward fails there, not 
 
 from __future__ import annotations
 
-from lorarl.client.datasets import Example, load_examples
-from lorarl.client.job_config import JobFileConfig, job_path
-from lorarl.client.rewards import RewardFn, load_reward
+import sys
+
+from lorarl.client.job.config import JobFileConfig, job_path
+from lorarl.client.job.datasets import Example, load_examples
+from lorarl.client.job.rewards import RewardFn, load_reward
 from lorarl.client.workflow import Workflow, load_workflow
 from lorarl.common.config import ConfigError
 from lorarl.contract.peft_files import read_peft_config
@@ -64,3 +66,13 @@ def check_inputs(cfg: JobFileConfig) -> list[str]:
     workflow = job_workflow(cfg)
     lines.append(f"workflow: {cfg.workflow.name} ({type(workflow).__module__}.{type(workflow).__qualname__})")
     return lines
+
+
+def inputs_ok(cfg) -> bool:
+    """The job's data, reward, workflow and warm-start adapter, checked before any service starts."""
+    try:
+        check_inputs(cfg)
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return False
+    return True

@@ -6,7 +6,7 @@ trainer's publish returns. The pool splits a request's prompts into contiguous s
 replica, sends them concurrently and stitches the results back in prompt order, so a GRPO group
 (one prompt, n completions) always comes from one replica.
 
-The fleet may change under a run. With ``discover`` (lorarl.client.fleet: the replicas weight sync
+The fleet may change under a run. With ``discover`` (lorarl.client.rl.fleet: the replicas weight sync
 knows), the pool re-reads it at most every ``refresh_s``: a replica that joined is used once it
 serves the job's active version; one that left is dropped. A replica whose call fails because it is
 gone (UNAVAILABLE, CANCELLED) is set aside for ``quarantine_s`` and its prompts are redone on the

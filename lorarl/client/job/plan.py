@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.step_time import IMBALANCE, StepTime, estimate
+from lorarl.client.job.step_time import IMBALANCE, StepTime, estimate
 from lorarl.trainer.engines.memory import StepMemory, needs_checkpointing, stage_sizes, step_memory
 
 GIB = 1 << 30
@@ -363,7 +363,7 @@ def print_plan(cfg) -> int:
 
 
 def _print_step_time(t: StepTime, cfg) -> None:
-    print(f"step time estimate (lorarl/client/step_time.py): train ~{t.train_s:,.0f} s on "
+    print(f"step time estimate (lorarl/client/job/step_time.py): train ~{t.train_s:,.0f} s on "
           f"{cfg.trainer.parallel.world_size} device(s), generate ~{t.generate_s:,.0f} s on {cfg.rollout.replicas} "
           f"replica(s) ({t.concurrency} sequences at once, {t.waves} wave(s)): "
           + ("balanced" if t.ratio <= IMBALANCE else "IMBALANCED"))

@@ -10,7 +10,7 @@ completions and their rewards) run on one example, in a context pinned to the po
 when its batch was admitted; a batch's episodes run concurrently. The loop talks to the three services
 only through their gRPC stubs, so the same code drives the
 local stack of `lorarl run` and services running elsewhere (`lorarl train`). When a call fails in a
-way worth waiting out (lorarl.client.recovery), the loop drops its in-flight work, lets ``recover``
+way worth waiting out (lorarl.client.rl.recovery), the loop drops its in-flight work, lets ``recover``
 bring the job back to its last resume point, and carries on from there.
 """
 
@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from lorarl.client.datasets import Example, TrainStream
-from lorarl.client.job_config import JobFileConfig, training_spec
-from lorarl.client.recovery import ActivationFailedError, RecoveryBudget, recoverable
-from lorarl.client.rewards import Reward, RewardFn
+from lorarl.client.job.config import JobFileConfig, training_spec
+from lorarl.client.job.datasets import Example, TrainStream
+from lorarl.client.job.rewards import Reward, RewardFn
+from lorarl.client.rl.recovery import ActivationFailedError, RecoveryBudget, recoverable
 from lorarl.client.workflow import Episode, Workflow, load_workflow
 from lorarl.client.workflow.coalesce import CoalescingRollout
 from lorarl.client.workflow.context import RolloutContext, SamplingDefaults
@@ -45,7 +45,7 @@ EVAL_CHUNK = 64
 
 
 def job_config_proto(cfg: JobFileConfig, model_path: str) -> trainer_pb2.JobConfig:
-    """The trainer's JobConfig for this run (lorarl.client.job_config.training_spec)."""
+    """The trainer's JobConfig for this run (lorarl.client.job.config.training_spec)."""
     return training_spec(cfg, model_path).to_proto()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from lorarl.client.calls import ServiceCallError
-from lorarl.client.rollout_pool import Discover, Fleet, FleetReplica
+from lorarl.client.rl.rollout_pool import Discover, Fleet, FleetReplica
 from lorarl.v1 import weightsync_pb2
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`lorarl run CONFIG launcher.kind=ray`: the job's services placed on a Ray cluster.
 
-The same services, configs and token as the local stack, but each is a Ray actor (lorarl.client.ray_host)
+The same services, configs and token as the local stack, but each is a Ray actor (lorarl.client.launch.ray_host)
 in a placement-group bundle: weight sync and the trainer share one node (STRICT_PACK; the trainer's bundle
 holds its GPUs/NPUs and ``launcher.trainer_resources``), and the rollout replicas get one bundle each
 (``tensor_parallel_size`` devices and ``launcher.rollout_resources``) spread as ``launcher.strategy``
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.ray_host import ServiceHost
-from lorarl.client.stack import ServiceFailedError, Stack
+from lorarl.client.launch.local import ServiceFailedError, Stack
+from lorarl.client.launch.ray_host import ServiceHost
 from lorarl.common.config import ConfigError
 
 logger = logging.getLogger(__name__)

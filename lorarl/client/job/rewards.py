@@ -51,7 +51,7 @@ def load_reward(name: str, job_dir: str = "") -> RewardFn:
     """'exact' etc. (lorarl.assets.tasks), 'gsm8k', or an importable 'package.module:function' (the job
     file's folder searched first)."""
     if ":" in name:
-        from lorarl.client.imports import import_object
+        from lorarl.client.job.imports import import_object
 
         fn = import_object(name, "data.reward", job_dir)
         if not callable(fn):

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.progress import ProgressBar
+from lorarl.client.rl.progress import ProgressBar
 
 
 def finite(row: dict[str, Any]) -> dict[str, Any]:

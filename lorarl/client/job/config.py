@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lorarl.client.datasets import SOURCES
-from lorarl.client.rewards import REWARD_ERRORS
+from lorarl.client.job.datasets import SOURCES
+from lorarl.client.job.rewards import REWARD_ERRORS
 from lorarl.common.config import ConfigError, all_of, in_range, multiple_of, setting
 from lorarl.contract.errors import SpecError
 from lorarl.contract.lora import (
@@ -204,7 +204,7 @@ class LoopSection:
 
 @dataclass
 class RecoverySection:
-    """How a run rides through a service that dies or restarts (lorarl.client.recovery)."""
+    """How a run rides through a service that dies or restarts (lorarl.client.rl.recovery)."""
 
     enabled: bool = setting(True, doc="Wait out a service's restart and carry on from the last resume point "
                                       "(False: the first failed call ends the run).")

@@ -1,0 +1,132 @@
+"""The services a job gets: their config sections (what `lorarl run`, the compose files, Slurm and the benchmarks
+start alike), CPU pins and device masks, and the stack that starts them on this host or a Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lorarl.client.job.config import serving_length
+from lorarl.contract import staleness
+
+
+def rollout_lora(cfg) -> bool | None:
+    """rollout.enable_lora for this job's rollouts: the job file's, else off in a merged job (its rollouts
+    serve merged weights only: no LoRA layers to hold, and on NPUs no MoE-LoRA limits), else the engine's
+    own default (None: on where the model can run LoRA)."""
+    if cfg.rollout.enable_lora is not None:
+        return cfg.rollout.enable_lora
+    return False if cfg.sync.mode == "merged" else None
+
+
+def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
+    """Service config sections for a local stack serving this job."""
+    window = staleness.adapter_window(cfg.loop.max_staleness)
+    # Weights move over the accelerator's own collective when there is one (untested here: CPU only).
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(cfg.trainer.device.split(":", 1)[0], "gloo")
+    return {
+        "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}"),
+                       "collective_backend": backend},
+        # A CPU trainer shares the cores with generation: its engine threads at niceness 10 do not preempt
+        # the rollout engine's step loop, while its gRPC threads keep their normal priority.
+        "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
+                    **({"compute_nice": 10} if cfg.trainer.device == "cpu" else {}),
+                    "export_dir": str(out / "exports"), "collective": cfg.sync.collective,
+                    # one process per rank (rank 0 serves gRPC); a torch layer split is one process
+                    **({"ranks": ranks} if (ranks := cfg.trainer.parallel.ranks(cfg.trainer.engine)) > 1 else {})},
+        "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
+                    "dtype": cfg.model.dtype,
+                    "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.serving_lora_rank,
+                    "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0",
+                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                    **({"openai_port": 0} if cfg.rollout.openai else {}),
+                    **({"block_size": cfg.rollout.block_size} if cfg.rollout.block_size else {}),
+                    **({"max_model_len": length} if (length := serving_length(cfg)) else {}),
+                    **{key: getattr(cfg.rollout, key) for key in ("enforce_eager", "gpu_memory_utilization")
+                       if getattr(cfg.rollout, key) is not None},
+                    **({"enable_lora": lora} if (lora := rollout_lora(cfg)) is not None else {}),
+                    "receive_in_worker": cfg.rollout.receive_in_worker,
+                    # A step's whole batch (prompts x group) in one decode wave on every replica.
+                    "max_num_seqs": cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
+                                                                      * cfg.rollout.group_size
+                                                                      // cfg.rollout.replicas)),
+                    "collective_backends": sorted({backend, "gloo"})},
+    }
+
+
+def cpu_pins(cfg) -> dict[str, str]:
+    """CPU lists for a CPU job's two busiest processes (placement.pin_cpus 'auto'). An async loop
+    generates while it trains: vLLM's engine core on the first half of the CPUs this process may use,
+    the trainer on the rest. A sync loop takes turns (generate, then train), so each takes every CPU
+    while the other waits: at the Qwen3-0.6B shape on 2 cores a step fell from 36 s to 31 s (generation
+    19 -> 13 s; bench/RESULTS.md). The rollout frontend, weight sync and the loop stay where the OS puts
+    them. Empty when off, on accelerators, with several rollout replicas, tensor-parallel rollout workers (each
+    is bound to CPUs of its own: lorarl/rollout/vllm/cpu_binding.py) or trainer ranks, or on one CPU."""
+    from lorarl.common.cpu_affinity import available_cpus, format_cpu_list
+
+    cpus = available_cpus()
+    if (cfg.placement.pin_cpus != "auto" or cfg.trainer.device != "cpu" or cfg.rollout.engine != "vllm"
+            or cfg.rollout.replicas > 1 or cfg.rollout.tensor_parallel_size > 1
+            or cfg.trainer.parallel.world_size > 1 or len(cpus) < 2):
+        return {}
+    if cfg.loop.mode == "sync":
+        return {"rollout_engine": format_cpu_list(cpus), "trainer": format_cpu_list(cpus)}
+    half = len(cpus) // 2
+    return {"rollout_engine": format_cpu_list(cpus[:half]), "trainer": format_cpu_list(cpus[half:])}
+
+
+def pinned_threads(pins: dict[str, str]) -> dict[str, dict[str, str]]:
+    """OpenMP threads of the pinned processes: one per CPU each is pinned to (the other services keep one:
+    two threads per process on two cores made a step 20x slower while all three computed at once).
+    Several threads wait passively: threads spinning between ops took the CPUs from the other services'
+    Python threads, and a sync demo job (8 steps) took 54 s instead of 34; passive, 32 s."""
+    from lorarl.common.cpu_affinity import parse_cpu_list
+
+    env = {}
+    for process, key in (("trainer", "trainer"), ("rollout", "rollout_engine")):
+        if key in pins:
+            threads = len(parse_cpu_list(pins[key]))
+            env[process] = {"OMP_NUM_THREADS": str(threads), **({"OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 else {})}
+    return env
+
+
+def local_stack(cfg, out: Path):
+    """The services `lorarl run` starts for this job, not yet started (benchmarks start the same)."""
+    from lorarl.client.launch.local import LocalStack
+
+    sections = stack_sections(cfg, out)
+    pins = cpu_pins(cfg)
+    if pins:
+        sections["rollout"]["engine_cpus"] = pins["rollout_engine"]
+    threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
+    return LocalStack(out / "services", sections, threads_per_service=threads, rollout_replicas=cfg.rollout.replicas,
+                      process_env={**visible_devices(cfg), **pinned_threads(pins)},
+                      server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {})
+
+
+def launch_stack(cfg, out: Path):
+    """The services of this job, not yet started: on this host, or placed on a Ray cluster (launcher.kind)."""
+    if cfg.launcher.kind == "ray":
+        from lorarl.client.launch.ray_cluster import RayStack
+
+        out = out.resolve()  # the actors' working folders are not this process's
+        threads = 1 if cfg.trainer.device == "cpu" else max(1, int(cfg.launcher.cpus_per_service))
+        return RayStack(cfg, out, stack_sections(cfg, out), threads_per_service=threads)
+    return local_stack(cfg, out)
+
+
+def visible_devices(cfg) -> dict[str, dict[str, str]]:
+    """Per-process device masks from the placement plan (one node, accelerators only)."""
+    from lorarl.client.job.plan import place
+
+    device = cfg.trainer.device.split(":", 1)[0]
+    if not cfg.placement.devices_per_node or device == "cpu":
+        return {}
+    variable = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}[device]
+    masks = {}
+    for slot in place(cfg):
+        name = slot.role if slot.role == "trainer" or cfg.rollout.replicas > 1 else "rollout"
+        masks[name] = {variable: ",".join(str(d) for d in slot.devices)}
+    return masks
