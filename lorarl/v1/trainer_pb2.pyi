@@ -150,7 +150,7 @@ class MegatronConfig(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., expert_parallel_size: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "config", "version", "step", "buffered_trajectories", "base_model_fingerprint", "trainable_parameters", "total_parameters")
+    __slots__ = ("job_id", "config", "version", "step", "buffered_trajectories", "base_model_fingerprint", "trainable_parameters", "total_parameters", "base_bytes", "base_jobs", "job_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,9 @@ class JobStatus(_message.Message):
     BASE_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_JOBS_FIELD_NUMBER: _ClassVar[int]
+    JOB_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     config: JobConfig
     version: int
@@ -167,7 +170,10 @@ class JobStatus(_message.Message):
     base_model_fingerprint: str
     trainable_parameters: int
     total_parameters: int
-    def __init__(self, job_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., buffered_trajectories: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., trainable_parameters: _Optional[int] = ..., total_parameters: _Optional[int] = ...) -> None: ...
+    base_bytes: int
+    base_jobs: int
+    job_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., buffered_trajectories: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., trainable_parameters: _Optional[int] = ..., total_parameters: _Optional[int] = ..., base_bytes: _Optional[int] = ..., base_jobs: _Optional[int] = ..., job_bytes: _Optional[int] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
     __slots__ = ("job_id", "config", "attach")

@@ -139,3 +139,7 @@ class TrainEngine(abc.ABC):
     @property
     @abc.abstractmethod
     def vocab_size(self) -> int: ...
+
+    def memory(self) -> tuple[int, int, int]:
+        """(base bytes, jobs sharing that base, this job's own bytes); 0s where an engine does not count."""
+        return (0, 1, 0)

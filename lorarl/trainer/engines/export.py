@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lorarl.contract.lora import LINEAR_TARGETS, LoraSpec
-from lorarl.trainer.rl.lora import iter_merged_weights, peft_state_dict
+from lorarl.trainer.rl.lora import AdapterSlot, iter_merged_weights, peft_state_dict
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
@@ -42,12 +42,13 @@ def _publish_dir(tmp: Path, final: Path) -> None:
 
 
 def save_peft_adapter(model: nn.Module, lora: LoraSpec, base_model_path: str, out_dir: str | Path,
-                      dtype: torch.dtype = torch.float32) -> Path:
-    """adapter_config.json + adapter_model.safetensors, written to a temp dir then renamed."""
+                      dtype: torch.dtype = torch.float32, slot: AdapterSlot | None = None) -> Path:
+    """adapter_config.json + adapter_model.safetensors (``slot``'s adapters, default the attached ones),
+    written to a temp dir then renamed."""
     final = Path(out_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _atomic_dir(final)
-    tensors = {k: v.to(dtype).contiguous().cpu() for k, v in peft_state_dict(model).items()}
+    tensors = {k: v.to(dtype).contiguous().cpu() for k, v in peft_state_dict(model, slot).items()}
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = lora.peft_config(base_model_path, adapted_module_names(tensors))
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -55,12 +56,14 @@ def save_peft_adapter(model: nn.Module, lora: LoraSpec, base_model_path: str, ou
     return final
 
 
-def save_merged_model(model: nn.Module, base_model_path: str | Path, out_dir: str | Path) -> Path:
-    """The merged policy as an HF checkpoint (config and tokenizer copied from the base)."""
+def save_merged_model(model: nn.Module, base_model_path: str | Path, out_dir: str | Path,
+                      slot: AdapterSlot | None = None) -> Path:
+    """The merged policy (``slot``'s adapters, default the attached ones) as an HF checkpoint (config and
+    tokenizer copied from the base)."""
     final = Path(out_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _atomic_dir(final)
-    tensors = {name: t.contiguous().cpu().clone() for name, t in iter_merged_weights(model)}
+    tensors = {name: t.contiguous().cpu().clone() for name, t in iter_merged_weights(model, slot=slot)}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     base = Path(base_model_path)
     for name in HF_SIDE_FILES:

@@ -3,8 +3,13 @@ interface stays below the engines, and only this factory sits above them (no imp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.trainer.engines.api import TrainEngine, TrainingSpec
+
+if TYPE_CHECKING:
+    from lorarl.trainer.engines.shared_base import BaseRegistry
 
 
 def check_device(device: str, layer_devices: int = 1) -> None:
@@ -38,13 +43,14 @@ def check_device(device: str, layer_devices: int = 1) -> None:
                                                            f"{kind}:{last}; this trainer has {count} {kind} device(s)")
 
 
-def create_engine(spec: TrainingSpec) -> TrainEngine:
-    """The engine named by ``spec.engine``, imported lazily (torch is heavy, Megatron optional)."""
+def create_engine(spec: TrainingSpec, bases: BaseRegistry | None = None) -> TrainEngine:
+    """The engine named by ``spec.engine``, imported lazily (torch is heavy, Megatron optional). ``bases``: the
+    trainer's resident bases, which a torch-engine job shares (lorarl.trainer.engines.shared_base)."""
     check_device(spec.device, spec.layer_devices)
     if spec.engine == "torch":
         from lorarl.trainer.engines.torch_engine import TorchEngine
 
-        return TorchEngine.create(spec)
+        return TorchEngine.create(spec, bases)
     if spec.engine == "megatron":
         from lorarl.trainer.engines.megatron.engine import MegatronEngine
 

@@ -212,6 +212,14 @@ class PolicyEngine(TrainEngine):
     def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
         return dict(self._named_trainable)
 
+    @property
+    def job_bytes(self) -> int:
+        """Bytes this job holds between steps: its trained parameters, their gradients and optimizer moments."""
+        tensors = [*self._trainable, *(p.grad for p in self._trainable if p.grad is not None),
+                   *(t for state in self.optimizer.state.values() for t in state.values()
+                     if isinstance(t, torch.Tensor))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def _clip_gradients(self, max_norm: float) -> float:
         """The global gradient norm, after scaling gradients down to ``max_norm`` (inf: no clipping)."""
         return float(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm))

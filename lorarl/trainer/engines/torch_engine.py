@@ -11,8 +11,9 @@ draws from them).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +22,14 @@ from transformers import AutoModelForCausalLM
 from lorarl.contract import versions
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.contract.peft_files import read_peft_tensors
-from lorarl.trainer.engines.api import EngineStateError, TrainingSpec
+from lorarl.trainer.engines.api import (
+    CheckpointInfo,
+    EngineStateError,
+    LossSpec,
+    Metrics,
+    TrainingSpec,
+    TrajectoryRecord,
+)
 from lorarl.trainer.engines.export import save_merged_model, save_peft_adapter
 from lorarl.trainer.engines.head_logprobs import head_token_logprobs
 from lorarl.trainer.engines.layer_split import place_by_layers, split_devices
@@ -41,10 +49,12 @@ from lorarl.trainer.engines.prefix_sharing import (
     supports_prefix_sharing,
 )
 from lorarl.trainer.engines.recompute import DEFAULT_LOGITS_CHUNK_TOKENS
+from lorarl.trainer.engines.shared_base import BaseKey, BaseRegistry, RngState, SharedBase
 from lorarl.trainer.rl.batching import PackedBatch
 from lorarl.trainer.rl.lora import (
+    AdapterSlot,
     adapters_disabled,
-    inject_lora,
+    attach_lora,
     iter_merged_weights,
     load_peft_state_dict,
     peft_state_dict,
@@ -87,44 +97,109 @@ class TorchEngine(PolicyEngine):
     share_prompts: bool = True
     pack_completions: bool = True
 
-    def __init__(self, spec: TrainingSpec, reducer: GradientReducer | None = None) -> None:
-        """``reducer``: how ranks that share the step combine it (engines.distributed); None: one process."""
+    def __init__(self, spec: TrainingSpec, reducer: GradientReducer | None = None,
+                 bases: BaseRegistry | None = None) -> None:
+        """``reducer``: how ranks that share the step combine it (engines.distributed); None: one process.
+        ``bases``: the trainer's resident bases (lorarl.trainer.engines.shared_base): a job on one of them
+        adds only its adapter; None, or a full fine-tune (which trains the base): a base of its own."""
         self.spec = spec
         self.device = device_for(spec.device)
         self.devices = split_devices(spec.device, spec.layer_devices)
-        seed_everything(spec.seed)
-        self._fingerprint = base_model_fingerprint(spec.base_model_path)
+        self._bases = bases if bases is not None and not spec.full_finetune else BaseRegistry()
+        self.base, resident = self._bases.get_or_load(BaseKey.of(spec), lambda: self._load_base(spec))
+        self.resident_base = resident
+        try:
+            with self.base.lock:
+                self.base.pause()
+                self._attach(spec, place=not resident)
+        except BaseException:
+            self._bases.release(self.base, self)
+            raise
+        self.model = self.base.model
+        self.layers_per_device = self.base.layers_per_device
+        self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
+        with self.base.turn(self):
+            self._init_memory(self.model, self.model.config.to_dict(), max(self.layers_per_device))
+            self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad}, reducer)
+            self._total_parameters = sum(p.numel() for p in self.model.parameters())
+            if spec.init_adapter_path:
+                self.renumber(versions.FIRST)  # the warm-start adapter is a policy of its own: v0 stays the base
+
+    @staticmethod
+    def _load_base(spec: TrainingSpec) -> SharedBase:
         model = AutoModelForCausalLM.from_pretrained(spec.base_model_path, dtype=TORCH_DTYPES[spec.dtype],
                                                      use_safetensors=True)
+        model.eval()
+        return SharedBase(BaseKey.of(spec), model, base_model_fingerprint(spec.base_model_path), [])
+
+    def _attach(self, spec: TrainingSpec, place: bool) -> None:
+        """This job's adapters on the base, its RNG seeded; a base just loaded is placed on its devices after
+        (adapters are injected on CPU, where their init generator is, and move with the model)."""
+        model = self.base.model
+        seed_everything(spec.seed)
         if spec.full_finetune:
             model.requires_grad_(True)
+            self.slot = AdapterSlot({})
         else:
-            # Injected on CPU (the init generator is a CPU one), then moved with the model.
-            inject_lora(model, spec.lora, seed=spec.seed)
+            self.slot = attach_lora(model, spec.lora, seed=spec.seed)
             if spec.init_adapter_path:
                 try:
                     load_peft_state_dict(model, read_peft_tensors(spec.init_adapter_path))
                 except ValueError as e:
                     raise ValueError(f"init_adapter_path {spec.init_adapter_path!r}: {e}") from None
-        self.layers_per_device = place_by_layers(model, self.devices)
-        self.model = model
-        self.model.eval()
-        self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
-        self._init_memory(self.model, model.config.to_dict(), max(self.layers_per_device))
-        self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad}, reducer)
-        if spec.init_adapter_path:
-            self.renumber(versions.FIRST)  # the warm-start adapter is a policy of its own: v0 stays the base
+        if place:
+            self.base.layers_per_device = place_by_layers(model, self.devices)
+        self.rng = RngState.capture()
+        self.base.join(self)
+        self._fingerprint = self.base.fingerprint
 
     @classmethod
-    def create(cls, spec: TrainingSpec) -> TorchEngine:
-        return cls(spec)
+    def create(cls, spec: TrainingSpec, bases: BaseRegistry | None = None) -> TorchEngine:
+        return cls(spec, bases=bases)
+
+    def memory(self) -> tuple[int, int, int]:
+        return self.base.base_bytes, len(self.base.tenants), self.job_bytes
+
+    def close(self) -> None:
+        """This job's adapters leave the base; the base goes with its last job."""
+        self._bases.release(self.base, self)
+
+    # ------------------------------------------------------------ turns on a shared base
+
+    def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
+        with self.base.turn(self):
+            return super().forward_backward(batch, loss)
+
+    def optim_step(self, lr: float | None = None) -> Metrics:
+        with self.base.turn(self):
+            return super().optim_step(lr)
+
+    def train_step(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
+        with self.base.turn(self):
+            return super().train_step(batch, loss)
+
+    def warm_up(self) -> None:
+        with self.base.turn(self):
+            super().warm_up()
+
+    def compute_logprobs(self, batch: Sequence[TrajectoryRecord], reference: bool = False) -> list[list[float]]:
+        with self.base.turn(self):
+            return super().compute_logprobs(batch, reference)
+
+    def save_checkpoint(self, path: str | Path, data_cursor: Any = None) -> CheckpointInfo:
+        with self.base.turn(self):
+            return super().save_checkpoint(path, data_cursor)
+
+    def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
+        with self.base.turn(self):
+            return super().load_checkpoint(path)
 
     def model_devices(self) -> list[torch.device]:
         return list(dict.fromkeys(self.devices))
 
     @property
     def total_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return self._total_parameters
 
     @property
     def vocab_size(self) -> int:
@@ -146,21 +221,26 @@ class TorchEngine(PolicyEngine):
 
     # ------------------------------------------------------------ export
 
+    # Exports read this job's slot, not the attached adapters: no turn needed, so another job keeps computing.
+
     def export_adapter(self, path: str | Path) -> Path:
         if self.spec.full_finetune:
             raise EngineStateError("a full fine-tune has no adapter to export; export the merged model")
-        return save_peft_adapter(self.model, self.spec.lora, self.spec.base_model_path, path)
+        return save_peft_adapter(self.model, self.spec.lora, self.spec.base_model_path, path, slot=self.slot)
 
     def export_merged(self, path: str | Path) -> Path:
-        return save_merged_model(self.model, self.spec.base_model_path, path)
+        return save_merged_model(self.model, self.spec.base_model_path, path, slot=self._export_slot())
 
     def iter_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.spec.full_finetune:
             raise EngineStateError("a full fine-tune has no adapter tensors")
-        yield from peft_state_dict(self.model).items()
+        yield from peft_state_dict(self.model, self.slot).items()
 
     def iter_merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from iter_merged_weights(self.model)
+        yield from iter_merged_weights(self.model, slot=self._export_slot())
 
     def iter_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from iter_merged_weights(self.model, merge=False)
+
+    def _export_slot(self) -> AdapterSlot | None:
+        return None if self.spec.full_finetune else self.slot

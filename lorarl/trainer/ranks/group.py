@@ -312,6 +312,9 @@ class LockstepEngine(TrainEngine):
     def trainable_parameters(self) -> int:
         return self.local.trainable_parameters
 
+    def memory(self) -> tuple[int, int, int]:
+        return self.local.memory()  # rank 0's: every rank holds its own shard of the same layout
+
     @property
     def total_parameters(self) -> int:
         return self.local.total_parameters

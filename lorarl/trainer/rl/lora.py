@@ -6,6 +6,11 @@ the merged model can be streamed in HF names. Adapters live in fp32 whatever the
 low-rank update is computed in the activation dtype (fp32 master weights, as in mixed precision).
 
     y = x W^T + scale * dropout(x) A^T B^T,   scale = alpha / r   (rsLoRA: alpha / sqrt(r))
+
+Several jobs may train adapters on one resident base (lorarl.trainer.engines.shared_base): each LoRA layer
+holds the base once and, at any time, one job's adapter (``attach``); a job's adapters across the model are
+its ``AdapterSlot``, attached as a whole by ``activate`` before the job computes. Jobs may differ in rank,
+alpha, dropout and targets: a layer no attached job adapts runs the base alone.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -79,8 +85,18 @@ class _MergedLoRAMatmul(torch.autograd.Function):
         return grad_x, None, None, grad_a, grad_b, None
 
 
+@dataclass
+class LinearAdapter:
+    """One job's adapter of one linear: its factors, scale and dropout."""
+
+    lora_a: nn.Parameter
+    lora_b: nn.Parameter
+    scale: float
+    dropout: nn.Module
+
+
 class LoRALinear(nn.Module):
-    """A frozen linear plus a low-rank trainable update."""
+    """A frozen linear plus a low-rank trainable update (the attached job's; none: the base alone)."""
 
     def __init__(self, base: nn.Linear, rank: int, scale: float, dropout: float,
                  generator: torch.Generator) -> None:
@@ -91,18 +107,35 @@ class LoRALinear(nn.Module):
         self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        self.scale = scale
         self.enabled = True
         #: Off: always the low-rank path (bench/trainer_lora_matmul.py compares the two).
         self.merged_matmul = True
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        device = base.weight.device
-        self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=torch.float32))
-        self.lora_b = nn.Parameter(torch.empty(self.out_features, rank, device=device, dtype=torch.float32))
-        _init_pair(self.lora_a, self.lora_b, generator)
+        self.attach(self.new_adapter(rank, scale, dropout, generator))
+
+    def new_adapter(self, rank: int, scale: float, dropout: float, generator: torch.Generator) -> LinearAdapter:
+        """A fresh adapter for this layer (A kaiming-uniform from ``generator``, B zero), not attached."""
+        device = self.weight.device
+        a = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=torch.float32))
+        b = nn.Parameter(torch.empty(self.out_features, rank, device=device, dtype=torch.float32))
+        _init_pair(a, b, generator)
+        return LinearAdapter(a, b, scale, nn.Dropout(dropout) if dropout > 0 else nn.Identity())
+
+    def adapter(self) -> LinearAdapter | None:
+        return None if self.lora_a is None else LinearAdapter(self.lora_a, self.lora_b, self.scale, self.dropout)
+
+    def attach(self, adapter: LinearAdapter | None) -> None:
+        """Makes ``adapter`` the one this layer applies (None: the base alone)."""
+        self.lora_a = None if adapter is None else adapter.lora_a
+        self.lora_b = None if adapter is None else adapter.lora_b
+        self.scale = 0.0 if adapter is None else adapter.scale
+        self.dropout = nn.Identity() if adapter is None else adapter.dropout
+
+    @property
+    def attached(self) -> bool:
+        return self.lora_a is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled:
+        if not (self.enabled and self.attached):
             return F.linear(x, self.weight, self.bias)
         if self._merged_matmul_applies(x):
             return _MergedLoRAMatmul.apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.scale)
@@ -124,9 +157,24 @@ class LoRALinear(nn.Module):
         """scale * B @ A in fp32."""
         return lora_delta(self.lora_a, self.lora_b, self.scale)
 
-    def merged_weight(self) -> torch.Tensor:
-        """W + scale * B @ A, computed in fp32 and cast back; the base stays untouched."""
-        return merge_lora(self.weight, self.lora_a, self.lora_b, self.scale)
+    def merged_weight(self, adapter: LinearAdapter | None = None) -> torch.Tensor:
+        """W + scale * B @ A with ``adapter`` (default: the attached one), computed in fp32 and cast back; the
+        base stays untouched (no adapter: W)."""
+        adapter = adapter or self.adapter()
+        if adapter is None:
+            return self.weight
+        return merge_lora(self.weight, adapter.lora_a, adapter.lora_b, adapter.scale)
+
+
+@dataclass
+class ExpertsAdapter:
+    """One job's adapter of one MoE experts module: per projection, [E or 1, r, in] / [E or 1, out, r]."""
+
+    lora_a: nn.ParameterDict
+    lora_b: nn.ParameterDict
+    scale: float
+    dropout: nn.Module
+    shared: bool
 
 
 class LoRAExperts(nn.Module):
@@ -148,25 +196,46 @@ class LoRAExperts(nn.Module):
         self.down_proj = base.down_proj
         self.gate_up_proj.requires_grad_(False)
         self.down_proj.requires_grad_(False)
-        self.scale = scale
-        self.shared = shared
         self.enabled = True
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.attach(self.new_adapter(rank, scale, dropout, shared, generator))
+
+    def new_adapter(self, rank: int, scale: float, dropout: float, shared: bool,
+                    generator: torch.Generator) -> ExpertsAdapter:
+        """A fresh adapter for these experts (one per expert, or one for all when ``shared``), not attached."""
         n = 1 if shared else self.num_experts
-        device = base.gate_up_proj.device
+        device = self.gate_up_proj.device
         hid, inter = self.hidden_dim, self.intermediate_dim
         shapes = {"gate_proj": (hid, inter), "up_proj": (hid, inter), "down_proj": (inter, hid)}
-        self.lora_a = nn.ParameterDict()
-        self.lora_b = nn.ParameterDict()
+        lora_a, lora_b = nn.ParameterDict(), nn.ParameterDict()
         for proj, (fan_in, fan_out) in shapes.items():
             a = nn.Parameter(torch.empty(n, rank, fan_in, device=device, dtype=torch.float32))
             b = nn.Parameter(torch.empty(n, fan_out, rank, device=device, dtype=torch.float32))
             _init_pair(a, b, generator)
-            self.lora_a[proj], self.lora_b[proj] = a, b
+            lora_a[proj], lora_b[proj] = a, b
+        return ExpertsAdapter(lora_a, lora_b, scale, nn.Dropout(dropout) if dropout > 0 else nn.Identity(), shared)
 
-    def _adapter(self, proj: str, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = 0 if self.shared else expert
-        return self.lora_a[proj][idx], self.lora_b[proj][idx]
+    def adapter(self) -> ExpertsAdapter | None:
+        if not self.attached:
+            return None
+        return ExpertsAdapter(self.lora_a, self.lora_b, self.scale, self.dropout, self.shared)
+
+    def attach(self, adapter: ExpertsAdapter | None) -> None:
+        """Makes ``adapter`` the one these experts apply (None: the base experts alone)."""
+        self.lora_a = nn.ParameterDict() if adapter is None else adapter.lora_a
+        self.lora_b = nn.ParameterDict() if adapter is None else adapter.lora_b
+        self.scale = 0.0 if adapter is None else adapter.scale
+        self.dropout = nn.Identity() if adapter is None else adapter.dropout
+        self.shared = False if adapter is None else adapter.shared
+
+    @property
+    def attached(self) -> bool:
+        return len(self.lora_a) > 0
+
+    def _adapter(self, proj: str, expert: int, adapter: ExpertsAdapter | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        adapter = adapter or self.adapter()
+        idx = 0 if adapter.shared else expert
+        return adapter.lora_a[proj][idx], adapter.lora_b[proj][idx]
 
     def _lora(self, x: torch.Tensor, proj: str, expert: int) -> torch.Tensor:
         a, b = self._adapter(proj, expert)
@@ -184,12 +253,12 @@ class LoRAExperts(nn.Module):
             x = hidden_states[token_idx]
             gate_up = F.linear(x, self.gate_up_proj[e])
             gate, up = gate_up[..., :inter], gate_up[..., inter:]
-            if self.enabled:
+            if self.enabled and self.attached:
                 gate = gate + self._lora(x, "gate_proj", e)
                 up = up + self._lora(x, "up_proj", e)
             h = self.act_fn(gate) * up
             out = F.linear(h, self.down_proj[e])
-            if self.enabled:
+            if self.enabled and self.attached:
                 out = out + self._lora(h, "down_proj", e)
             out = out * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
@@ -199,12 +268,14 @@ class LoRAExperts(nn.Module):
         a, b = self._adapter(proj, expert)
         return lora_delta(a, b, self.scale)
 
-    def merged_expert_weights(self, expert: int) -> dict[str, torch.Tensor]:
-        """Per-expert HF weights (gate_proj, up_proj, down_proj) with the adapter merged in fp32."""
-        inter = self.intermediate_dim
-        gate_up = self.gate_up_proj[expert]
-        base = {"gate_proj": gate_up[:inter], "up_proj": gate_up[inter:], "down_proj": self.down_proj[expert]}
-        return {p: merge_lora(w, *self._adapter(p, expert), self.scale) for p, w in base.items()}
+    def merged_expert_weights(self, expert: int, adapter: ExpertsAdapter | None = None) -> dict[str, torch.Tensor]:
+        """Per-expert HF weights (gate_proj, up_proj, down_proj) with ``adapter`` (default: the attached one)
+        merged in fp32; no adapter: the base's."""
+        adapter = adapter or self.adapter()
+        if adapter is None:
+            return self.base_expert_weights(expert)
+        base = self.base_expert_weights(expert)
+        return {p: merge_lora(w, *self._adapter(p, expert, adapter), adapter.scale) for p, w in base.items()}
 
     def base_expert_weights(self, expert: int) -> dict[str, torch.Tensor]:
         inter = self.intermediate_dim
@@ -216,34 +287,68 @@ def _is_experts(module: nn.Module) -> bool:
     return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "num_experts")
 
 
-def inject_lora(model: nn.Module, config: LoraSpec, seed: int = 0) -> list[str]:
-    """Freezes every base parameter and swaps target modules for LoRA layers (adapters drawn from ``seed``);
-    returns their names."""
+@dataclass
+class AdapterSlot:
+    """One job's adapters across a model: what each LoRA layer applies while the job computes."""
+
+    adapters: dict[str, LinearAdapter | ExpertsAdapter]
+
+
+def activate(model: nn.Module, slot: AdapterSlot | None) -> None:
+    """Attaches ``slot``'s adapters to the model's LoRA layers (every other layer runs its base alone)."""
+    adapters = slot.adapters if slot is not None else {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear | LoRAExperts):
+            module.attach(adapters.get(name))
+
+
+def attach_lora(model: nn.Module, config: LoraSpec, seed: int = 0) -> AdapterSlot:
+    """Freezes the base, adds adapters (drawn from ``seed``) to the target modules — wrapping those no earlier
+    slot wrapped — and attaches them; returns the new slot. Earlier slots keep their adapters, detached."""
+    activate(model, None)
     for p in model.parameters():
         p.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     targets = config.targets()
-    replaced: list[str] = []
+    adapters: dict[str, LinearAdapter | ExpertsAdapter] = {}
     for name, module in list(model.named_modules()):
         parent_name, _, child = name.rpartition(".")
-        if isinstance(module, nn.Linear) and child in targets:
-            new: nn.Module = LoRALinear(module, config.rank, config.scale, config.dropout, generator)
-        elif _is_experts(module) and config.expert_mode != "none" and not isinstance(module, LoRAExperts):
-            new = LoRAExperts(module, config.rank, config.scale, config.dropout,
-                              shared=config.expert_mode == "shared", generator=generator)
+        wrapper: LoRALinear | LoRAExperts
+        if isinstance(module, LoRALinear) and child in targets:
+            module.attach(module.new_adapter(config.rank, config.scale, config.dropout, generator))
+            wrapper = module
+        elif isinstance(module, nn.Linear) and child in targets:
+            wrapper = LoRALinear(module, config.rank, config.scale, config.dropout, generator)
+        elif isinstance(module, LoRAExperts) and config.expert_mode != "none":
+            module.attach(module.new_adapter(config.rank, config.scale, config.dropout,
+                                             config.expert_mode == "shared", generator))
+            wrapper = module
+        elif _is_experts(module) and config.expert_mode != "none":
+            wrapper = LoRAExperts(module, config.rank, config.scale, config.dropout,
+                                  shared=config.expert_mode == "shared", generator=generator)
         else:
             continue
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
-        replaced.append(name)
-    if not replaced:
+        if wrapper is not module:
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, wrapper)
+        adapters[name] = wrapper.adapter()
+    if not adapters:
         raise ValueError(f"no module matched lora.target_modules={list(config.target_modules)}")
-    return replaced
+    slot = AdapterSlot(adapters)
+    activate(model, slot)
+    return slot
+
+
+def inject_lora(model: nn.Module, config: LoraSpec, seed: int = 0) -> list[str]:
+    """Freezes every base parameter and swaps target modules for LoRA layers (adapters drawn from ``seed``);
+    returns their names."""
+    return list(attach_lora(model, config, seed).adapters)
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear | LoRAExperts]]:
+    """The LoRA layers with an adapter attached (the active job's)."""
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear | LoRAExperts):
+        if isinstance(module, LoRALinear | LoRAExperts) and module.attached:
             yield name, module
 
 
@@ -268,17 +373,28 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 PEFT_PREFIX = "base_model.model."
 
 
-def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Adapter tensors in PEFT names; MoE adapters written per expert (shared ones repeated)."""
+def _slot_modules(model: nn.Module, slot: AdapterSlot | None
+                  ) -> Iterator[tuple[str, LoRALinear | LoRAExperts, LinearAdapter | ExpertsAdapter]]:
+    """The LoRA layers ``slot`` adapts (None: the attached adapters), each with its adapter."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear | LoRAExperts):
+            adapter = module.adapter() if slot is None else slot.adapters.get(name)
+            if adapter is not None:
+                yield name, module, adapter
+
+
+def peft_state_dict(model: nn.Module, slot: AdapterSlot | None = None) -> dict[str, torch.Tensor]:
+    """Adapter tensors in PEFT names (``slot``'s, default the attached ones); MoE adapters written per expert
+    (shared ones repeated). Reading a slot needs no turn on a shared base: its tensors are its own."""
     out: dict[str, torch.Tensor] = {}
-    for name, module in lora_modules(model):
+    for name, module, adapter in _slot_modules(model, slot):
         if isinstance(module, LoRALinear):
-            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_a.detach()
-            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_b.detach()
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = adapter.lora_a.detach()
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = adapter.lora_b.detach()
             continue
         for e in range(module.num_experts):
             for proj in EXPERT_PROJS:
-                a, b = module._adapter(proj, e)
+                a, b = module._adapter(proj, e, adapter)
                 out[f"{PEFT_PREFIX}{name}.{e}.{proj}.lora_A.weight"] = a.detach()
                 out[f"{PEFT_PREFIX}{name}.{e}.{proj}.lora_B.weight"] = b.detach()
     return out
@@ -308,19 +424,25 @@ def load_peft_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
                     module.lora_b[proj][e].copy_(tensors[f"{PEFT_PREFIX}{name}.{e}.{proj}.lora_B.weight"])
 
 
-def iter_merged_weights(model: nn.Module, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the model in HF checkpoint names, layer by layer, adapters merged in fp32.
+def iter_merged_weights(model: nn.Module, merge: bool = True, slot: AdapterSlot | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the model in HF checkpoint names, layer by layer, adapters merged in fp32 (``slot``'s,
+    default the attached ones: a slot's merge needs no turn on a shared base).
 
     Nothing is materialised beyond the tensor being yielded; the trained base is never modified.
     Fused expert tensors are split back into per-expert HF names (``mlp.experts.{e}.gate_proj.weight``).
     Tied weights (lm_head tied to embed_tokens) are yielded once, under their first name.
     """
+    adapters = {name: adapter for name, _, adapter in _slot_modules(model, slot)}
     seen: set[int] = {id(p) for p in lora_parameters(model)}
-    for mod_name, module in model.named_modules():
+    for mod_name, module in list(model.named_modules()):
         prefix = f"{mod_name}." if mod_name else ""
+        if mod_name.rpartition(".")[2] in ("lora_a", "lora_b"):
+            continue  # an attached job's expert adapters (another job may hold the turn while a slot is read)
         if isinstance(module, LoRAExperts):
+            adapter = adapters.get(mod_name) if merge else None
             for e in range(module.num_experts):
-                weights = module.merged_expert_weights(e) if merge else module.base_expert_weights(e)
+                weights = module.merged_expert_weights(e, adapter) if adapter else module.base_expert_weights(e)
                 for proj in EXPERT_PROJS:
                     yield f"{prefix}{e}.{proj}.weight", weights[proj].detach()
             seen.update({id(module.gate_up_proj), id(module.down_proj)})
@@ -335,10 +457,11 @@ def iter_merged_weights(model: nn.Module, merge: bool = True) -> Iterator[tuple[
             seen.update({id(module.gate_up_proj), id(module.down_proj)})
             continue
         for pname, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
+            if id(param) in seen or pname.startswith("lora_"):
                 continue
             seen.add(id(param))
-            if isinstance(module, LoRALinear) and pname == "weight" and merge:
-                yield f"{prefix}weight", module.merged_weight().detach()
+            adapter = adapters.get(mod_name)
+            if isinstance(module, LoRALinear) and pname == "weight" and merge and adapter is not None:
+                yield f"{prefix}weight", module.merged_weight(adapter).detach()
             else:
                 yield f"{prefix}{pname}", param.detach()

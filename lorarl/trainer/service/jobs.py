@@ -33,6 +33,7 @@ from lorarl.contract import versions
 from lorarl.contract.peft_files import read_peft_config
 from lorarl.trainer.engines.api import Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
+from lorarl.trainer.service import fit
 from lorarl.trainer.service.validation import (
     BufferFullError,
     InvalidTrajectory,
@@ -52,7 +53,7 @@ def lower_thread_priority(nice: int) -> None:
         logger.warning("could not lower the priority of the engine threads", exc_info=True)
 
 T = TypeVar("T")
-EngineFactory = Callable[[TrainingSpec], TrainEngine]
+EngineFactory = Callable[..., TrainEngine]  # (spec) or, the default, (spec, bases)
 
 
 @dataclass
@@ -90,10 +91,18 @@ class JobManager:
     """Creates, runs and forgets training jobs."""
 
     def __init__(self, *, max_jobs: int = 4, model_roots: Sequence[str] = (),
-                 engine_factory: EngineFactory = create_engine, compute_nice: int = 0) -> None:
+                 engine_factory: EngineFactory = create_engine, compute_nice: int = 0,
+                 free_bytes: fit.FreeBytes | None = None) -> None:
+        """``free_bytes``: bytes free on a device now (default: the device's own count, the host's on CPU)."""
         self.max_jobs = max_jobs
         self.model_roots = [Path(r) for r in model_roots]
-        self.engine_factory = engine_factory
+        # Torch-engine jobs on one base share its one resident copy (lorarl.trainer.engines.shared_base).
+        from lorarl.trainer.engines.shared_base import BaseRegistry
+
+        self.bases = BaseRegistry()
+        self.free_bytes = free_bytes or fit.free_on
+        self.engine_factory = functools.partial(create_engine, bases=self.bases) \
+            if engine_factory is create_engine else engine_factory
         self._jobs: dict[str, Job] = {}
         self._creating: set[str] = set()
         # Engine work runs on these threads, at `compute_nice` when asked; None: asyncio's default pool.
@@ -144,6 +153,23 @@ class JobManager:
         if problems:
             raise InvalidArgumentError("config.init_adapter_path", "; ".join(problems))
 
+    def _base_resident(self, spec: TrainingSpec) -> bool:
+        from lorarl.trainer.engines.shared_base import BaseKey
+
+        return spec.engine == "torch" and not spec.full_finetune and self.bases.get(BaseKey.of(spec)) is not None
+
+    def _check_shareable(self, spec: TrainingSpec) -> None:
+        """The Megatron engine keeps a base of its own per job: a second job on a base one already holds is
+        refused rather than loading it again (the torch engine shares it)."""
+        if spec.engine != "megatron":
+            return
+        for job in self._jobs.values():
+            if job.spec.engine == "megatron" and Path(job.spec.base_model_path).resolve() == \
+                    Path(spec.base_model_path).resolve():
+                raise FailedPreconditionError(
+                    f"job {job.job_id!r} already trains {spec.base_model_path} on the megatron engine, which does "
+                    "not share a base between jobs; use engine 'torch' (jobs on one base share it) or delete it")
+
     async def create(self, job_id: str, spec: TrainingSpec, attach: bool = False) -> tuple[Job, bool]:
         """A new job, or with ``attach`` the existing one of the same configuration; True when attached."""
         check_job_id(job_id)
@@ -161,12 +187,21 @@ class JobManager:
             raise ResourceExhaustedError(f"this trainer holds at most {self.max_jobs} jobs; delete one first")
         self._check_model_path(spec)
         self._check_init_adapter(spec)
+        self._check_shareable(spec)
         self._creating.add(job_id)
         try:
+            if not self._base_resident(spec):
+                fit.check_base_fits(spec.base_model_path, spec.dtype, spec.device, self.free_bytes)
             try:
                 engine = await self._in_engine_thread(self.engine_factory, spec)
             except (ValueError, OSError) as e:
                 raise InvalidArgumentError("config", f"cannot build the job's engine: {e}") from None
+            try:
+                _, base_jobs, adapter_bytes = engine.memory()
+                fit.check_job_fits(adapter_bytes, base_jobs, spec.device, self.free_bytes)
+            except ResourceExhaustedError:
+                await self._in_engine_thread(engine.close)
+                raise
             try:
                 await self._in_engine_thread(engine.warm_up)
             except Exception:  # the job still trains; its first step just pays the set-up itself

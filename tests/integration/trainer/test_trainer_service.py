@@ -234,3 +234,29 @@ def test_out_of_range_and_non_finite_inputs_are_invalid_argument(tmp_path: Path,
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "learning_rate" in msg
 
     asyncio.run(with_stub(tmp_path, body))
+
+
+def test_two_jobs_on_one_base_share_it_over_grpc(tmp_path: Path, model_dir: Path) -> None:
+    """Two CreateJob calls on one model: one resident base, each job's own adapter and numbers."""
+    async def body(stub) -> None:
+        one = await stub.CreateJob(job_request(model_dir, "one"))
+        request = job_request(model_dir, "two")
+        request.config.lora.rank, request.config.lora.alpha = 8, 16
+        two = await stub.CreateJob(request)
+        assert two.job.base_jobs == 2 and two.job.base_bytes == one.job.base_bytes > 0
+        assert two.job.trainable_parameters == 2 * one.job.trainable_parameters
+        for job_id in ("one", "two"):
+            await push(stub, job_id, [trajectory(GOOD, 1.0), trajectory(BAD, 0.0)])
+        trained = await stub.TrainStep(trainer_pb2.TrainStepRequest(job_id="two"))
+        assert trained.version == 1
+        statuses = {j.job_id: j for j in (await stub.ListJobs(trainer_pb2.ListJobsRequest())).jobs}
+        assert (statuses["one"].version, statuses["two"].version) == (0, 1)
+        # adapter + Adam's two moments once trained (fp32): 3 x 4 bytes a parameter (and a step count per
+        # tensor); before its first step, 4
+        assert statuses["two"].job_bytes == pytest.approx(12 * two.job.trainable_parameters, rel=0.01)
+        assert statuses["one"].job_bytes == 4 * one.job.trainable_parameters
+        await stub.DeleteJob(trainer_pb2.DeleteJobRequest(job_id="two"))
+        left = await stub.GetJob(trainer_pb2.GetJobRequest(job_id="one"))
+        assert left.job.base_jobs == 1 and left.job.base_bytes == one.job.base_bytes
+
+    asyncio.run(with_stub(tmp_path, body))

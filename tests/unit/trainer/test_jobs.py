@@ -28,6 +28,9 @@ class RecordingEngine:
         self.calls, self.fail_warm_up = calls, fail_warm_up
         self.calls.append(("create", threading.get_native_id(), priority()))
 
+    def memory(self) -> tuple[int, int, int]:
+        return (0, 1, 0)
+
     def warm_up(self) -> None:
         self.calls.append(("warm_up", threading.get_native_id(), priority()))
         if self.fail_warm_up:
@@ -78,3 +81,34 @@ def test_a_created_job_is_kept_out_of_full_collections(tmp_path: Path) -> None:
         assert not any(o is job.engine.calls for o in gc.get_objects())  # frozen with the engine
     finally:
         gc.unfreeze()
+
+
+def test_a_job_that_does_not_fit_is_refused_with_the_figures_and_leaves_the_others(dense_dir: Path) -> None:
+    """RESOURCE_EXHAUSTED before loading a base that does not fit, and before training state that would not."""
+    from lorarl.common.errors import ResourceExhaustedError
+    from tests.unit.trainer.engine_utils import make_spec
+
+    free = {"cpu": 10**12}
+    manager = JobManager(free_bytes=lambda device: free[device])
+
+    async def body() -> None:
+        first, _ = await manager.create("first", make_spec(dense_dir, seed=1))
+        base_bytes, _, adapter_bytes = first.engine.memory()
+        free["cpu"] = base_bytes // 2  # a second base would not fit: refused before it loads
+        with pytest.raises(ResourceExhaustedError, match=r"needs [\d.]+ GiB in bfloat16 on cpu, which has"):
+            await manager.create("other-base", make_spec(dense_dir, seed=1, dtype="bfloat16"))
+        assert len(manager.bases) == 1
+        # On the resident base a job needs only its training state: 3 x its adapter beside it.
+        free["cpu"] = 3 * adapter_bytes - 1
+        with pytest.raises(ResourceExhaustedError, match="gradients and optimizer moments on cpu") as refused:
+            await manager.create("second", make_spec(dense_dir, seed=2))
+        assert "beside the 1 other job(s) on its base" in str(refused.value)
+        assert [j.job_id for j in manager.list()] == ["first"] and len(first.engine.base.tenants) == 1
+        free["cpu"] = 3 * adapter_bytes
+        second, _ = await manager.create("second", make_spec(dense_dir, seed=2))
+        assert second.engine.base is first.engine.base
+        for job_id in ("first", "second"):
+            await manager.delete(job_id)
+        assert len(manager.bases) == 0
+
+    asyncio.run(body())

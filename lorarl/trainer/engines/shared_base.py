@@ -1,0 +1,162 @@
+"""One resident base model for every torch-engine job on it: each job brings only its adapter.
+
+Jobs whose base is the same (model directory, dtype, device, layer split) share one copy of its weights.
+A job's engine keeps its own adapter slot (lorarl.trainer.rl.lora.AdapterSlot: its rank, alpha, targets,
+experts), optimizer moments, step counter, RNG, loss, schedule and data. The jobs take turns on the base:
+an engine call holds the base for the call, with that job's adapters attached and its own RNG state in
+place, so each job computes exactly what it would alone (the isolation test holds it bit for bit).
+Passes that batch several jobs' rows through the base at once are a later step (issue #31, item 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lorarl.trainer.rl.lora import AdapterSlot, activate
+
+logger = logging.getLogger(__name__)
+
+
+class Tenant(Protocol):
+    """What takes turns on a base: a job's engine (its adapters, its RNG)."""
+
+    slot: AdapterSlot
+    rng: RngState
+
+
+@dataclass(frozen=True)
+class BaseKey:
+    """What makes two jobs' bases one: the same weights, in the same dtype, on the same devices."""
+
+    path: str
+    dtype: str
+    device: str
+    layer_devices: int
+
+    @classmethod
+    def of(cls, spec: Any) -> BaseKey:
+        return cls(str(Path(spec.base_model_path).resolve()), spec.dtype, spec.device, spec.layer_devices)
+
+
+@dataclass
+class RngState:
+    """The RNG streams a job draws from (dropout, sampling of its own): python's and torch's, CPU and device."""
+
+    python: Any = None
+    torch_cpu: torch.Tensor | None = None
+    device: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def capture(cls) -> RngState:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        return cls(random.getstate(), torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        if self.python is not None:
+            random.setstate(self.python)
+        if self.torch_cpu is not None:
+            torch.set_rng_state(self.torch_cpu)
+        if self.device:
+            torch.cuda.set_rng_state_all(self.device)
+
+
+class SharedBase:
+    """A loaded base model and whose turn it is; ``turn`` is the only way a tenant computes on it."""
+
+    def __init__(self, key: BaseKey, model: nn.Module, fingerprint: str, layers_per_device: list[int]) -> None:
+        self.key, self.model, self.fingerprint = key, model, fingerprint
+        self.layers_per_device = layers_per_device
+        self.lock = threading.RLock()
+        self.tenants: list[Tenant] = []
+        self._active: Tenant | None = None
+
+    @property
+    def base_bytes(self) -> int:
+        """Bytes of the base weights (every parameter and buffer no tenant trains), counted once."""
+        trainable = {id(p) for t in self.tenants for a in t.slot.adapters.values() for p in _params(a)}
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())
+                   if id(t) not in trainable)
+
+    def pause(self) -> None:
+        """Ends the active tenant's turn (its RNG kept, its adapters detached): a new tenant is being added.
+        Call with ``lock`` held, up to ``join``."""
+        if self._active is not None:
+            self._active.rng = RngState.capture()
+            activate(self.model, None)
+            self._active = None
+
+    def join(self, tenant: Tenant) -> None:
+        """A new tenant whose slot ``attach_lora`` just attached, its RNG seeded: its turn until another's."""
+        with self.lock:
+            self.tenants.append(tenant)
+            self._active = tenant
+
+    def leave(self, tenant: Tenant) -> None:
+        with self.lock:
+            self.tenants = [t for t in self.tenants if t is not tenant]
+            if self._active is tenant:
+                activate(self.model, None)
+                self._active = None
+
+    @contextlib.contextmanager
+    def turn(self, tenant: Tenant) -> Iterator[None]:
+        """Holds the base with ``tenant``'s adapters attached and its RNG streams in place (re-entrant)."""
+        with self.lock:
+            if self._active is not tenant:
+                if self._active is not None:
+                    self._active.rng = RngState.capture()
+                activate(self.model, tenant.slot)
+                tenant.rng.restore()
+                self._active = tenant
+            yield
+
+
+def _params(adapter: Any) -> list[nn.Parameter]:
+    a, b = adapter.lora_a, adapter.lora_b
+    if isinstance(a, nn.ParameterDict):
+        return [*a.values(), *b.values()]
+    return [a, b]
+
+
+class BaseRegistry:
+    """The bases resident in one trainer process, by key; a base goes when its last tenant does."""
+
+    def __init__(self) -> None:
+        self._bases: dict[BaseKey, SharedBase] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: BaseKey) -> SharedBase | None:
+        with self._lock:
+            return self._bases.get(key)
+
+    def get_or_load(self, key: BaseKey, load: Callable[[], SharedBase]) -> tuple[SharedBase, bool]:
+        """The resident base for ``key``, or a newly loaded one; True when it was already resident."""
+        with self._lock:
+            base = self._bases.get(key)
+            if base is not None:
+                return base, True
+        base = load()  # seconds to minutes: outside the registry's lock
+        with self._lock:
+            resident = self._bases.setdefault(key, base)
+        return resident, resident is not base
+
+    def release(self, base: SharedBase, tenant: Tenant) -> None:
+        base.leave(tenant)
+        with self._lock:
+            if not base.tenants and self._bases.get(base.key) is base:
+                del self._bases[base.key]
+                logger.info("base %s unloaded: its last job is gone", base.key.path)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._bases)
