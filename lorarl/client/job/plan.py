@@ -329,6 +329,10 @@ def print_plan(cfg) -> int:
           f"(activations kept {human_bytes(step.kept)}, then the larger of one recomputed layer "
           f"{human_bytes(step.recompute)} and the logits chunk {human_bytes(step.logits)}) "
           f"= {human_bytes(trainer.total)}")
+    if cfg.trainer.engine == "torch":  # jobs on one base share it in one trainer (lorarl.trainer.engines.shared_base)
+        print(f"trainer, shared: the base ({human_bytes(trainer.weights)} per device) is resident once for every "
+              f"job on it; each more job like this one adds {human_bytes(trainer.adapters + trainer.adam)} "
+              f"(adapter, gradients, Adam), and the step's activations while it computes")
     print(f"trainer activations: micro-batch of {step.tokens:,} tokens ({trainer.sequence_tokens:,}-token sequences: "
           f"data.max_prompt_tokens + rollout.max_tokens); checkpointing {ckpt}: {human_bytes(step.activations)}, "
           f"without: {human_bytes(unchecked.activations)}")

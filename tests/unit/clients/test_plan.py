@@ -301,3 +301,11 @@ def test_an_unbalanced_split_is_flagged(capsys) -> None:
                         "rollout.replicas=7")
     assert code == 0 and "IMBALANCED" in out
     assert "warning: training takes 6.1x as long" in out and "trainer.parallel.data" in out
+
+
+def test_the_plan_says_what_one_more_job_on_the_base_costs(capsys) -> None:
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml")
+    line = next(x for x in out.splitlines() if x.startswith("trainer, shared:"))
+    assert code == 0 and "resident once for every job on it" in line and "each more job like this one adds" in line
+    code, out = dry_run(capsys, ROOT / "examples/models/qwen3-30b-a3b-megatron.yaml")
+    assert code == 0 and "trainer, shared:" not in out  # the megatron engine keeps a base per job
