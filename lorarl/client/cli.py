@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from lorarl.client.commands import demo, evaluate, run, serve, slurm
+from lorarl.client.commands import demo, evaluate, jobs, run, serve, slurm
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_parsers(subcommands)
     demo.add_parser(subcommands)
     slurm.add_parser(subcommands)
+    jobs.add_parser(subcommands)
     return parser
 
 

@@ -38,14 +38,17 @@ def trajectory(completion: list[int], reward: float, **kw) -> common_pb2.Traject
     return common_pb2.Trajectory(**fields)
 
 
-async def with_stub(tmp_path: Path, body) -> None:
+async def with_stub(tmp_path: Path, body, with_address: bool = False) -> None:
+    """Runs ``body(stub)`` (``body(stub, address)`` with ``with_address``) against a trainer on loopback."""
     settings = TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), export_dir=str(tmp_path / "export"))
     config = ServerConfig(port=0)
     config.auth.token = TOKEN
     server = await start_server(NAME, config, registration(TrainerServicer(settings)))
     try:
-        async with aio_channel(f"127.0.0.1:{server.port}", token=TOKEN) as channel:
-            await body(trainer_pb2_grpc.TrainerServiceStub(channel))
+        address = f"127.0.0.1:{server.port}"
+        async with aio_channel(address, token=TOKEN) as channel:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            await (body(stub, address) if with_address else body(stub))
     finally:
         await server.stop(0)
 
@@ -236,9 +239,15 @@ def test_out_of_range_and_non_finite_inputs_are_invalid_argument(tmp_path: Path,
     asyncio.run(with_stub(tmp_path, body))
 
 
-def test_two_jobs_on_one_base_share_it_over_grpc(tmp_path: Path, model_dir: Path) -> None:
-    """Two CreateJob calls on one model: one resident base, each job's own adapter and numbers."""
-    async def body(stub) -> None:
+def test_two_jobs_on_one_base_share_it_over_grpc(tmp_path: Path, model_dir: Path, capsys) -> None:
+    """Two CreateJob calls on one model: one resident base, each job's own adapter and numbers; `lorarl jobs`
+    lists them."""
+    from lorarl.client import cli
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+
+    async def body(stub, address: str) -> None:
         one = await stub.CreateJob(job_request(model_dir, "one"))
         request = job_request(model_dir, "two")
         request.config.lora.rank, request.config.lora.alpha = 8, 16
@@ -255,8 +264,13 @@ def test_two_jobs_on_one_base_share_it_over_grpc(tmp_path: Path, model_dir: Path
         # tensor); before its first step, 4
         assert statuses["two"].job_bytes == pytest.approx(12 * two.job.trainable_parameters, rel=0.01)
         assert statuses["one"].job_bytes == 4 * one.job.trainable_parameters
+        capsys.readouterr()
+        assert await asyncio.to_thread(cli.main, ["jobs", "--trainer", address, "--token-file", str(token_file)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split()[:3] == ["job", "base", "rank"] and len(lines) == 3
+        assert lines[2].split()[:5] == ["two", str(model_dir), "8", "1", "1"] and lines[2].endswith("(2)")
         await stub.DeleteJob(trainer_pb2.DeleteJobRequest(job_id="two"))
         left = await stub.GetJob(trainer_pb2.GetJobRequest(job_id="one"))
         assert left.job.base_jobs == 1 and left.job.base_bytes == one.job.base_bytes
 
-    asyncio.run(with_stub(tmp_path, body))
+    asyncio.run(with_stub(tmp_path, body, with_address=True))
