@@ -97,13 +97,24 @@ def tokens_match(presented: str, expected: str) -> bool:
     return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
 
 
-class BearerTokenCheck:
-    """Decides whether call metadata carries the expected token; no gRPC machinery, easy to test."""
+def presented_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    """The bearer token a call presents (None: no well-formed 'authorization: Bearer <token>')."""
+    values = [v for k, v in (metadata or ()) if k.lower() == AUTHORIZATION_KEY]
+    if not values:
+        return None
+    value = values[0].decode("utf-8", "replace") if isinstance(values[0], bytes) else str(values[0])
+    scheme, _, presented = value.strip().partition(" ")
+    return presented.strip() if scheme.lower() == BEARER_SCHEME and presented.strip() else None
 
-    def __init__(self, token: str, *, token_hint: str = f"${DEFAULT_TOKEN_ENV}") -> None:
-        if not token:
-            raise ValueError("BearerTokenCheck needs a non-empty token")
-        self._token = token
+
+class BearerTokenCheck:
+    """Decides whether call metadata carries the expected token (or one of ``also``: keys a service scopes
+    itself, such as a trainer's per-job keys); no gRPC machinery, easy to test."""
+
+    def __init__(self, token: str, *, token_hint: str = f"${DEFAULT_TOKEN_ENV}", also: Sequence[str] = ()) -> None:
+        if not token or not all(also):
+            raise ValueError("BearerTokenCheck needs non-empty tokens")
+        self._tokens = (token, *also)
         self._hint = token_hint
 
     def problem(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
@@ -118,7 +129,8 @@ class BearerTokenCheck:
         scheme, _, presented = value.strip().partition(" ")
         if scheme.lower() != BEARER_SCHEME or not presented.strip():
             return "malformed authorization metadata: expected 'Bearer <token>'"
-        if not tokens_match(presented.strip(), self._token):
+        # every token compared, so timing does not tell which (if any) matched
+        if not [t for t in self._tokens if tokens_match(presented.strip(), t)]:
             return f"invalid bearer token: it does not match the server's token (check {self._hint})"
         return None
 
@@ -132,8 +144,9 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         *,
         exempt_prefixes: Sequence[str] = DEFAULT_EXEMPT_PREFIXES,
         token_hint: str = f"${DEFAULT_TOKEN_ENV}",
+        also: Sequence[str] = (),
     ) -> None:
-        self._check = BearerTokenCheck(token, token_hint=token_hint)
+        self._check = BearerTokenCheck(token, token_hint=token_hint, also=also)
         self._exempt = tuple(exempt_prefixes)
 
     async def intercept_service(

@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lorarl.common.auth import BearerAuthInterceptor, server_token
+from lorarl.common.config import ConfigError
 from lorarl.common.errors import ErrorInterceptor
 from lorarl.common.gc_heap import freeze_long_lived
 from lorarl.common.log import configure_logging
@@ -182,10 +183,13 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ready_extra: Mapping[str, Any] | None = None,
     before_ready: Callable[[RunningServer], Awaitable[None]] | None = None,
+    also_tokens: Sequence[str] = (),
 ) -> RunningServer:
     """Starts a server for service `name` and reports it SERVING; see the module docstring. ``ready_extra``:
     more for the ready file (the rollout's OpenAI-compatible port). ``before_ready(running)`` runs once the
     port is bound, before SERVING and the ready file (the rollout subscribes to weight sync with its address).
+    ``also_tokens``: keys accepted beside the server's token, which the service scopes itself (the trainer's
+    per-job keys).
 
     Raises ConfigError (bad or missing token) or StartupError (cannot bind) before serving.
     """
@@ -193,7 +197,9 @@ async def start_server(
     metrics = metrics if metrics is not None else RpcMetrics()
     chain: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(metrics)]
     if token is not None:
-        chain.append(BearerAuthInterceptor(token, token_hint=_token_hint(config)))
+        chain.append(BearerAuthInterceptor(token, token_hint=_token_hint(config), also=also_tokens))
+    elif also_tokens:
+        raise ConfigError("server.auth", "per-caller keys need the server's own token: set server.auth")
     else:
         logger.warning("authentication disabled (server.auth.required: false, loopback host %s)", config.host)
     chain += [ErrorInterceptor(), *interceptors]
@@ -287,6 +293,7 @@ async def serve(
     watch: Callable[[], Awaitable[str]] | None = None,
     ready_extra: Mapping[str, Any] | None = None,
     before_ready: Callable[[RunningServer], Awaitable[None]] | None = None,
+    also_tokens: Sequence[str] = (),
 ) -> None:
     """Runs service `name` until SIGTERM or SIGINT, then shuts down gracefully and returns.
 
@@ -316,7 +323,7 @@ async def serve(
         loop.add_signal_handler(signum, request_stop, signum)
     try:
         running = await start_server(name, config, register, on_shutdown=on_shutdown, metrics=metrics,
-                                     ready_extra=ready_extra, before_ready=before_ready)
+                                     ready_extra=ready_extra, before_ready=before_ready, also_tokens=also_tokens)
         if on_started is not None:
             result = on_started(running)
             if inspect.isawaitable(result):

@@ -4,8 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lorarl.common.config import in_range, matches, setting
+from lorarl.common.config import ConfigError, existing_file, in_range, matches, setting
 from lorarl.common.server_config import ServerConfig
+
+
+@dataclass
+class TenantKey:
+    """A key that may use only the jobs it names (lorarl.trainer.service.tenancy)."""
+
+    name: str = setting("", doc="Who holds the key (errors and logs name it, never the key).")
+    token: str | None = setting(None, doc="The key itself (prefer token_file or token_env).")
+    token_file: str | None = setting(None, check=existing_file, doc="File whose stripped content is the key.")
+    token_env: str = setting("", doc="Environment variable holding the key.")
+    jobs: list[str] = setting(default_factory=list, doc="Job ids the key may create and use: exact ids or "
+                                                         "shell-style patterns ('team-a-*').")
+
+    def validate(self) -> None:
+        if not self.name:
+            raise ConfigError("name", "is required (who holds this key)")
+        if not self.jobs:
+            raise ConfigError("jobs", "names no job: list the job ids (or patterns) this key may use")
 
 
 @dataclass
@@ -34,6 +52,8 @@ class TrainerSettings:
                              "1..N-1 itself. Under torchrun its WORLD_SIZE decides (leave this at 1).")
     rank_timeout_s: float = setting(1800.0, check=in_range(1.0, None),
                                     doc="Bound on one collective between trainer ranks (and on their rendezvous).")
+    tenants: list[TenantKey] = setting(default_factory=list, doc="Per-job keys: each may use only the jobs it "
+                                       "names (the server's own token still reaches every job).")
     compute_nice: int = setting(0, check=in_range(0, 19),
                                 doc="Niceness added to the threads that run engine work (steps, checkpoints, "
                                     "exports) but not to the gRPC ones: a CPU trainer sharing cores with "

@@ -21,13 +21,21 @@ FreeBytes = Callable[[str], int]
 TRAINING_STATE_PER_ADAPTER_BYTE = 3
 
 
+#: What ``free_on`` says of a device it cannot ask (none present, no driver): no refusal here; building the
+#: engine names the missing device.
+UNKNOWN_FREE = 1 << 62
+
+
 def free_on(device: str) -> int:
     """Bytes free now on a job's device ("cpu": the host's available memory)."""
     if device.split(":", 1)[0] == "cpu":
         return free_device_bytes("cpu")
-    import torch
+    try:
+        import torch
 
-    return free_device_bytes(torch.device(device))
+        return free_device_bytes(torch.device(device))
+    except (ImportError, RuntimeError, AssertionError, AttributeError):
+        return UNKNOWN_FREE
 
 
 def gib(n: float) -> str:

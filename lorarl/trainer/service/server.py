@@ -27,6 +27,7 @@ from lorarl.common.validation import check_path
 from lorarl.trainer.service import convert
 from lorarl.trainer.service.config import TrainerServiceConfig, TrainerSettings
 from lorarl.trainer.service.jobs import Job, JobManager, resolve_under
+from lorarl.trainer.service.tenancy import Tenants
 from lorarl.trainer.service.validation import BufferFullError
 from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
@@ -66,6 +67,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots,
                                        compute_nice=settings.compute_nice)
         self.token = token
+        self.tenants = Tenants.from_settings(settings.tenants)
         self._publisher = None
 
     def publisher(self):
@@ -86,12 +88,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if self._publisher is not None:
             await self._publisher.close()
 
-    def _path(self, path: str, root: str, field: str, default_name: str) -> Path:
+    def _path(self, path: str, root: str, field: str, default_name: str, job_id: str = "",
+              context: grpc.aio.ServicerContext | None = None) -> Path:
+        """A client path under ``root``; a tenant's (per-job key) stays inside its job's folder there."""
         check_path(field, path)
         base = Path(root)
+        if context is not None and self.tenants.of(context.invocation_metadata()) is not None:
+            base = base / job_id
+            default_name = default_name.removeprefix(f"{job_id}/")
         return resolve_under(path, [base], field, base / default_name)
 
+    def _scoped(self, context: grpc.aio.ServicerContext, job_id: str) -> None:
+        """PERMISSION_DENIED when the caller's per-job key does not cover ``job_id`` (service.tenancy)."""
+        self.tenants.check(context.invocation_metadata(), job_id)
+
     async def CreateJob(self, request, context):
+        self._scoped(context, request.job_id)
         spec = convert.job_spec(request.config, self.settings.device)
         job, attached = await self.jobs.create(request.job_id, spec, attach=request.attach)
         if self.settings.weightsync_address:
@@ -99,17 +111,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.CreateJobResponse(job=job_status(job), attached=attached)
 
     async def GetJob(self, request, context):
+        self._scoped(context, request.job_id)
         return trainer_pb2.GetJobResponse(job=job_status(self.jobs.get(request.job_id)))
 
     async def ListJobs(self, request, context):
-        return trainer_pb2.ListJobsResponse(jobs=[job_status(j) for j in self.jobs.list()])
+        visible = set(self.tenants.visible(context.invocation_metadata(), [j.job_id for j in self.jobs.list()]))
+        return trainer_pb2.ListJobsResponse(jobs=[job_status(j) for j in self.jobs.list() if j.job_id in visible])
 
     async def DeleteJob(self, request, context):
+        self._scoped(context, request.job_id)
         await self.jobs.delete(request.job_id)
         return trainer_pb2.DeleteJobResponse()
 
     async def PushTrajectories(self, request_iterator, context) -> AsyncIterator[trainer_pb2.PushTrajectoriesResponse]:
         async for request in request_iterator:
+            self._scoped(context, request.job_id)
             records = [convert.trajectory_record(t) for t in request.trajectories]
             errors = self.jobs.push(request.job_id, records)
             statuses = [item_status(i, e) for i, e in enumerate(errors)]
@@ -118,17 +134,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 buffered_trajectories=len(self.jobs.get(request.job_id).buffer))
 
     async def TrainStep(self, request, context):
+        self._scoped(context, request.job_id)
         inline = [convert.trajectory_record(t) for t in request.trajectories]
         metrics, version, step = await self.jobs.train_step(request.job_id, request.max_trajectories, inline)
         return trainer_pb2.TrainStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
 
     async def ForwardBackward(self, request, context):
+        self._scoped(context, request.job_id)
         loss = convert.loss_spec(request.loss, "loss") if request.HasField("loss") else None
         records = [convert.trajectory_record(t) for t in request.trajectories]
         metrics = await self.jobs.forward_backward(request.job_id, records, loss)
         return trainer_pb2.ForwardBackwardResponse(metrics=convert.step_metrics(metrics))
 
     async def OptimStep(self, request, context):
+        self._scoped(context, request.job_id)
         if not (math.isfinite(request.learning_rate) and request.learning_rate >= 0):
             raise InvalidArgumentError("learning_rate", f"must be a finite number >= 0 (0 keeps the schedule), "
                                                         f"got {request.learning_rate}")
@@ -136,36 +155,41 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.OptimStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
 
     async def ComputeLogprobs(self, request, context):
+        self._scoped(context, request.job_id)
         records = [convert.trajectory_record(t) for t in request.trajectories]
         results = await self.jobs.compute_logprobs(request.job_id, records, request.reference)
         return trainer_pb2.ComputeLogprobsResponse(results=[trainer_pb2.TokenLogprobs(logprobs=r) for r in results])
 
     async def SaveCheckpoint(self, request, context):
+        self._scoped(context, request.job_id)
         job = self.jobs.get(request.job_id)
         path = self._path(request.path, self.settings.checkpoint_dir, "path",
-                          f"{request.job_id}/step-{job.engine.step:06d}")
+                          f"{request.job_id}/step-{job.engine.step:06d}", request.job_id, context)
         info = await self.jobs.save_checkpoint(request.job_id, path)
         return trainer_pb2.SaveCheckpointResponse(path=str(info.path), version=info.version, step=info.step)
 
     async def LoadCheckpoint(self, request, context):
+        self._scoped(context, request.job_id)
         if not request.path:
             raise InvalidArgumentError("path", "is required")
-        path = self._path(request.path, self.settings.checkpoint_dir, "path", "")
+        path = self._path(request.path, self.settings.checkpoint_dir, "path", "", request.job_id, context)
         info = await self.jobs.load_checkpoint(request.job_id, path)
         return trainer_pb2.LoadCheckpointResponse(version=info.version, step=info.step)
 
     async def Export(self, request, context):
+        self._scoped(context, request.job_id)
         if request.mode not in (common_pb2.SYNC_MODE_ADAPTER, common_pb2.SYNC_MODE_MERGED):
             raise InvalidArgumentError("mode", "must be SYNC_MODE_ADAPTER or SYNC_MODE_MERGED")
         merged = request.mode == common_pb2.SYNC_MODE_MERGED
         job = self.jobs.get(request.job_id)
         kind = "merged" if merged else "adapter"
         path = self._path(request.path, self.settings.export_dir, "path",
-                          f"{request.job_id}/{kind}-v{job.engine.version:06d}")
+                          f"{request.job_id}/{kind}-v{job.engine.version:06d}", request.job_id, context)
         out = await self.jobs.export(request.job_id, merged, path)
         return trainer_pb2.ExportResponse(path=str(out))
 
     async def PublishWeights(self, request, context):
+        self._scoped(context, request.job_id)
         if request.mode not in (common_pb2.SYNC_MODE_UNSPECIFIED, common_pb2.SYNC_MODE_ADAPTER,
                                 common_pb2.SYNC_MODE_MERGED, common_pb2.SYNC_MODE_AUTO):
             raise InvalidArgumentError("mode", f"unknown sync mode {request.mode}")
@@ -200,7 +224,8 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
     if world.world_size == 1:
         servicer = TrainerServicer(settings, token=server_token(server.auth, host=server.host),
                                    peer_tls=peer_tls(server.peer_tls))
-        await serve(NAME, server, registration(servicer), on_shutdown=servicer.close)
+        await serve(NAME, server, registration(servicer), on_shutdown=servicer.close,
+                    also_tokens=servicer.tenants.tokens)
         return
     if ":" in settings.device:
         raise ConfigError("trainer.device", f"{settings.device!r} names one device, but each of the "
@@ -235,6 +260,7 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
         group.on_broken(not_serving)
 
     try:
-        await serve(NAME, server, registration(servicer), on_shutdown=servicer.close, on_started=started)
+        await serve(NAME, server, registration(servicer), on_shutdown=servicer.close, on_started=started,
+                    also_tokens=servicer.tenants.tokens)
     finally:
         await asyncio.to_thread(group.stop)
