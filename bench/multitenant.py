@@ -4,7 +4,8 @@ A random-init model at the Qwen3-0.6B layer shape (``--layers`` decoder layers, 
 vocabulary, fp32) is built once. For each N in ``--jobs``:
 
 - shared: one process, N TorchEngines on one BaseRegistry (lorarl.trainer.engines.shared_base), ranks
-  ``--ranks`` in turn; they train concurrently from N threads, as the trainer service runs its jobs.
+  ``--ranks`` in turn; they train concurrently from N threads, as the trainer service runs its jobs (with
+  its one malloc arena: lorarl.common.malloc_arenas).
 - separate: N processes, one TorchEngine each, training at the same time.
 
 Both run the same GRPO steps (``--steps`` after one warm-up, ``--groups`` x ``--group-size`` completions of
@@ -195,6 +196,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         import torch
+
+        from lorarl.common.malloc_arenas import limit_malloc_arenas
+
+        limit_malloc_arenas()  # as the trainer service does at start
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         print(json.dumps(worker_shared(args) if args.worker == "shared" else worker_one(args)), flush=True)
