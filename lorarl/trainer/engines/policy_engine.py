@@ -122,8 +122,16 @@ class PolicyEngine(TrainEngine):
         """Where activation checkpointing applies: ``layered``'s decoder layers (``local_layers`` of the
         model's, on this rank), sized by ``shape`` (config.json fields); "on" takes effect now."""
         self._layered, self._shape, self._local_layers = layered, shape, local_layers
-        if self.spec.memory.activation_checkpointing == "on":
-            enable_activation_checkpointing(layered)
+        self._apply_memory_mode()
+
+    def _apply_memory_mode(self) -> None:
+        """'on' / 'off' set on the layers ('auto' decides per micro-batch): again whenever this job takes its
+        turn on a base other jobs share, since the mode lives on the shared layers."""
+        if not hasattr(self, "_layered"):
+            return
+        mode = self.spec.memory.activation_checkpointing
+        if mode != "auto" and (mode == "on") != activation_checkpointing_enabled(self._layered):
+            (enable_activation_checkpointing if mode == "on" else disable_activation_checkpointing)(self._layered)
 
     @property
     def activation_checkpointing(self) -> bool:

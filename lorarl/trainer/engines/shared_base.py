@@ -4,7 +4,9 @@ Jobs whose base is the same (model directory, dtype, device, layer split) share 
 A job's engine keeps its own adapter slot (lorarl.trainer.rl.lora.AdapterSlot: its rank, alpha, targets,
 experts), optimizer moments, step counter, RNG, loss, schedule and data. The jobs take turns on the base:
 an engine call holds the base for the call, with that job's adapters attached and its own RNG state in
-place, so each job computes exactly what it would alone (the isolation test holds it bit for bit).
+place, so each job computes exactly what it would alone (the isolation test holds it bit for bit). The RNG
+streams are process-wide: jobs on *other* bases (their own threads) draw from them too, so the isolation
+holds among the jobs of one base.
 Passes that batch several jobs' rows through the base at once are a later step (issue #31, item 2).
 """
 
@@ -32,6 +34,9 @@ class Tenant(Protocol):
 
     slot: AdapterSlot
     rng: RngState
+
+    def on_turn(self) -> None:
+        """Puts the tenant's own model-wide settings back (its activation checkpointing mode)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class SharedBase:
                     self._active.rng = RngState.capture()
                 activate(self.model, tenant.slot)
                 tenant.rng.restore()
+                tenant.on_turn()
                 self._active = tenant
             yield
 
@@ -133,6 +139,7 @@ class BaseRegistry:
 
     def __init__(self) -> None:
         self._bases: dict[BaseKey, SharedBase] = {}
+        self._loading: dict[BaseKey, threading.Lock] = {}
         self._lock = threading.Lock()
 
     def get(self, key: BaseKey) -> SharedBase | None:
@@ -140,21 +147,26 @@ class BaseRegistry:
             return self._bases.get(key)
 
     def get_or_load(self, key: BaseKey, load: Callable[[], SharedBase]) -> tuple[SharedBase, bool]:
-        """The resident base for ``key``, or a newly loaded one; True when it was already resident."""
+        """The resident base for ``key``, or one ``load`` builds (loaded and placed on its devices); True when
+        it was already resident. Two jobs asking for a new base at once load it once: the second waits."""
         with self._lock:
-            base = self._bases.get(key)
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:  # seconds to minutes, outside the registry's lock: other bases stay reachable
+            with self._lock:
+                base = self._bases.get(key)
             if base is not None:
                 return base, True
-        base = load()  # seconds to minutes: outside the registry's lock
-        with self._lock:
-            resident = self._bases.setdefault(key, base)
-        return resident, resident is not base
+            base = load()
+            with self._lock:
+                self._bases[key] = base
+            return base, False
 
     def release(self, base: SharedBase, tenant: Tenant) -> None:
         base.leave(tenant)
         with self._lock:
             if not base.tenants and self._bases.get(base.key) is base:
                 del self._bases[base.key]
+                self._loading.pop(base.key, None)
                 logger.info("base %s unloaded: its last job is gone", base.key.path)
 
     def __len__(self) -> int:

@@ -106,35 +106,36 @@ class TorchEngine(PolicyEngine):
         self.device = device_for(spec.device)
         self.devices = split_devices(spec.device, spec.layer_devices)
         self._bases = bases if bases is not None and not spec.full_finetune else BaseRegistry()
-        self.base, resident = self._bases.get_or_load(BaseKey.of(spec), lambda: self._load_base(spec))
+        self.base, resident = self._bases.get_or_load(BaseKey.of(spec), lambda: self._load_base(spec, self.devices))
         self.resident_base = resident
         try:
             with self.base.lock:
                 self.base.pause()
-                self._attach(spec, place=not resident)
+                self._attach(spec)
+            self.model = self.base.model
+            self.layers_per_device = self.base.layers_per_device
+            self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
+            with self.base.turn(self):
+                self._init_memory(self.model, self.model.config.to_dict(), max(self.layers_per_device))
+                self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad}, reducer)
+                self._total_parameters = sum(p.numel() for p in self.model.parameters())
+                if spec.init_adapter_path:
+                    self.renumber(versions.FIRST)  # the warm-start adapter is a policy of its own: v0 stays the base
         except BaseException:
             self._bases.release(self.base, self)
             raise
-        self.model = self.base.model
-        self.layers_per_device = self.base.layers_per_device
-        self.closed_form_head = not spec.full_finetune  # a frozen lm_head (head_token_logprobs' closed form)
-        with self.base.turn(self):
-            self._init_memory(self.model, self.model.config.to_dict(), max(self.layers_per_device))
-            self._init_training({n: p for n, p in self.model.named_parameters() if p.requires_grad}, reducer)
-            self._total_parameters = sum(p.numel() for p in self.model.parameters())
-            if spec.init_adapter_path:
-                self.renumber(versions.FIRST)  # the warm-start adapter is a policy of its own: v0 stays the base
 
     @staticmethod
-    def _load_base(spec: TrainingSpec) -> SharedBase:
+    def _load_base(spec: TrainingSpec, devices: list[torch.device]) -> SharedBase:
+        """The base loaded and placed on its devices (layer split included), before any job's adapters."""
         model = AutoModelForCausalLM.from_pretrained(spec.base_model_path, dtype=TORCH_DTYPES[spec.dtype],
                                                      use_safetensors=True)
         model.eval()
-        return SharedBase(BaseKey.of(spec), model, base_model_fingerprint(spec.base_model_path), [])
+        layers_per_device = place_by_layers(model, devices)
+        return SharedBase(BaseKey.of(spec), model, base_model_fingerprint(spec.base_model_path), layers_per_device)
 
-    def _attach(self, spec: TrainingSpec, place: bool) -> None:
-        """This job's adapters on the base, its RNG seeded; a base just loaded is placed on its devices after
-        (adapters are injected on CPU, where their init generator is, and move with the model)."""
+    def _attach(self, spec: TrainingSpec) -> None:
+        """This job's adapters on the base (drawn on CPU, then on each layer's device), its RNG seeded."""
         model = self.base.model
         seed_everything(spec.seed)
         if spec.full_finetune:
@@ -147,11 +148,12 @@ class TorchEngine(PolicyEngine):
                     load_peft_state_dict(model, read_peft_tensors(spec.init_adapter_path))
                 except ValueError as e:
                     raise ValueError(f"init_adapter_path {spec.init_adapter_path!r}: {e}") from None
-        if place:
-            self.base.layers_per_device = place_by_layers(model, self.devices)
         self.rng = RngState.capture()
         self.base.join(self)
         self._fingerprint = self.base.fingerprint
+
+    def on_turn(self) -> None:
+        self._apply_memory_mode()
 
     @classmethod
     def create(cls, spec: TrainingSpec, bases: BaseRegistry | None = None) -> TorchEngine:

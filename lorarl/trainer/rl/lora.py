@@ -114,11 +114,13 @@ class LoRALinear(nn.Module):
 
     def new_adapter(self, rank: int, scale: float, dropout: float, generator: torch.Generator) -> LinearAdapter:
         """A fresh adapter for this layer (A kaiming-uniform from ``generator``, B zero), not attached."""
-        device = self.weight.device
-        a = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=torch.float32))
-        b = nn.Parameter(torch.empty(self.out_features, rank, device=device, dtype=torch.float32))
+        # Drawn on CPU, where the generator is, then moved: the same numbers on any device, however placed.
+        a = torch.empty(rank, self.in_features, dtype=torch.float32)
+        b = torch.empty(self.out_features, rank, dtype=torch.float32)
         _init_pair(a, b, generator)
-        return LinearAdapter(a, b, scale, nn.Dropout(dropout) if dropout > 0 else nn.Identity())
+        device = self.weight.device
+        return LinearAdapter(nn.Parameter(a.to(device)), nn.Parameter(b.to(device)), scale,
+                             nn.Dropout(dropout) if dropout > 0 else nn.Identity())
 
     def adapter(self) -> LinearAdapter | None:
         return None if self.lora_a is None else LinearAdapter(self.lora_a, self.lora_b, self.scale, self.dropout)
@@ -208,10 +210,10 @@ class LoRAExperts(nn.Module):
         shapes = {"gate_proj": (hid, inter), "up_proj": (hid, inter), "down_proj": (inter, hid)}
         lora_a, lora_b = nn.ParameterDict(), nn.ParameterDict()
         for proj, (fan_in, fan_out) in shapes.items():
-            a = nn.Parameter(torch.empty(n, rank, fan_in, device=device, dtype=torch.float32))
-            b = nn.Parameter(torch.empty(n, fan_out, rank, device=device, dtype=torch.float32))
+            a = torch.empty(n, rank, fan_in, dtype=torch.float32)  # drawn on CPU (the generator's), then moved
+            b = torch.empty(n, fan_out, rank, dtype=torch.float32)
             _init_pair(a, b, generator)
-            lora_a[proj], lora_b[proj] = a, b
+            lora_a[proj], lora_b[proj] = nn.Parameter(a.to(device)), nn.Parameter(b.to(device))
         return ExpertsAdapter(lora_a, lora_b, scale, nn.Dropout(dropout) if dropout > 0 else nn.Identity(), shared)
 
     def adapter(self) -> ExpertsAdapter | None:

@@ -55,11 +55,13 @@ def checkpoint_bytes(model_path: str, dtype: str) -> int:
     return int(stored * factor)
 
 
-def check_base_fits(model_path: str, dtype: str, device: str, free: FreeBytes) -> None:
-    """Before loading a base no job holds yet: its weights must fit what is free on the device."""
-    need, have = checkpoint_bytes(model_path, dtype), free(device)
+def check_base_fits(model_path: str, dtype: str, device: str, free: FreeBytes, devices: int = 1) -> None:
+    """Before loading a base no job holds yet: its share of the weights (split over ``devices``, a layer
+    split) must fit what is free on the first device."""
+    need, have = checkpoint_bytes(model_path, dtype) // max(1, devices), free(device)
     if need > have:
-        raise ResourceExhaustedError(f"the base {model_path} needs {gib(need)} in {dtype} on {device}, which has "
+        raise ResourceExhaustedError(f"the base {model_path} needs {gib(need)} in {dtype} on {device}"
+                                     + (f" (1/{devices} of it)" if devices > 1 else "") + ", which has "
                                      f"{gib(have)} free; delete a job on another base, or use a trainer with "
                                      "more memory")
 

@@ -190,8 +190,9 @@ class JobManager:
         self._check_shareable(spec)
         self._creating.add(job_id)
         try:
-            if not self._base_resident(spec):
-                fit.check_base_fits(spec.base_model_path, spec.dtype, spec.device, self.free_bytes)
+            if spec.engine == "torch" and not self._base_resident(spec):  # Megatron shards its own: not here
+                await self._in_engine_thread(fit.check_base_fits, spec.base_model_path, spec.dtype, spec.device,
+                                             self.free_bytes, spec.layer_devices)
             try:
                 engine = await self._in_engine_thread(self.engine_factory, spec)
             except (ValueError, OSError) as e:

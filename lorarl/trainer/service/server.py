@@ -28,7 +28,7 @@ from lorarl.common.validation import check_path
 from lorarl.trainer.service import convert
 from lorarl.trainer.service.config import TrainerServiceConfig, TrainerSettings
 from lorarl.trainer.service.jobs import Job, JobManager, resolve_under
-from lorarl.trainer.service.tenancy import Tenants
+from lorarl.trainer.service.tenancy import Tenants, check_own_paths
 from lorarl.trainer.service.validation import BufferFullError
 from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
@@ -69,6 +69,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                                        compute_nice=settings.compute_nice)
         self.token = token
         self.tenants = Tenants.from_settings(settings.tenants)
+        if self.tenants.tenants and not settings.model_roots:
+            raise ConfigError("trainer.model_roots", "is required with trainer.tenants: a tenant's job may read "
+                                                     "model and adapter directories only under these roots")
         self._publisher = None
 
     def publisher(self):
@@ -106,6 +109,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def CreateJob(self, request, context):
         self._scoped(context, request.job_id)
         spec = convert.job_spec(request.config, self.settings.device)
+        tenant = self.tenants.of(context.invocation_metadata())
+        if tenant is not None:
+            check_own_paths(tenant, {"config.base_model_path": spec.base_model_path,
+                                     "config.init_adapter_path": spec.init_adapter_path},
+                            [self.settings.checkpoint_dir, self.settings.export_dir])
         job, attached = await self.jobs.create(request.job_id, spec, attach=request.attach)
         if self.settings.weightsync_address:
             self.publisher().connect()  # the first publish should not pay for the import and the handshake

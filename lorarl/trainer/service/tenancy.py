@@ -4,7 +4,9 @@ The service token (`server.auth`) is the operator's: every job. Each `trainer.te
 own, for the job ids it lists (exact ids or shell-style patterns, 'team-a-*'): a caller presenting it may
 create, read, train, checkpoint, export, publish and delete those jobs only — anything else is
 PERMISSION_DENIED, and ListJobs shows it only its own. Its checkpoint and export paths stay inside its job's
-folders, so it cannot read or overwrite another job's files either. The auth interceptor accepts the keys
+folders, and a job it creates may start only from its own jobs' files there (a base or a warm start), so it
+cannot read or overwrite another job's files either; a trainer with tenants confines every model path to
+`trainer.model_roots`. The auth interceptor accepts the keys
 (lorarl.common.auth); this module decides, from the same metadata, what each may touch.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lorarl.common.auth import presented_token, resolve_token, tokens_match
@@ -71,3 +74,19 @@ class Tenants:
     def visible(self, metadata: Iterable[tuple[str, Any]] | None, job_ids: Iterable[str]) -> list[str]:
         tenant = self.of(metadata)
         return [j for j in job_ids if tenant is None or tenant.allows(j)]
+
+
+def check_own_paths(tenant: Tenant, paths: dict[str, str], job_roots: Sequence[str]) -> None:
+    """A tenant's job may start from files in the trainer's checkpoint and export folders only where they are
+    its own jobs' (``<root>/<job id>/...``): another job's adapter or merged export is another tenant's data."""
+    for field, path in paths.items():
+        if not path:
+            continue
+        resolved = Path(path).resolve()
+        for root in job_roots:
+            base = Path(root).resolve()
+            if base in resolved.parents:
+                owner = resolved.relative_to(base).parts[0]
+                if not tenant.allows(owner):
+                    raise PermissionDeniedError(f"{path!r} is job {owner!r}'s, which the key of tenant "
+                                                f"{tenant.name!r} may not use", field=field)

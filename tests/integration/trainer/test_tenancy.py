@@ -22,17 +22,20 @@ from tests.integration.trainer.test_trainer_service import GOOD, job_request, tr
 from tests.unit.trainer.tiny import dense_model
 
 OPERATOR, KEY_A, KEY_B = "operator-token", "key-of-team-a", "key-of-team-b"
+MODELS: list[Path] = []  # the module's model directory, for the trainer's model_roots
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("model")
     dense_model(seed=0).save_pretrained(path)
+    MODELS[:] = [path]
     return path
 
 
 async def trainer(tmp_path: Path, body) -> None:
     settings = TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), export_dir=str(tmp_path / "export"),
+                               model_roots=[str(MODELS[0].parent), str(tmp_path)],
                                tenants=[TenantKey(name="team a", token=KEY_A, jobs=["team-a-*"]),
                                         TenantKey(name="team b", token=KEY_B, jobs=["team-b-*"])])
     config = ServerConfig(port=0)
@@ -96,6 +99,14 @@ def test_a_tenants_key_reaches_its_own_jobs_and_none_of_anothers(tmp_path: Path,
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await a.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(job_id="team-a-1", path="../team-b-1/step"))
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # ... and a job of A's may not start from B's exports (its adapter as a warm start, its merged weights).
+        theirs = await b.Export(trainer_pb2.ExportRequest(job_id="team-b-1", mode=common_pb2.SYNC_MODE_MERGED))
+        stolen = job_request(model_dir, "team-a-2")
+        stolen.config.base_model_path = theirs.path
+        assert "is job 'team-b-1''s" in await denied(a.CreateJob(stolen))
+        mine = job_request(model_dir, "team-a-3")
+        mine.config.init_adapter_path = exported.path  # its own job's adapter: allowed
+        assert (await a.CreateJob(mine)).job.version == 1
         # A key that is no tenant's is not let in at all.
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await guess.ListJobs(trainer_pb2.ListJobsRequest())
@@ -115,3 +126,7 @@ def test_tenant_keys_are_checked_when_the_trainer_starts() -> None:
         Tenants.from_settings([TenantKey(name="x", token="k", jobs=["a"]), TenantKey(name="y", token="k", jobs=["b"])])
     with pytest.raises(ConfigError, match="has no key"):
         Tenants.from_settings([TenantKey(name="x", jobs=["a"])])
+    from lorarl.trainer.service.server import TrainerServicer
+
+    with pytest.raises(ConfigError, match=r"trainer\.model_roots: is required with trainer\.tenants"):
+        TrainerServicer(TrainerSettings(tenants=[TenantKey(name="x", token="k", jobs=["a"])]))
