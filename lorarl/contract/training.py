@@ -44,6 +44,7 @@ DAPO_CLIP_EPS_HIGH = 0.28
 #: Decoupled PPO's cap on behaviour importance weights when tokens may be stale (``max_staleness`` set) and
 #: no cap is given: AReaL's choice. Without staleness the loss is on-policy and nothing is capped.
 STALE_WEIGHT_CAP = 5.0
+#: Rows of one LM-head/log-softmax chunk: 1024 x 151,936 fp32 is 0.6 GiB per [tokens, vocab] tensor.
 DEFAULT_LOGITS_CHUNK_TOKENS = 1024
 #: Prompt + completion tokens a job accepts by default, and trajectories it buffers between steps.
 DEFAULT_MAX_SEQUENCE_TOKENS = 4096

@@ -29,8 +29,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-#: The default rows of one logits chunk: 1024 x 151,936 fp32 is 0.6 GiB per [tokens, vocab] tensor.
-DEFAULT_LOGITS_CHUNK_TOKENS = 1024
+# The default rows of one logits chunk (1024 x 151,936 fp32 is 0.6 GiB per [tokens, vocab] tensor) is the
+# training spec's (memory.logits_chunk_tokens).
+from lorarl.contract.training import DEFAULT_LOGITS_CHUNK_TOKENS
+
 _ORIGINAL_FORWARD = "_lorarl_forward_without_checkpointing"
 
 TokenLogprobs = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
