@@ -82,12 +82,15 @@ def peak_rss_bytes() -> int:
 
 def worker_shared(args: argparse.Namespace) -> dict:
     """N jobs on one base in this process, training from N threads."""
+    from lorarl.common.malloc_arenas import limit_malloc_arenas
     from lorarl.trainer.engines.shared_base import BaseRegistry
     from lorarl.trainer.engines.torch_engine import TorchEngine
 
     bases = BaseRegistry()
     engines, add_s = [], []
     for job in range(args.n):
+        if job == 1:  # as the trainer's JobManager does from a second job on (there the first job's engine
+            limit_malloc_arenas()  # thread has its own arena already: one more than here)
         start = time.perf_counter()
         engines.append(TorchEngine(spec(args, job), bases=bases))
         add_s.append(time.perf_counter() - start)
@@ -196,10 +199,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         import torch
-
-        from lorarl.common.malloc_arenas import limit_malloc_arenas
-
-        limit_malloc_arenas()  # as the trainer service does at start
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         print(json.dumps(worker_shared(args) if args.worker == "shared" else worker_one(args)), flush=True)

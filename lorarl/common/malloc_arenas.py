@@ -1,4 +1,4 @@
-"""One glibc malloc arena for a process whose threads take turns on big allocations (the trainer).
+"""One glibc malloc arena for a process whose threads take turns on big allocations (a trainer with several jobs).
 
 glibc gives each thread that allocates its own arena and keeps what a thread frees in that thread's
 arena, so a trainer whose jobs run on several engine threads holds one activation-sized high-water mark

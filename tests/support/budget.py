@@ -56,12 +56,18 @@ class Budget:
         found = [(n, s, self.allowed(n)) for n, s in measured.items() if s > self.allowed(n)]
         return sorted(found, key=lambda row: -row[1])
 
+    def nearest(self, measured: Mapping[str, float], count: int) -> list[tuple[str, float, float]]:
+        """(name, measured, allowed) for the `count` names that used most of their budget, most first."""
+        rows = [(n, s, self.allowed(n)) for n, s in measured.items()]
+        return sorted(rows, key=lambda row: -row[1] / row[2])[:count]
+
     def recorded(self, measured: Mapping[str, float]) -> dict:
         """This run's figures as a new record, the settings kept."""
         return {"headroom": self.headroom, "slack_s": self.slack_s, "default_s": self.default_s,
                 "unmarked_s": self.unmarked_s, "files": {n: round(s, 1) for n, s in sorted(measured.items())}}
 
 
+NEAREST_SHOWN = 12
 FIXTURES_KEY = "lorarl_session_fixture_s"
 GROUP_SUFFIX = re.compile(r"@[\w./-]+$")
 SLOW_KEY = "lorarl_marked_slow"
@@ -156,11 +162,15 @@ class BudgetPlugin:
         if (self.over or self.unmarked) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    @pytest.hookimpl(trylast=True)  # after --durations: the last lines of a CI log say what went over
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if self.budget is None:
             return
         total = sum(self.timings.per_name.values())
         terminalreporter.write_sep("=", f"time budget ({self.budget_path}): {total / 60:.1f} min of tests")
+        for name, seconds, allowed in self.budget.nearest(self.timings.per_name, NEAREST_SHOWN):
+            terminalreporter.write_line(f"{seconds / allowed:4.0%} of budget  {name}: {seconds:.1f} s of "
+                                        f"{allowed:.1f} s")
         for name, seconds, allowed in self.over:
             terminalreporter.write_line(f"OVER BUDGET {name}: {seconds:.1f} s, allowed {allowed:.1f} s "
                                         "(share an engine or a run, or re-record with --budget-record)")

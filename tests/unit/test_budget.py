@@ -74,7 +74,11 @@ def test_unknown_keys_in_the_record_are_refused(tmp_path: Path) -> None:
 def test_a_file_past_its_budget_fails_the_run_naming_it(pytester: Pytester) -> None:
     pytester.makepyfile(test_grown=SLOW_FILE)
     within = budget_file(pytester.path / "within.json", {"test_grown.py": 2.0, "fixture:shared": 2.0})
-    assert pytester.runpytest_subprocess("--budget", str(within)).ret == 0
+    result = pytester.runpytest_subprocess("--budget", str(within), "--durations=3")
+    assert result.ret == 0
+    out = result.stdout.str()  # the budget comes last (a CI log's tail), each file's share of it shown
+    assert out.index("slowest 3 durations") < out.index("time budget (")
+    result.stdout.fnmatch_lines(["*time budget (*", "*% of budget  test_grown.py: 0.8* s of 2.0 s"])
 
     tight = budget_file(pytester.path / "tight.json", {"test_grown.py": 0.3, "fixture:shared": 2.0})
     result = pytester.runpytest_subprocess("--budget", str(tight))

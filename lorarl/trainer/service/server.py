@@ -22,7 +22,6 @@ from lorarl.common.channel import ClientTls, peer_tls
 from lorarl.common.config import ConfigError
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.common.log import configure_logging
-from lorarl.common.malloc_arenas import limit_malloc_arenas
 from lorarl.common.server import Register, RunningServer, StartupError, serve
 from lorarl.common.validation import check_path
 from lorarl.trainer.service import convert
@@ -229,7 +228,6 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
     from lorarl.trainer.ranks.launch import RankWorld
 
     settings, server = config.trainer, config.server
-    limit_malloc_arenas()  # before the engine threads exist: jobs take turns, one arena serves them all
     world = RankWorld.discover(settings.ranks)
     if world.world_size == 1:
         servicer = TrainerServicer(settings, token=server_token(server.auth, host=server.host),

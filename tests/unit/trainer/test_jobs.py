@@ -112,3 +112,26 @@ def test_a_job_that_does_not_fit_is_refused_with_the_figures_and_leaves_the_othe
         assert len(manager.bases) == 0
 
     asyncio.run(body())
+
+
+def test_one_malloc_arena_from_the_second_job_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer's only job keeps glibc's per-thread arenas (the cap costs it step time); the second job
+    caps them, once, before its engine is built."""
+    import lorarl.trainer.service.jobs as jobs_module
+
+    capped: list[int] = []
+    monkeypatch.setattr(jobs_module, "limit_malloc_arenas", lambda: capped.append(1) or True)
+    calls: list[tuple[str, int, int]] = []
+    manager = JobManager(engine_factory=lambda s: RecordingEngine(calls))
+
+    async def body() -> None:
+        await manager.create("a", spec(tmp_path))
+        assert capped == []
+        await manager.create("b", spec(tmp_path))
+        await manager.create("c", spec(tmp_path))
+        assert capped == [1]
+
+    try:
+        asyncio.run(body())
+    finally:
+        gc.unfreeze()
