@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from lorarl.client.commands import demo, evaluate, jobs, run, serve, slurm
+from lorarl.client.commands import demo, evaluate, jobs, run, serve, slurm, tinker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(subcommands)
     slurm.add_parser(subcommands)
     jobs.add_parser(subcommands)
+    tinker.add_parser(subcommands)
     return parser
 
 

@@ -17,6 +17,9 @@ LOSS_NAMES: dict[int, str] = {
     trainer_pb2.LOSS_TYPE_RLOO: "rloo",
     trainer_pb2.LOSS_TYPE_GSPO: "gspo",
     trainer_pb2.LOSS_TYPE_PPO: "ppo",
+    trainer_pb2.LOSS_TYPE_CROSS_ENTROPY: "cross_entropy",
+    trainer_pb2.LOSS_TYPE_IMPORTANCE_SAMPLING: "importance_sampling",
+    trainer_pb2.LOSS_TYPE_TOKEN_PPO: "token_ppo",
 }
 LOSS_TYPES: dict[str, int] = {name: enum for enum, name in LOSS_NAMES.items()
                               if enum != trainer_pb2.LOSS_TYPE_UNSPECIFIED}

@@ -26,7 +26,15 @@ from lorarl.contract.errors import SpecError
 from lorarl.contract.lora import LoraSpec
 from lorarl.v1 import trainer_pb2
 
-LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo"]
+LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo", "cross_entropy", "importance_sampling",
+                   "token_ppo"]
+#: The losses that take the caller's per-token advantages (a trajectory's ``token_advantages``; for
+#: cross_entropy, the tokens' weights) and sum over tokens, as the Tinker API defines cross_entropy,
+#: importance_sampling and ppo (here token_ppo): no group rule, no normalisation, no decoupled-PPO weights.
+TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "token_ppo")
+#: What a token loss leaves to the caller, so these settings are refused with it rather than ignored.
+_NOT_WITH_TOKEN_LOSSES = ("dual_clip", "kl_coef", "behavior_weight_cap", "max_staleness", "overlong_buffer",
+                          "overlong_penalty", "entropy_coef")
 KlName = Literal["k1", "k2", "k3"]
 Checkpointing = Literal["auto", "on", "off"]
 Engine = Literal["torch", "megatron"]
@@ -72,7 +80,9 @@ def _at_least(section: str, obj: object, names: tuple[str, ...], low: float, not
 class LossSpec:
     """The policy loss (lorarl.trainer.rl.losses computes it)."""
 
-    type: LossName = setting("grpo", doc="grpo, dr_grpo, dapo, rloo, gspo or ppo.")
+    type: LossName = setting("grpo", doc="grpo, dr_grpo, dapo, rloo, gspo or ppo (advantages from rewards by "
+                                         "group); cross_entropy, importance_sampling or token_ppo (the caller's "
+                                         "per-token advantages, summed over tokens).")
     clip_eps_low: float = setting(CLIP_EPS, doc="PPO clip range below 1, in [0, 1).")
     clip_eps_high: float | None = setting(None, doc=f"Clip range above 1 (null: {DAPO_CLIP_EPS_HIGH} for dapo's "
                                                     f"clip-higher, else {CLIP_EPS}).")
@@ -109,6 +119,17 @@ class LossSpec:
                             "overlong_penalty", "max_response_tokens"), 0)
         if self.overlong_buffer and not self.max_response_tokens:
             raise SpecError(s, "overlong_buffer", "needs loss.max_response_tokens")
+        if self.takes_token_advantages:
+            for name in _NOT_WITH_TOKEN_LOSSES:
+                value = getattr(self, name)
+                if (value is not None) if name == "max_staleness" else bool(value):
+                    raise SpecError(s, name, f"must be unset with loss type {self.type}: its advantages are the "
+                                             "caller's, per token (fold penalties and corrections into them)")
+
+    @property
+    def takes_token_advantages(self) -> bool:
+        """Whether this loss reads the caller's per-token advantages (and no reward, no group)."""
+        return self.type in TOKEN_LOSSES
 
     @property
     def upper_clip(self) -> float:
@@ -327,6 +348,8 @@ class TrainingSpec:
     def decoupled(self, loss: LossSpec | None = None) -> bool:
         """Whether proximal logprobs must be recomputed before the step (decoupled PPO)."""
         loss = loss or self.loss
+        if loss.takes_token_advantages:  # the caller's advantages already say what each token is worth
+            return False
         return self.recompute_proximal or loss.weight_cap > 0 or loss.max_staleness is not None
 
     def to_proto(self) -> trainer_pb2.JobConfig:

@@ -46,10 +46,12 @@ class Sampling:
     seed: int | None = None
     logprobs: int = 0
     ignore_eos: bool = False
+    prompt_logprobs: bool = False  # the prompt tokens' logprobs, once per prompt (its first completion's)
 
-    def for_segment(self, max_tokens: int, seed: int | None) -> Sampling:
-        """One completion's parameters for one engine segment (n = 1)."""
-        return replace(self, n=1, max_tokens=max_tokens, seed=seed)
+    def for_segment(self, max_tokens: int, seed: int | None, prompt_logprobs: bool = False) -> Sampling:
+        """One completion's parameters for one engine segment (n = 1); ``prompt_logprobs``: this segment
+        reports the prompt's (the first segment of a prompt's first completion)."""
+        return replace(self, n=1, max_tokens=max_tokens, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class SegmentEvent:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish: Finish | None = None
+    prompt_logprobs: list[float] | None = None  # when asked: one per prompt token, the first NaN
 
 
 @dataclass
@@ -167,6 +170,7 @@ class Completion:
 class PromptResult:
     prompt_token_ids: list[int]
     completions: list[Completion]
+    prompt_logprobs: list[float] | None = None  # when asked (Sampling.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from lorarl.common.errors import AlreadyExistsError, ResourceExhaustedError, ServiceError
+from lorarl.common.errors import AlreadyExistsError, FailedPreconditionError, ResourceExhaustedError, ServiceError
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.engine_api import GenerationEngine
 from lorarl.rollout.gate import SwitchGate
@@ -49,6 +49,7 @@ class Sequence:
     stream: bool
     completion: Completion = field(default_factory=Completion)
     cancelled: bool = False
+    prompt_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -115,6 +116,9 @@ class SegmentRunner:
     async def generate(self, request: GenerateInput) -> list[PromptResult]:
         """All completions of all prompts; they run concurrently, so the engine batches them."""
         self.table.resolve(request.policy)  # NOT_FOUND / FAILED_PRECONDITION before any work
+        if request.sampling.prompt_logprobs and not getattr(self.engine, "serves_prompt_logprobs", False):
+            raise FailedPreconditionError(f"sampling.prompt_logprobs: the {type(self.engine).__name__} engine does "
+                                          "not compute them (the vLLM engine does)")
         per_prompt = [self._sequences(request, None, p, prompt)
                       for p, prompt in enumerate(request.prompts)]
         sequences = [s for group in per_prompt for s in group]
@@ -125,7 +129,7 @@ class SegmentRunner:
         for prompt, group in zip(request.prompts, per_prompt, strict=True):
             for s in group:
                 s.completion.text = self.decode(s.completion.token_ids)
-            results.append(PromptResult(list(prompt), [s.completion for s in group]))
+            results.append(PromptResult(list(prompt), [s.completion for s in group], group[0].prompt_logprobs))
         return results
 
     async def generate_stream(self, request: GenerateInput) -> AsyncIterator[CompletionChunk]:
@@ -175,8 +179,9 @@ class SegmentRunner:
                     return
                 seed = None if sampling.seed is None else sampling.seed + seq.index + 7919 * segment_no
                 segment = Segment(f"{seq.key}/{segment_no}", seq, policy)
+                wants_prompt = sampling.prompt_logprobs and seq.index == 0 and segment_no == 0
                 spec = SegmentSpec(segment.engine_id, seq.prompt + tuple(seq.completion.token_ids),
-                                   sampling.for_segment(remaining, seed), policy.adapter, seq.stream)
+                                   sampling.for_segment(remaining, seed, wants_prompt), policy.adapter, seq.stream)
                 self.table.acquire(policy)
                 self._live[segment.engine_id] = segment
                 try:
@@ -188,6 +193,8 @@ class SegmentRunner:
             finish: Finish | None = None
             try:
                 async for event in events:
+                    if event.prompt_logprobs is not None:
+                        seq.prompt_logprobs = event.prompt_logprobs
                     versions = [policy.version] * len(event.token_ids)
                     chunk = CompletionChunk(seq.index, event.token_ids, event.logprobs, versions, event.top_logprobs)
                     if event.finish is not None:

@@ -52,7 +52,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         results = await self.core.generate(request_input)
         return rollout_pb2.GenerateResponse(results=[
             rollout_pb2.PromptCompletions(prompt_token_ids=r.prompt_token_ids,
-                                          completions=[convert.completion(c) for c in r.completions])
+                                          completions=[convert.completion(c) for c in r.completions],
+                                          prompt_logprobs=r.prompt_logprobs or [])
             for r in results])
 
     async def GenerateStream(self, request: rollout_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext

@@ -50,6 +50,8 @@ def generate_input(request: rollout_pb2.GenerateRequest, limits: Limits, rendere
 def stream_input(request: rollout_pb2.GenerateStreamRequest, limits: Limits, renderer: PromptRenderer | None
                  ) -> GenerateInput:
     prompt = prompt_ids(request.prompt, limits, renderer, "prompt")
+    if request.sampling.prompt_logprobs:
+        raise InvalidArgumentError("sampling.prompt_logprobs", "is served by Generate, not GenerateStream")
     return GenerateInput(request_id=request.request_id or uuid.uuid4().hex, prompts=(prompt,),
                          sampling=sampling(request.sampling, len(prompt), limits), policy=policy_ref(request.policy))
 
@@ -116,4 +118,4 @@ def sampling(params: common_pb2.SamplingParams, longest_prompt: int, limits: Lim
                                                         f"got {params.logprobs}")
     return Sampling(n=n, temperature=float(temperature), top_p=float(top_p), top_k=-1 if top_k in (0, -1) else top_k,
                     max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(params.stop_token_ids), seed=seed,
-                    logprobs=params.logprobs, ignore_eos=params.ignore_eos)
+                    logprobs=params.logprobs, ignore_eos=params.ignore_eos, prompt_logprobs=params.prompt_logprobs)

@@ -88,7 +88,7 @@ class LoraSpec(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., expert_mode: _Optional[_Union[ExpertAdapterMode, str]] = ..., use_rslora: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "logprobs", "stop_token_ids", "ignore_eos")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "logprobs", "stop_token_ids", "ignore_eos", "prompt_logprobs")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -109,10 +110,11 @@ class SamplingParams(_message.Message):
     logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "job_id", "group_id", "prompt_token_ids", "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "rewards", "finish_reason", "metrics", "loss_mask", "turn_rewards")
+    __slots__ = ("id", "job_id", "group_id", "prompt_token_ids", "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "rewards", "finish_reason", "metrics", "loss_mask", "turn_rewards", "token_advantages")
     class RewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class Trajectory(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     group_id: str
@@ -153,7 +156,8 @@ class Trajectory(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     loss_mask: _containers.RepeatedScalarFieldContainer[bool]
     turn_rewards: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., rewards: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turn_rewards: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_advantages: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., rewards: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., token_advantages: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "bucket", "offset", "nbytes", "checksum")

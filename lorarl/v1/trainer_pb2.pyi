@@ -17,6 +17,9 @@ class LossType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_TYPE_RLOO: _ClassVar[LossType]
     LOSS_TYPE_GSPO: _ClassVar[LossType]
     LOSS_TYPE_PPO: _ClassVar[LossType]
+    LOSS_TYPE_CROSS_ENTROPY: _ClassVar[LossType]
+    LOSS_TYPE_IMPORTANCE_SAMPLING: _ClassVar[LossType]
+    LOSS_TYPE_TOKEN_PPO: _ClassVar[LossType]
 
 class KlEstimator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +41,9 @@ LOSS_TYPE_DAPO: LossType
 LOSS_TYPE_RLOO: LossType
 LOSS_TYPE_GSPO: LossType
 LOSS_TYPE_PPO: LossType
+LOSS_TYPE_CROSS_ENTROPY: LossType
+LOSS_TYPE_IMPORTANCE_SAMPLING: LossType
+LOSS_TYPE_TOKEN_PPO: LossType
 KL_ESTIMATOR_UNSPECIFIED: KlEstimator
 KL_ESTIMATOR_K1: KlEstimator
 KL_ESTIMATOR_K2: KlEstimator
@@ -277,20 +283,26 @@ class TrainStepResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("job_id", "trajectories", "loss")
+    __slots__ = ("job_id", "trajectories", "loss", "forward_only", "return_logprobs")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     trajectories: _containers.RepeatedCompositeFieldContainer[_common_pb2.Trajectory]
     loss: LossConfig
-    def __init__(self, job_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_common_pb2.Trajectory, _Mapping]]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ...) -> None: ...
+    forward_only: bool
+    return_logprobs: bool
+    def __init__(self, job_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_common_pb2.Trajectory, _Mapping]]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., forward_only: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
-    __slots__ = ("metrics",)
+    __slots__ = ("metrics", "logprobs")
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     metrics: StepMetrics
-    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
     __slots__ = ("job_id", "learning_rate")

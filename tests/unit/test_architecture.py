@@ -116,7 +116,12 @@ FORBIDDEN = [
     ("lorarl.contract", "lorarl.rollout"),
     ("lorarl.contract", "lorarl.weightsync"),
     *((service, "lorarl.client") for service in
-      ("lorarl.common", "lorarl.contract", "lorarl.trainer", "lorarl.rollout", "lorarl.weightsync")),
+      ("lorarl.common", "lorarl.contract", "lorarl.trainer", "lorarl.rollout", "lorarl.weightsync",
+       "lorarl.tinker")),
+    # the Tinker front reaches the services over gRPC only, and none of them knows it
+    *(("lorarl.tinker", service) for service in ("lorarl.trainer", "lorarl.rollout", "lorarl.weightsync")),
+    *((service, "lorarl.tinker") for service in ("lorarl.common", "lorarl.contract", "lorarl.trainer",
+                                                 "lorarl.rollout", "lorarl.weightsync")),
     # the client's rooms: commands (the CLI) on top; the SDK, the loop (rl) and the launchers beside each other
     # over what a job is (job); none of them imports a command
     *((room, "lorarl.client.commands") for room in

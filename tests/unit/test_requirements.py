@@ -37,8 +37,10 @@ def test_pyproject_reads_its_dependencies_and_extras_from_requirements(project: 
 
     assert names(project["dependencies"]) == sorted(requirements("base.txt"))
     extras = project["optional_dependencies"]  # setuptools names the expanded field so
-    assert set(extras) == {"cpu", "cuda", "ascend", "dev", "ray"}
+    assert set(extras) == {"cpu", "cuda", "ascend", "dev", "ray", "tinker"}
     assert names(extras["ray"]) == ["ray"]  # launcher.kind=ray
+    assert names(extras["tinker"]) == ["tinker"]  # lorarl serve tinker: the SDK's wire protobuf
+    assert pin(requirements("tinker.txt")["tinker"]) == pin(requirements("dev.txt")["tinker"])  # tested = served
     assert names(extras["cpu"]) == sorted([*requirements("common.txt"), *requirements("cpu.txt")])
     assert names(extras["cuda"]) == sorted([*requirements("common.txt"), *requirements("cuda.txt")])
     assert names(extras["dev"]) == sorted(requirements("dev.txt"))

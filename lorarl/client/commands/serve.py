@@ -25,6 +25,7 @@ SERVICES = {
     "trainer": "lorarl.trainer.service.server",
     "rollout": "lorarl.rollout.server",
     "weightsync": "lorarl.weightsync.service.server",
+    "tinker": "lorarl.tinker.server",
 }
 
 #: Flag destination -> dotted config key it overrides.
@@ -41,7 +42,7 @@ FLAG_KEYS = {
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
-        help="run a service (trainer, rollout, weightsync)",
+        help="run a service (trainer, rollout, weightsync, tinker)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -105,6 +105,8 @@ def engine_memory_args(s: RolloutSettings, on_cpu: bool) -> dict[str, Any]:
 class VllmEngine:
     """GenerationEngine backed by vllm.v1 AsyncLLM (see module docstring)."""
 
+    serves_prompt_logprobs = True  # SamplingParams.prompt_logprobs
+
     def __init__(self, settings: RolloutSettings) -> None:
         if settings.model_path is None:
             raise ValueError("rollout.model_path is required to start an engine")
@@ -262,6 +264,7 @@ class VllmEngine:
             n=1, temperature=s.temperature, top_p=s.top_p, top_k=0 if s.top_k in (0, -1) else s.top_k,
             max_tokens=s.max_tokens, stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None,
             seed=s.seed, logprobs=s.logprobs, ignore_eos=s.ignore_eos, detokenize=bool(s.stop),
+            prompt_logprobs=0 if s.prompt_logprobs else None,
             output_kind=RequestOutputKind.DELTA if spec.stream else RequestOutputKind.FINAL_ONLY,
             skip_clone=True,  # made fresh for this one request: vLLM need not deep-copy it again
         )
@@ -299,7 +302,9 @@ class VllmEngine:
                 token_ids = list(completion.token_ids)
                 logprobs, top = _logprobs(token_ids, completion.logprobs, top_n)
                 finish = _FINISH.get(completion.finish_reason, Finish.ABORT) if finished else None
-                yield SegmentEvent(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish=finish)
+                prompt = _prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)
+                yield SegmentEvent(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish=finish,
+                                   prompt_logprobs=prompt)
         finally:
             self._live -= 1
             if not finished and self._llm is not None and not self._llm.errored:  # consumer gone
@@ -445,6 +450,14 @@ def _logprobs(token_ids: list[int], entries: Any, top_n: int) -> tuple[list[floa
     top = [{int(t): float(lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n}
            for entry in entries]
     return sampled, top
+
+
+def _prompt_logprobs(prompt_ids: Any, entries: Any) -> list[float] | None:
+    """vLLM's prompt logprobs (None first: nothing predicts it) as one float per prompt token, NaN first."""
+    if not entries:
+        return None
+    return [float("nan") if entry is None else float(entry[tok].logprob)
+            for tok, entry in zip(prompt_ids, entries, strict=True)]
 
 
 def _engine_dead() -> UnavailableError:

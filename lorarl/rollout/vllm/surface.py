@@ -49,7 +49,7 @@ _ENGINE_ARGS = ("model", "dtype", "max_model_len", "enforce_eager", "kv_cache_me
                 "max_logprobs", "logprobs_mode", "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras",
                 "worker_extension_cls", "disable_log_stats")
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "logprobs",
-             "ignore_eos", "detokenize", "output_kind", "skip_clone")
+             "ignore_eos", "detokenize", "output_kind", "skip_clone", "prompt_logprobs")
 
 SURFACE: tuple[Symbol, ...] = (
     # --- the engine (lorarl/rollout/vllm/engine.py), public API

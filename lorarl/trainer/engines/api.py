@@ -63,6 +63,14 @@ class TrainEngine(abc.ABC):
     def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         """Accumulates gradients of the policy loss on ``batch`` (advantages from the whole batch)."""
 
+    def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
+                              forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:
+        """forward_backward (or, ``forward_only``, its loss without gradient) that also returns each record's
+        completion-token logprobs from the same pass: the Tinker API's forward / forward_backward. An engine
+        that cannot (its ranks split the batch or the pipeline) says so."""
+        raise NotImplementedError(f"the {type(self).__name__} engine does not return logprobs from a training pass "
+                                  "(forward_only / return_logprobs); use the torch engine on one rank")
+
     @abc.abstractmethod
     def optim_step(self, lr: float | None = None) -> Metrics:
         """Applies accumulated gradients (``lr`` overrides the schedule for this step); bumps version."""

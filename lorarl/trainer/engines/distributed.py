@@ -22,7 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lorarl.common.tcp_store import client_store, master_store
-from lorarl.trainer.engines.api import CheckpointInfo, EngineStateError, Metrics, TrainingSpec, TrajectoryRecord
+from lorarl.trainer.engines.api import (
+    CheckpointInfo,
+    EngineStateError,
+    Metrics,
+    TrainEngine,
+    TrainingSpec,
+    TrajectoryRecord,
+)
 from lorarl.trainer.engines.devices import bind_device
 from lorarl.trainer.engines.torch_engine import TorchEngine, device_for
 from lorarl.trainer.rl.losses import LossSpec
@@ -159,6 +166,11 @@ class DataParallelEngine(TorchEngine):
         if self.full_batch:
             batch = shard_by_group(batch, self.rank, self.world_size)
         return super().forward_backward(batch, loss)
+
+    def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
+                              forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:
+        """Not here: each rank holds its shard's logprobs only."""
+        return TrainEngine.forward_with_logprobs(self, batch, loss, forward_only)
 
     def save_checkpoint(self, path: str | Path, data_cursor: Any = None) -> CheckpointInfo:
         info = super().save_checkpoint(path, data_cursor) if self.rank == 0 else None

@@ -240,6 +240,14 @@ class PolicyEngine(TrainEngine):
         self._pending_grads = True
         return metrics
 
+    def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
+                              forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:
+        logprobs: list[list[float]] = []
+        metrics = self.rl.forward_backward(list(batch), loss or self.spec.loss, self._version, logprobs,
+                                           forward_only=forward_only)
+        self._pending_grads = self._pending_grads or not forward_only
+        return metrics, logprobs
+
     def warm_up(self) -> None:
         """One forward and backward on a two-completion dummy group, its gradients and random draws
         discarded: the first real step then skips lazy imports and allocator/kernel set-up (~0.04 s on the

@@ -172,6 +172,11 @@ class TorchEngine(PolicyEngine):
         with self.base.turn(self):
             return super().forward_backward(batch, loss)
 
+    def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
+                              forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:
+        with self.base.turn(self):
+            return super().forward_with_logprobs(batch, loss, forward_only)
+
     def optim_step(self, lr: float | None = None) -> Metrics:
         with self.base.turn(self):
             return super().optim_step(lr)

@@ -34,13 +34,15 @@ class PackedBatch:
     token_versions: torch.Tensor  # [B, T] long
     advantages: torch.Tensor  # [B] float
     completion_lengths: torch.Tensor  # [B] long
+    token_advantages: torch.Tensor | None = None  # [B, T] float: the caller's, for the token losses
 
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return PackedBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                              for f in fields(self)})
 
 
 def group_index(records: Sequence[TrajectoryRecord]) -> torch.Tensor:
@@ -60,7 +62,10 @@ def shaped_rewards(records: Sequence[TrajectoryRecord], loss: LossSpec) -> torch
 
 
 def compute_advantages(records: Sequence[TrajectoryRecord], loss: LossSpec) -> torch.Tensor:
-    """Per-sequence advantages over the whole batch, by the loss family's group rule."""
+    """Per-sequence advantages over the whole batch, by the loss family's group rule (none for the losses
+    that take the caller's per-token advantages: zeros, unread)."""
+    if loss.takes_token_advantages:
+        return torch.zeros(len(records))
     return group_advantages(shaped_rewards(records, loss), group_index(records), loss.type)
 
 
@@ -79,6 +84,8 @@ def pack(records: Sequence[TrajectoryRecord], advantages: torch.Tensor | None = 
     mask = torch.zeros(B, T)
     behavior = torch.zeros(B, T)
     versions = torch.zeros(B, T, dtype=torch.long)
+    given = any(r.token_advantages is not None for r in records)
+    token_adv = torch.zeros(B, T) if given else None
     for b, r in enumerate(records):
         P, C = len(r.prompt_token_ids), len(r.completion_token_ids)
         if P < 1:
@@ -95,10 +102,12 @@ def pack(records: Sequence[TrajectoryRecord], advantages: torch.Tensor | None = 
             behavior[b, :C] = torch.tensor(r.behavior_logprobs, dtype=torch.float32).where(trained, 0.0)
         if r.token_versions:
             versions[b, :C] = torch.tensor(r.token_versions, dtype=torch.long).where(trained, 0)
+        if token_adv is not None and r.token_advantages is not None:
+            token_adv[b, :C] = torch.tensor(r.token_advantages, dtype=torch.float32).where(trained, 0.0)
     adv = torch.zeros(B) if advantages is None else advantages.detach().float().reshape(B).clone()
     lengths = torch.tensor([len(r.completion_token_ids) for r in records], dtype=torch.long)
     return PackedBatch(input_ids, attention_mask, target_positions, completion_ids, mask, behavior, versions,
-                       adv, lengths)
+                       adv, lengths, token_adv)
 
 
 def micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -76,6 +76,8 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_tokens: 
     same; seq-mean-token-sum-norm (Dr.GRPO): token sums divided by a constant length."""
     if mode == "token-mean":
         return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    if mode == "token-sum":  # the Tinker API's losses: each token's term as it is, the batch's total
+        return (values * mask).sum()
     if mode == "seq-mean-token-mean":
         per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         return per_seq.mean()
@@ -86,6 +88,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_tokens: 
 
 
 AGGREGATION = {
+    "cross_entropy": "token-sum",
+    "importance_sampling": "token-sum",
+    "token_ppo": "token-sum",
     "grpo": "seq-mean-token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
     "dapo": "token-mean",
@@ -110,11 +115,41 @@ class LossInputs:
     ref_logp: torch.Tensor | None = None  # [B, T] for the KL penalty
     entropy: torch.Tensor | None = None  # [B, T]
     fresh: torch.Tensor | None = None  # [B, T] 1 where a token is fresh enough to train (None: all); step.py's
+    token_advantages: torch.Tensor | None = None  # [B, T] the caller's (token losses; cross_entropy: weights)
+
+
+def token_loss(inputs: LossInputs, settings: LossSpec) -> tuple[torch.Tensor, dict[str, float]]:
+    """The losses that take the caller's per-token advantages A, summed over tokens (the Tinker API's):
+    cross_entropy -sum(A * logp); importance_sampling -sum(r * A); token_ppo -sum(min(r * A, clip(r) * A)),
+    with r = exp(logp - behaviour logp) and clip to [1 - clip_eps_low, 1 + clip_eps_high]."""
+    mask = inputs.mask.float()
+    adv = inputs.token_advantages if inputs.token_advantages is not None else torch.ones_like(inputs.logp)
+    if settings.type == "cross_entropy":
+        per_token = -adv * inputs.logp
+        ratio = clipped_mask = None
+    else:
+        ratio = (inputs.logp - inputs.behavior_logp).exp()
+        per_token = -adv * ratio
+        clipped_mask = torch.zeros_like(per_token)
+        if settings.type == "token_ppo":
+            clipped = -adv * ratio.clamp(1.0 - settings.clip_eps_low, 1.0 + settings.upper_clip)
+            clipped_mask = (clipped > per_token).float()
+            per_token = torch.maximum(per_token, clipped)
+    loss = aggregate(per_token, mask, "token-sum")
+    metrics = {"loss": float(loss.detach()), "pg_loss": float(loss.detach()), "tokens": float(mask.sum()),
+               "clip_fraction": 0.0 if clipped_mask is None else float(aggregate(clipped_mask, mask, "token-mean")),
+               "ratio_mean": 1.0 if ratio is None else float(aggregate(ratio.detach(), mask, "token-mean")),
+               "behavior_logprob_abs_diff": 0.0 if ratio is None else float(aggregate(
+                   (inputs.logp.detach() - inputs.behavior_logp).abs(), mask, "token-mean")),
+               "importance_weight_mean": 1.0, "stale_token_fraction": 0.0}
+    return loss, metrics
 
 
 def policy_loss(inputs: LossInputs, settings: LossSpec, norm_tokens: int = 0
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns the scalar loss to minimise and detached metrics."""
+    if settings.takes_token_advantages:
+        return token_loss(inputs, settings)
     mask = inputs.mask.float()
     stale_frac = 0.0
     if inputs.fresh is not None:

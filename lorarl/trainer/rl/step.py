@@ -184,11 +184,15 @@ class RLStep:
 
     # ------------------------------------------------------------ the step
 
-    def forward_backward(self, records: Sequence[TrajectoryRecord], settings: LossSpec, version: int
-                         ) -> Metrics:
+    def forward_backward(self, records: Sequence[TrajectoryRecord], settings: LossSpec, version: int,
+                         logprobs_out: list[list[float]] | None = None, forward_only: bool = False) -> Metrics:
         """Accumulates gradients; metrics are full-batch values: loss, pg_loss, entropy, clip_fraction,
         ratio_mean, importance_weight_mean, stale_token_fraction, kl (only when kl_coef > 0, the only
-        case the reference pass runs), tokens, loss_tokens, sequences, version, time_s."""
+        case the reference pass runs), tokens, loss_tokens, sequences, version, time_s.
+
+        ``logprobs_out``: filled with each record's completion-token logprobs from the same forward pass.
+        ``forward_only``: the same loss and metrics, no gradient (eval mode, no idle micro-steps: a forward
+        without gradient has no collective a data-parallel peer waits on)."""
         start = time.perf_counter()
         records = list(records)
         if settings.kl_coef and not self.has_reference:
@@ -201,11 +205,21 @@ class RLStep:
         keys = [*LOSS_WEIGHTED, *TOKEN_WEIGHTED, "stale_token_fraction"]
         sums = {k: 0.0 for k in keys if k != "kl" or settings.kl_coef}
         plan = micro_batches([r.num_tokens for r in records], self.micro_batch_tokens)
-        idle = self.reducer.idle_micro_steps(len(plan))
+        if logprobs_out is not None:
+            logprobs_out[:] = [[] for _ in records]
+        idle = 0 if forward_only else self.reducer.idle_micro_steps(len(plan))
         for idx in plan:
             micro = pack([records[i] for i in idx], advantages[idx]).to(self.backend.device)
-            for key, value in self._micro_step(micro, settings, totals, version).items():
+            seen: list[torch.Tensor] = []
+            step = self._forward_step if forward_only else self._micro_step
+            for key, value in step(micro, settings, totals, version, seen).items():
                 sums[key] += value
+            if logprobs_out is not None:
+                if len(seen) != 1:  # e.g. a pipeline stage that does not compute the loss
+                    raise EngineStateError("this rank's backend did not compute the micro-batch's logprobs once")
+                logp = seen[0].float().cpu()
+                for row, i in enumerate(idx):
+                    logprobs_out[i] = logp[row, : len(records[i].completion_token_ids)].tolist()
         for _ in range(idle):
             self._idle_micro_step(settings)
         metrics = self.reducer.reduce_metrics(sums)
@@ -213,14 +227,47 @@ class RLStep:
                        version=float(version), time_s=time.perf_counter() - start)
         return metrics
 
-    def _micro_step(self, batch: PackedBatch, settings: LossSpec, totals: BatchTotals, version: int
-                    ) -> dict[str, float]:
-        """Forward + backward of one micro-batch, its loss scaled by its share of the whole batch."""
-        fresh = fresh_tokens(batch, settings, version)
+    @staticmethod
+    def _shares(batch: PackedBatch, settings: LossSpec, totals: BatchTotals, fresh: torch.Tensor | None
+                ) -> tuple[float, float, float]:
+        """(loss share, token share, raw token share) of a micro-batch in the whole batch's loss."""
         mask = batch.mask if fresh is None else batch.mask * fresh
         token_share = float(mask.sum()) / totals.loss_tokens if totals.loss_tokens else 0.0
-        share = token_share if AGGREGATION[settings.type] == "token-mean" else batch.size / totals.sequences
+        mode = AGGREGATION[settings.type]
+        share = {"token-mean": token_share, "token-sum": 1.0}.get(mode, batch.size / totals.sequences)
         raw_token_share = float(batch.mask.sum()) / totals.tokens if totals.tokens else 0.0
+        return share, token_share, raw_token_share
+
+    @staticmethod
+    def _weighted(m: dict[str, float], share: float, token_share: float, raw_token_share: float
+                  ) -> dict[str, float]:
+        out = {k: m[k] * share for k in LOSS_WEIGHTED if k in m}
+        out.update({k: m[k] * token_share for k in TOKEN_WEIGHTED})
+        out["stale_token_fraction"] = m["stale_token_fraction"] * raw_token_share
+        return out
+
+    @torch.no_grad()
+    def _forward_step(self, batch: PackedBatch, settings: LossSpec, totals: BatchTotals, version: int,
+                      seen: list[torch.Tensor]) -> dict[str, float]:
+        """`_micro_step`'s loss and metrics without gradient; the policy is its own proximal policy."""
+        fresh = fresh_tokens(batch, settings, version)
+        share, token_share, raw_token_share = self._shares(batch, settings, totals, fresh)
+        ref = self.logprobs_no_grad(batch, reference=True) if settings.kl_coef else None
+        self.backend.set_training(False)
+        logp, entropy = self.backend.completion_logprobs(batch)
+        seen.append(logp)
+        inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages, behavior_logp=batch.behavior_logp,
+                            proximal_logp=logp if self._decoupled(settings) else None, ref_logp=ref, entropy=entropy,
+                            fresh=fresh, token_advantages=batch.token_advantages)
+        _, m = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
+        return self._weighted(m, share, token_share, raw_token_share)
+
+    def _micro_step(self, batch: PackedBatch, settings: LossSpec, totals: BatchTotals, version: int,
+                    seen: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """Forward + backward of one micro-batch, its loss scaled by its share of the whole batch; the
+        with-grad pass's logprobs (detached) appended to ``seen``."""
+        fresh = fresh_tokens(batch, settings, version)
+        share, token_share, raw_token_share = self._shares(batch, settings, totals, fresh)
         # Decoupled PPO's proximal policy is the policy before this update: with no dropout anywhere the
         # with-grad forward below computes exactly its logprobs, so they are read off it (detached)
         # instead of costing a forward pass of their own.
@@ -230,10 +277,12 @@ class RLStep:
         ref = self.logprobs_no_grad(batch, reference=True) if settings.kl_coef else None
 
         def scaled_loss(logp: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            if seen is not None:
+                seen.append(logp.detach())
             inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages,
                                 behavior_logp=batch.behavior_logp,
                                 proximal_logp=logp.detach() if reuse_proximal else proximal, ref_logp=ref,
-                                entropy=entropy, fresh=fresh)
+                                entropy=entropy, fresh=fresh, token_advantages=batch.token_advantages)
             loss, metrics = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
             return loss * share, metrics
 
@@ -241,10 +290,7 @@ class RLStep:
         self.backend.before_micro_batch(batch)
         m = self.backend.loss_backward(batch, bool(settings.entropy_coef), scaled_loss)
         self.backend.set_training(False)
-        out = {k: m[k] * share for k in LOSS_WEIGHTED if k in m}
-        out.update({k: m[k] * token_share for k in TOKEN_WEIGHTED})
-        out["stale_token_fraction"] = m["stale_token_fraction"] * raw_token_share
-        return out
+        return self._weighted(m, share, token_share, raw_token_share)
 
     def _idle_micro_step(self, settings: LossSpec) -> None:
         """`_micro_step`'s forward and backward passes on a batch of no sequences, with a zero loss."""

@@ -25,6 +25,9 @@ class TrajectoryRecord:
     id: str = ""
     loss_mask: list[bool] | None = None
     turn_rewards: list[float] = field(default_factory=list)  # per policy turn; informational
+    # Per completion token: the caller's advantage (cross_entropy: weight), for the losses that take them
+    # (lorarl.contract.training.TOKEN_LOSSES); None: none given.
+    token_advantages: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -53,6 +53,7 @@ def trajectory_record(t: common_pb2.Trajectory) -> TrajectoryRecord:
         behavior_logprobs=list(t.behavior_logprobs), token_versions=list(t.token_versions), reward=t.reward,
         group_id=t.group_id, finish_reason=FINISH_REASONS.get(t.finish_reason, "?"), id=t.id,
         loss_mask=list(t.loss_mask) or None, turn_rewards=list(t.turn_rewards),
+        token_advantages=list(t.token_advantages) or None,
     )
 
 

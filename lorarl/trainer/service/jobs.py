@@ -67,6 +67,13 @@ class Job:
     #: The next publish registers with weight sync again and learns its latest version: a new or
     #: rewound job (restarted trainer, loaded checkpoint) must not reuse a number weight sync holds.
     sync_unchecked: bool = True
+    trained_tokens: float = 0.0  # completion tokens of its training passes (Prometheus: job_metrics.py)
+    trained_passes: int = 0
+
+    def count(self, metrics: Metrics) -> Metrics:
+        self.trained_tokens += float(metrics.get("tokens", 0.0))
+        self.trained_passes += 1
+        return metrics
 
 
 def check_job_id(job_id: str) -> None:
@@ -215,7 +222,7 @@ class JobManager:
             except Exception:  # the job still trains; its first step just pays the set-up itself
                 logger.warning("job %s: engine warm-up failed", job_id, exc_info=True)
             freeze_long_lived()  # the model lives as long as the job: keep full collections off it
-            job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits))
+            job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits, spec.loss))
             self._jobs[job_id] = job
             return job, False
         finally:
@@ -234,10 +241,12 @@ class JobManager:
         job = self.get(job_id)
         return job.buffer.push_many(records, job.engine.version)
 
-    def _validated(self, job: Job, records: Sequence[TrajectoryRecord], field_name: str) -> list[TrajectoryRecord]:
+    def _validated(self, job: Job, records: Sequence[TrajectoryRecord], field_name: str, loss=None
+                   ) -> list[TrajectoryRecord]:
         for i, rec in enumerate(records):
             try:
-                validate_trajectory(rec, job.engine.vocab_size, job.engine.version, job.spec.limits)
+                validate_trajectory(rec, job.engine.vocab_size, job.engine.version, job.spec.limits,
+                                    loss or job.spec.loss)
             except InvalidTrajectory as e:
                 raise InvalidArgumentError(f"{field_name}[{i}].{e.field}", e.message) from None
         return list(records)
@@ -258,18 +267,27 @@ class JobManager:
             if not batch and not extra:
                 raise FailedPreconditionError(f"job {job_id!r} has no trajectories to train on; push some first")
             try:
-                metrics = await self._in_engine_thread(job.engine.train_step, batch + extra)
+                metrics = job.count(await self._in_engine_thread(job.engine.train_step, batch + extra))
             except BaseException:
                 job.buffer.restore(batch)
                 raise
         return metrics, job.engine.version, job.engine.step
 
-    async def forward_backward(self, job_id: str, records: Sequence[TrajectoryRecord], loss=None) -> Metrics:
+    async def forward_backward(self, job_id: str, records: Sequence[TrajectoryRecord], loss=None, *,
+                               forward_only: bool = False, logprobs: bool = False
+                               ) -> tuple[Metrics, list[list[float]]]:
+        """Metrics, and each record's logprobs when asked (``forward_only``: no gradient kept)."""
         job = self.get(job_id)
-        batch = self._validated(job, records, "trajectories")
+        batch = self._validated(job, records, "trajectories", loss)
         if not batch:
             raise InvalidArgumentError("trajectories", "is empty")
-        return await self._run(job, job.engine.forward_backward, batch, loss)
+        if not (forward_only or logprobs):
+            return job.count(await self._run(job, job.engine.forward_backward, batch, loss)), []
+        try:
+            metrics, out = await self._run(job, job.engine.forward_with_logprobs, batch, loss, forward_only)
+        except NotImplementedError as e:
+            raise FailedPreconditionError(str(e)) from None
+        return (metrics if forward_only else job.count(metrics)), out
 
     async def optim_step(self, job_id: str, lr: float | None) -> tuple[Metrics, int, int]:
         job = self.get(job_id)

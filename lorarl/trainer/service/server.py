@@ -22,10 +22,12 @@ from lorarl.common.channel import ClientTls, peer_tls
 from lorarl.common.config import ConfigError
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.common.log import configure_logging
+from lorarl.common.metrics import RpcMetrics
 from lorarl.common.server import Register, RunningServer, StartupError, serve
 from lorarl.common.validation import check_path
 from lorarl.trainer.service import convert
 from lorarl.trainer.service.config import TrainerServiceConfig, TrainerSettings
+from lorarl.trainer.service.job_metrics import JobsCollector
 from lorarl.trainer.service.jobs import Job, JobManager, resolve_under
 from lorarl.trainer.service.tenancy import Tenants, check_own_paths
 from lorarl.trainer.service.validation import BufferFullError
@@ -151,8 +153,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self._scoped(context, request.job_id)
         loss = convert.loss_spec(request.loss, "loss") if request.HasField("loss") else None
         records = [convert.trajectory_record(t) for t in request.trajectories]
-        metrics = await self.jobs.forward_backward(request.job_id, records, loss)
-        return trainer_pb2.ForwardBackwardResponse(metrics=convert.step_metrics(metrics))
+        metrics, logprobs = await self.jobs.forward_backward(request.job_id, records, loss,
+                                                             forward_only=request.forward_only,
+                                                             logprobs=request.return_logprobs)
+        return trainer_pb2.ForwardBackwardResponse(metrics=convert.step_metrics(metrics),
+                                                   logprobs=[trainer_pb2.TokenLogprobs(logprobs=lp) for lp in logprobs])
 
     async def OptimStep(self, request, context):
         self._scoped(context, request.job_id)
@@ -222,6 +227,13 @@ def registration(servicer: TrainerServicer) -> Register:
     return register
 
 
+def job_metrics(servicer: TrainerServicer) -> RpcMetrics:
+    """The service's RPC metrics with its per-job series beside them (lorarl_trainer_job_*{job_id})."""
+    metrics = RpcMetrics()
+    metrics.registry.register(JobsCollector(servicer.jobs))
+    return metrics
+
+
 async def serve_forever(config: TrainerServiceConfig) -> None:
     """Runs the trainer service until SIGTERM/SIGINT; with several ranks (trainer.ranks, or torchrun) rank 0
     serves and the others follow it (lorarl.trainer.ranks.follower)."""
@@ -233,7 +245,7 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
         servicer = TrainerServicer(settings, token=server_token(server.auth, host=server.host),
                                    peer_tls=peer_tls(server.peer_tls))
         await serve(NAME, server, registration(servicer), on_shutdown=servicer.close,
-                    also_tokens=servicer.tenants.tokens)
+                    also_tokens=servicer.tenants.tokens, metrics=job_metrics(servicer))
         return
     if ":" in settings.device:
         raise ConfigError("trainer.device", f"{settings.device!r} names one device, but each of the "
@@ -269,6 +281,6 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
 
     try:
         await serve(NAME, server, registration(servicer), on_shutdown=servicer.close, on_started=started,
-                    also_tokens=servicer.tenants.tokens)
+                    also_tokens=servicer.tenants.tokens, metrics=job_metrics(servicer))
     finally:
         await asyncio.to_thread(group.stop)

@@ -10,7 +10,7 @@ import math
 import threading
 from collections.abc import Sequence
 
-from lorarl.trainer.engines.api import FINISH_REASONS, LimitsSpec, TrajectoryRecord
+from lorarl.trainer.engines.api import FINISH_REASONS, LimitsSpec, LossSpec, TrajectoryRecord
 
 #: Largest positive behaviour logprob accepted. Samplers compute log_softmax in low precision and a
 #: near-certain token can come back as a tiny positive number (e.g. 2e-6); anything above this is a
@@ -37,8 +37,21 @@ def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
             raise InvalidTrajectory(field, f"token id {token} at index {i} is outside the vocabulary [0, {vocab_size})")
 
 
-def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version: int, limits: LimitsSpec) -> None:
-    """Raises InvalidTrajectory for the first problem found; returns None when the trajectory is usable."""
+def check_advantages_fit(rec: TrajectoryRecord, loss: LossSpec) -> None:
+    """Per-token advantages go with the losses that read them, and those that need them have them: never
+    a caller's advantages silently dropped, nor a sampler's loss run on zeros."""
+    if rec.token_advantages is not None and not loss.takes_token_advantages:
+        raise InvalidTrajectory("token_advantages", f"are read only by the losses cross_entropy, importance_sampling "
+                                                    f"and token_ppo; this loss ({loss.type}) takes its advantages "
+                                                    "from `reward` by group")
+    if rec.token_advantages is None and loss.takes_token_advantages and loss.type != "cross_entropy":
+        raise InvalidTrajectory("token_advantages", f"are needed by loss {loss.type} (one per completion token)")
+
+
+def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version: int, limits: LimitsSpec,
+                        loss: LossSpec | None = None) -> None:
+    """Raises InvalidTrajectory for the first problem found; returns None when the trajectory is usable.
+    ``loss``: the loss it will train under, for the per-token advantages (None: not checked here)."""
     n = len(rec.completion_token_ids)
     if not rec.prompt_token_ids:
         raise InvalidTrajectory("prompt_token_ids", "is empty; the first completion token is predicted from the prompt")
@@ -60,6 +73,15 @@ def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version:
     for i, value in enumerate(rec.turn_rewards):
         if not math.isfinite(value):
             raise InvalidTrajectory("turn_rewards", f"entry {i} is {value}, not a finite number")
+    if rec.token_advantages is not None:
+        if len(rec.token_advantages) != n:
+            raise InvalidTrajectory("token_advantages", f"has {len(rec.token_advantages)} entries for {n} completion "
+                                                        "tokens (empty: none given)")
+        for i, value in enumerate(rec.token_advantages):
+            if not math.isfinite(value):
+                raise InvalidTrajectory("token_advantages", f"entry {i} is {value}, not a finite number")
+    if loss is not None:
+        check_advantages_fit(rec, loss)
     trained = rec.trained()
     total = len(rec.prompt_token_ids) + n
     if total > limits.max_sequence_tokens:
@@ -96,9 +118,10 @@ class TrajectoryBuffer:
     one never removes or blocks those accepted before or after it.
     """
 
-    def __init__(self, vocab_size: int, limits: LimitsSpec) -> None:
+    def __init__(self, vocab_size: int, limits: LimitsSpec, loss: LossSpec | None = None) -> None:
         self.vocab_size = vocab_size
         self.limits = limits
+        self.loss = loss  # the job's: buffered trajectories train under it
         self._items: list[TrajectoryRecord] = []
         self._lock = threading.Lock()
 
@@ -112,7 +135,7 @@ class TrajectoryBuffer:
 
     def push(self, rec: TrajectoryRecord, current_version: int) -> None:
         """Validates and appends one trajectory; raises InvalidTrajectory or BufferFullError."""
-        validate_trajectory(rec, self.vocab_size, current_version, self.limits)
+        validate_trajectory(rec, self.vocab_size, current_version, self.limits, self.loss)
         with self._lock:
             if len(self._items) >= self.capacity:
                 raise BufferFullError(f"trajectory buffer is full ({self.capacity} trajectories); "

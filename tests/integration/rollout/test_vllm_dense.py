@@ -108,6 +108,31 @@ def test_adapter_version_matches_transformers_peft(service: RolloutHarness, adap
     service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="peft"))
 
 
+def test_prompt_logprobs_are_the_policys_own(service: RolloutHarness, adapter, reference, fingerprint) -> None:
+    """Generate with prompt_logprobs (the Tinker front's compute_logprobs): on a prompt that is the adapter's
+    own greedy continuation, the prompt tokens' logprobs are transformers+PEFT's for those tokens, the first
+    NaN; asked once per prompt, whatever n; refused on the stream."""
+    load(service, "prompt-lp", 1, adapter, ADAPTER, fingerprint)
+    tokens, logprobs = reference["adapter"]
+    prompt = (*PROMPT, *tokens[:8])
+    sampling = common_pb2.SamplingParams(n=3, temperature=1.0, max_tokens=2, prompt_logprobs=True)
+    reply = service.stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=prompt)], sampling=sampling,
+        policy=rollout_pb2.PolicySelector(job_id="prompt-lp", version=1)), timeout=120)
+    (result,) = reply.results
+    got = list(result.prompt_logprobs)
+    assert len(got) == len(prompt) and got[0] != got[0] and len(result.completions) == 3  # NaN first
+    torch.testing.assert_close(torch.tensor(got[len(PROMPT):]), torch.tensor(logprobs[:8]), atol=2e-4, rtol=0)
+    plain = service.stub.Generate(rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=prompt)],
+                                                              sampling=greedy(2)), timeout=120)
+    assert not plain.results[0].prompt_logprobs  # only when asked
+    with pytest.raises(grpc.RpcError) as refused:
+        list(service.stub.GenerateStream(rollout_pb2.GenerateStreamRequest(
+            prompt=rollout_pb2.Prompt(token_ids=prompt), sampling=sampling), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in refused.value.details()
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="prompt-lp"))
+
+
 def test_several_jobs_side_by_side_on_one_base(service: RolloutHarness, model_dir, adapter, reference,
                                                 fingerprint) -> None:
     load(service, "one", 1, adapter, ADAPTER, fingerprint)

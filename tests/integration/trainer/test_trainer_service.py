@@ -60,6 +60,12 @@ def job_request(model_dir: Path, job_id: str = "job1", **config) -> trainer_pb2.
     return trainer_pb2.CreateJobRequest(job_id=job_id, config=cfg)
 
 
+async def refused(call, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(request)
+    return err.value.code(), err.value.details()
+
+
 async def push(stub, job_id: str, *batches: list[common_pb2.Trajectory]) -> list[trainer_pb2.PushTrajectoriesResponse]:
     async def requests():
         for batch in batches:
@@ -199,11 +205,6 @@ def test_checkpoint_resume_and_export_over_grpc(tmp_path: Path, model_dir: Path)
 def test_out_of_range_and_non_finite_inputs_are_invalid_argument(tmp_path: Path, model_dir: Path) -> None:
     """What a fuzz of the trainer's RPCs found answered with INTERNAL or accepted: each is now refused by name."""
     async def body(stub) -> None:
-        async def refused(call, request) -> tuple[grpc.StatusCode, str]:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call(request)
-            return err.value.code(), err.value.details()
-
         def with_config(**changes) -> trainer_pb2.CreateJobRequest:
             request = job_request(model_dir)
             for path, value in changes.items():
@@ -274,3 +275,41 @@ def test_two_jobs_on_one_base_share_it_over_grpc(tmp_path: Path, model_dir: Path
         assert left.job.base_jobs == 1 and left.job.base_bytes == one.job.base_bytes
 
     asyncio.run(with_stub(tmp_path, body, with_address=True))
+
+
+def test_a_per_token_loss_over_grpc_returns_logprobs_and_refuses_what_it_cannot_read(tmp_path: Path,
+                                                                                  model_dir: Path) -> None:
+    """ForwardBackward with the caller's per-token advantages (the Tinker front's call): forward_only and
+    return_logprobs give the policy's logprobs and the summed loss; advantages sent to a group loss, or missing
+    where the loss needs them, are INVALID_ARGUMENT naming the field."""
+    is_loss = trainer_pb2.LossConfig(type=trainer_pb2.LOSS_TYPE_IMPORTANCE_SAMPLING)
+
+    async def body(stub) -> None:
+        await stub.CreateJob(job_request(model_dir))
+        sent = [trajectory(GOOD, 0.0, token_advantages=[1.0, 0.5, -0.25]), trajectory(BAD, 0.0,
+                                                                                     token_advantages=[-1.0] * 3)]
+        scored = await stub.ComputeLogprobs(trainer_pb2.ComputeLogprobsRequest(job_id="job1", trajectories=sent))
+        forward = await stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+            job_id="job1", trajectories=sent, loss=is_loss, forward_only=True, return_logprobs=True))
+        assert [lp for r in forward.logprobs for lp in r.logprobs] == pytest.approx(
+            [lp for r in scored.results for lp in r.logprobs], abs=1e-5) and len(forward.logprobs) == 2
+        expected = -sum(math.exp(lp + 1.0) * a for t, r in zip(sent, scored.results, strict=True)
+                        for lp, a in zip(r.logprobs, t.token_advantages, strict=True))
+        assert forward.metrics.values["loss"] == pytest.approx(expected, rel=1e-4)
+        with_grad = await stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
+            job_id="job1", trajectories=sent, loss=is_loss, return_logprobs=True))
+        assert len(with_grad.logprobs) == 2
+        stepped = await stub.OptimStep(trainer_pb2.OptimStepRequest(job_id="job1"))
+        assert stepped.version == 1
+
+        code, msg = await refused(stub.ForwardBackward, trainer_pb2.ForwardBackwardRequest(job_id="job1",
+                                                                                           trajectories=sent))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "trajectories[0].token_advantages" in msg
+        assert "(grpo)" in msg
+        code, msg = await refused(stub.ForwardBackward, trainer_pb2.ForwardBackwardRequest(
+            job_id="job1", trajectories=[trajectory(GOOD, 1.0)], loss=is_loss))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "needed by loss importance_sampling" in msg
+        pushed = await push(stub, "job1", [sent[0]])
+        assert "token_advantages" in pushed[0].statuses[0].message  # buffered: trained under the job's grpo
+
+    asyncio.run(with_stub(tmp_path, body))

@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines import checkpoint as ckpt
-from lorarl.trainer.engines.api import CheckpointInfo, Metrics, TrainingSpec, TrajectoryRecord
+from lorarl.trainer.engines.api import CheckpointInfo, Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.megatron.data_parallel import MegatronDataParallel, MegatronReducer
 from lorarl.trainer.engines.megatron.export import iter_hf_weights, peft_tensors, save_merged, save_peft
 from lorarl.trainer.engines.megatron.lora import inject_megatron_lora
@@ -148,6 +148,11 @@ class MegatronEngine(PolicyEngine):
         records = list(batch)
         self.dp.check_same_batch(records)
         return super().forward_backward([records[i] for i in self.dp.share(records)], loss)
+
+    def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
+                              forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:
+        """Not here: data-parallel ranks split the batch and a pipeline's loss lives on its last stage."""
+        return TrainEngine.forward_with_logprobs(self, batch, loss, forward_only)
 
     def compute_logprobs(self, batch: Sequence[TrajectoryRecord], reference: bool = False) -> list[list[float]]:
         """The full batch's logprobs on every rank: each DP rank computes its share, then they are merged."""

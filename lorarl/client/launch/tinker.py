@@ -1,0 +1,91 @@
+"""A job file's services and the Tinker front (lorarl.tinker) over them, on this machine: what
+`lorarl tinker JOB` runs, and what tests and examples start.
+
+    lorarl tinker examples/demo.yaml       # prints TINKER_BASE_URL and TINKER_API_KEY, serves until Ctrl-C
+
+The job file says the model (served to clients as ``model.path``'s folder name, and under its path) and how
+the services run (rollout engine, LoRA slots); its own loop, data and reward are not used: the Tinker
+client brings those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Front:
+    base_url: str
+    api_key: str
+    base_model: str  # the name a client passes as base_model
+    trainer: str
+    rollout: str
+
+
+def model_names(model_path: str) -> dict[str, str]:
+    """The names a job's model is served under: its folder's name and its path as written."""
+    resolved = str(Path(model_path).resolve())
+    return {Path(model_path).name: resolved, model_path: resolved}
+
+
+@contextlib.contextmanager
+def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str | None, api_key: str,
+                host: str = "127.0.0.1") -> Iterator[str]:
+    """The front on a thread of its own (its own event loop), until the block ends; yields its base URL."""
+    import uvicorn
+
+    from lorarl.tinker.app import create_app
+    from lorarl.tinker.server import bind
+    from lorarl.tinker.service import TinkerService
+
+    sock = bind(host, 0)
+    port = sock.getsockname()[1]
+    started: Future = Future()
+
+    def run() -> None:
+        async def main() -> None:
+            app = create_app(TinkerService(models, trainer, rollout, token=token), [api_key])
+            web = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+            started.set_result(web)
+            await web.serve(sockets=[sock])
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run, name="tinker-front", daemon=True)
+    thread.start()
+    web: Any = started.result(60)
+    deadline = time.monotonic() + 60
+    while not web.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not web.started:
+        raise RuntimeError("the Tinker front did not start (its log is above)")
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        web.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def local_front(config: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None) -> Iterator[Front]:
+    """The job file's three services (as `lorarl run` starts them) and the front over them."""
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.launch.services import local_stack
+
+    cfg = load_job_config(str(config), list(overrides))
+    stack = local_stack(cfg, Path(out or cfg.output.dir))
+    api_key = f"tml-{secrets.token_urlsafe(24)}"
+    with stack:
+        trainer, rollout = stack.address("trainer"), stack.addresses("rollout")[0]
+        models = model_names(cfg.model.path)
+        with serve_front(models, trainer, rollout, stack.token, api_key) as base_url:
+            yield Front(base_url, api_key, Path(cfg.model.path).name, trainer, rollout)

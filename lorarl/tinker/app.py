@@ -1,0 +1,208 @@
+"""The Tinker API's HTTP routes (`/api/v1/...`) over a TinkerService: thin handlers, the wire rules of
+docs/tinker_protocol.md section 0 kept here — the API key in ``X-API-Key``, futures for the calls the SDK
+awaits, protobuf in and out where it sends or expects it, a failed request as a settled future (HTTP 200
+``{"error", "category"}``), and every refusal a 4xx with a body: a 5xx (or 408/409/429) is retried by the SDK
+for minutes, so none is sent for a caller's mistake or an unknown route (404)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from tinker.proto import tinker_public_pb2 as pb
+
+from lorarl.tinker.futures import Futures, Outcome, UserError
+from lorarl.tinker.service import TinkerService
+
+logger = logging.getLogger(__name__)
+PROTOBUF = "application/x-protobuf"
+
+
+def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures | None = None) -> FastAPI:
+    """The front's app; ``api_keys``: the keys accepted in X-API-Key (each starts with "tml-", as the SDK
+    requires of a key)."""
+    keys = [k.encode() for k in api_keys]
+    if not keys or any(not k.startswith(b"tml-") for k in keys):
+        raise ValueError("the Tinker front needs API keys, each starting with 'tml-' (the SDK refuses others)")
+    futures = futures or Futures()
+    app = FastAPI(title="lorarl Tinker front")
+    app.state.service, app.state.futures = service, futures
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        presented = request.headers.get("x-api-key", "").encode()
+        if request.url.path != "/api/v1/healthz" and not any(hmac.compare_digest(presented, k) for k in keys):
+            logger.warning("tinker: refused %s %s: bad or missing X-API-Key", request.method, request.url.path)
+            return JSONResponse({"detail": "a valid X-API-Key is needed"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(UserError)
+    async def user_error(request: Request, exc: UserError) -> JSONResponse:
+        logger.info("tinker: refused %s: %s", request.url.path, exc)
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            data = await request.json()
+        except ValueError:
+            raise UserError("the body must be a JSON object") from None
+        if not isinstance(data, dict):
+            raise UserError("the body must be a JSON object")
+        return data
+
+    def future(request_id: str, **extra: Any) -> dict[str, Any]:
+        return {"request_id": request_id, **extra}
+
+    # ------------------------------------------------------------ bootstrap and sessions
+
+    @app.post("/api/v1/client/config")
+    async def client_config() -> dict[str, Any]:
+        # Chunks of one forward_backward arrive one by one: each model's order is kept anyway (futures.py).
+        return {"parallel_fwdbwd_chunks": False, "fwdbwd_max_chunk_len": 4096}
+
+    @app.get("/api/v1/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        return service.capabilities()
+
+    @app.post("/api/v1/create_session")
+    async def create_session() -> dict[str, Any]:
+        return service.create_session()
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        if body.get("session_id") not in service.sessions:
+            return JSONResponse({"detail": "unknown session"}, status_code=410)  # the SDK stops heartbeating
+        return {}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str) -> dict[str, Any]:
+        await service.finish_session(session_id)
+        return {}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry() -> dict[str, str]:
+        return {"status": "accepted"}
+
+    # ------------------------------------------------------------ training
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        session_id, seq = str(body.get("session_id", "")), int(body.get("model_seq_id", 0))
+        model_id = service.model_id_for(session_id, seq)
+
+        async def work() -> dict[str, Any]:
+            created = await service.create_model(body)
+            futures.start_model(model_id)
+            return created
+
+        return future(futures.submit(work), model_id=model_id)
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        return service.get_info(str((await body_of(request)).get("model_id", "")))
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        if PROTOBUF not in request.headers.get("content-type", ""):
+            raise UserError(f"forward_backward takes a protobuf ForwardBackwardRequest ({PROTOBUF})")
+        message = pb.ForwardBackwardRequest()
+        try:
+            message.ParseFromString(await request.body())
+        except Exception:
+            raise UserError("the body is not a ForwardBackwardRequest") from None
+        service.model(message.model_id)
+        request_id = futures.submit_ordered(message.model_id, message.seq_id,
+                                            lambda: service.forward_backward(message))
+        return future(request_id, model_id=message.model_id)
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        model_id = str(body.get("model_id", ""))
+        service.model(model_id)
+        return future(futures.submit_ordered(model_id, int(body.get("seq_id", 0)), lambda: service.optim_step(body)),
+                      model_id=model_id)
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        model_id = str(body.get("model_id", ""))
+        service.model(model_id)
+        return future(futures.submit_ordered(model_id, int(body.get("seq_id", 0)),
+                                             lambda: service.save_weights_for_sampler(body)), model_id=model_id)
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        model_id = str(body.get("model_id", ""))
+        service.model(model_id)
+        return future(futures.submit_ordered(model_id, int(body.get("seq_id", 0)), lambda: service.save_weights(body)),
+                      model_id=model_id)
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        if "model_id" in body:  # load_state_with_optimizer on an existing model, in its order
+            model_id = str(body["model_id"])
+            service.model(model_id)
+            return future(futures.submit_ordered(model_id, int(body.get("seq_id", 0)),
+                                                 lambda: service.load_weights(body)), model_id=model_id)
+        model_id = service.model_id_for(str(body.get("session_id", "")), int(body.get("model_seq_id", 0)))
+
+        async def work() -> dict[str, Any]:  # a new model from a checkpoint: its first request
+            created = await service.create_from_state(body)
+            futures.start_model(model_id)
+            return created
+
+        return future(futures.submit(work), model_id=model_id)
+
+    # ------------------------------------------------------------ sampling
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        return service.create_sampling_session(await body_of(request))
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def sampler(sampler_id: str) -> dict[str, Any]:
+        return service.sampler_info(sampler_id)
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        generate, n, last_n = service.sample_request(body)
+        request_id = futures.submit(lambda: service.sample(generate, last_n))
+        return future(request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(n)])
+
+    # ------------------------------------------------------------ futures
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        request_id = str((await body_of(request)).get("request_id", ""))
+        try:
+            outcome: Outcome | None = await futures.retrieve(request_id)
+        except KeyError:
+            raise HTTPException(404, f"unknown request_id {request_id!r}") from None
+        if outcome is None:
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if outcome.error:
+            return JSONResponse({"error": outcome.error, "category": outcome.category})
+        if outcome.proto is not None:
+            return Response(outcome.proto, media_type=PROTOBUF)
+        return JSONResponse(outcome.json)
+
+    @app.on_event("shutdown")
+    async def shutdown() -> None:
+        await futures.close()
+        await service.close()
+
+    return app

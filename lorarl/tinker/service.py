@@ -1,0 +1,366 @@
+"""The Tinker API's calls as lorarl gRPC calls: one lorarl job per Tinker training model, its versions
+served by the rollout for sampling sessions. Plain async methods returning JSON dicts or protobuf bytes;
+`app.py` puts them on HTTP and `futures.py` runs them in each model's order.
+
+What the front does not serve is refused by name (a "user" error the SDK raises), never dropped:
+image chunks, sparse or 2-D targets, losses other than cross_entropy / importance_sampling / ppo, optimizer
+settings other than those a model was created with (lorarl fixes Adam's betas, eps, weight decay and
+clipping per job; the learning rate goes per step), top-k logprobs. The unembedding is not adapted
+(lorarl adapts decoder linears): `train_unembed` is accepted and logged, since the SDK sends it by default.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from lorarl.common.channel import aio_channel
+from lorarl.contract.lora import LoraSpec
+from lorarl.contract.training import LossSpec, OptimizerSpec, TrainingSpec
+from lorarl.tinker import wire
+from lorarl.tinker.futures import UserError
+from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+#: What a Tinker model's Adam runs with unless a step says otherwise (the SDK's AdamParams defaults).
+TINKER_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+
+
+@dataclass
+class Model:
+    model_id: str
+    job_id: str
+    base_model: str
+    rank: int
+    version: int = 0  # the trainer's, after this model's last optim_step (0: untrained, the base's outputs)
+    adam: dict[str, float] = field(default_factory=lambda: dict(TINKER_ADAM))
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A save_state checkpoint: where the trainer wrote it and what it was trained from."""
+
+    checkpoint: str
+    adapter: str  # the same weights as a PEFT adapter: a weights-only load warm-starts a job from it
+    base_model: str
+    rank: int
+    lora: dict[str, Any]
+
+
+@dataclass
+class Sampler:
+    base_model: str
+    job_id: str = ""  # empty: the base model
+    version: int = 0
+    model_path: str = ""
+
+
+class TinkerService:
+    """Sessions, models and samplers over a trainer (and a rollout, for sampling)."""
+
+    def __init__(self, models: dict[str, str], trainer: str, rollout: str = "", token: str | None = None) -> None:
+        """``models``: Tinker base-model name -> the model's directory on the trainer and rollout."""
+        self.base_models = dict(models)
+        self._trainer_channel = aio_channel(trainer, token=token)
+        self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
+        self._rollout_channel = aio_channel(rollout, token=token) if rollout else None
+        self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel) if self._rollout_channel else None
+        self.sessions: dict[str, set[str]] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.saved: dict[str, Saved] = {}  # tinker://<model_id>/weights/<name> -> the trainer's checkpoint
+        self._lora_of: dict[str, dict[str, Any]] = {}  # model_id -> its create_model lora_config
+        self._sampler_ids = itertools.count()
+
+    async def close(self) -> None:
+        await self._trainer_channel.close()
+        if self._rollout_channel is not None:
+            await self._rollout_channel.close()
+
+    # ------------------------------------------------------------ sessions and models
+
+    def create_session(self) -> dict[str, Any]:
+        session_id = f"s{uuid.uuid4().hex[:12]}"
+        self.sessions[session_id] = set()
+        return {"session_id": session_id}
+
+    async def finish_session(self, session_id: str) -> None:
+        """A session's end (the client's close): its models' jobs leave the trainer, freeing their slots and
+        memory; what they saved stays loadable (create_training_client_from_state_with_optimizer)."""
+        for model_id in sorted(self.sessions.pop(session_id, set())):
+            model = self.models.pop(model_id, None)
+            if model is None:
+                continue
+            try:
+                await self.trainer.DeleteJob(trainer_pb2.DeleteJobRequest(job_id=model.job_id))
+            except grpc.aio.AioRpcError as e:
+                logger.warning("session %s: could not delete job %s: %s", session_id, model.job_id, e.details())
+
+    def _session(self, session_id: str) -> set[str]:
+        if session_id not in self.sessions:
+            raise UserError(f"unknown session_id {session_id!r}: create_session first")
+        return self.sessions[session_id]
+
+    def model(self, model_id: str) -> Model:
+        if model_id not in self.models:
+            raise UserError(f"unknown model_id {model_id!r}")
+        return self.models[model_id]
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": self.rollout is not None}
+                                     for name in self.base_models]}
+
+    def _base_path(self, base_model: str) -> str:
+        if base_model not in self.base_models:
+            raise UserError(f"base_model {base_model!r} is not served here; this front serves "
+                            f"{sorted(self.base_models)}")
+        return self.base_models[base_model]
+
+    def model_id_for(self, session_id: str, model_seq_id: int) -> str:
+        return f"{session_id}:train:{model_seq_id}"
+
+    async def create_model(self, body: dict[str, Any], init_adapter: str = "") -> dict[str, Any]:
+        session_id = str(body.get("session_id", ""))
+        models = self._session(session_id)
+        model_id = self.model_id_for(session_id, int(body.get("model_seq_id", 0)))
+        if model_id in self.models:
+            raise UserError(f"model {model_id} exists already")
+        base_model = str(body.get("base_model", ""))
+        path = self._base_path(base_model)
+        lora = body.get("lora_config") or {}
+        rank = int(lora.get("rank", 32))
+        attn, mlp = bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True))
+        if not (attn or mlp):
+            raise UserError("lora_config: train_attn or train_mlp must be true (lorarl adapts decoder linears)")
+        if lora.get("train_unembed", True):
+            logger.info("model %s: train_unembed is not served; the unembedding stays frozen", model_id)
+        targets = ("all-linear",) if attn and mlp else ATTENTION if attn else MLP
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise UserError(f"optimizer_config.type {optimizer!r}: lorarl serves adamw")
+        try:
+            spec = TrainingSpec(base_model_path=path, lora=LoraSpec(rank=rank, alpha=2 * rank, target_modules=targets),
+                                loss=LossSpec(type="importance_sampling"),
+                                optimizer=OptimizerSpec(beta2=TINKER_ADAM["beta2"], eps=TINKER_ADAM["eps"],
+                                                        max_grad_norm=0.0),
+                                seed=int(lora.get("seed") or 0), init_adapter_path=init_adapter)
+        except ValueError as e:
+            raise UserError(f"lora_config: {e}") from None
+        job_id = f"tinker-{session_id}-{int(body.get('model_seq_id', 0))}"
+        created = await self._call(self.trainer.CreateJob, trainer_pb2.CreateJobRequest(job_id=job_id,
+                                                                                          config=spec.to_proto()))
+        self.models[model_id] = Model(model_id, job_id, base_model, rank, version=int(created.job.version))
+        self._lora_of[model_id] = dict(lora)
+        models.add(model_id)
+        return {"model_id": model_id, "type": "create_model"}
+
+    def get_info(self, model_id: str) -> dict[str, Any]:
+        model = self.model(model_id)
+        return {"model_id": model_id, "is_lora": True, "lora_rank": model.rank, "model_name": model.base_model,
+                "model_data": {"model_name": model.base_model,
+                               "tokenizer_id": str(Path(self.base_models[model.base_model]).resolve())},
+                "optimizer_config": {"type": "adamw"}, "type": "get_info"}
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        """A gRPC call whose refusal (a bad argument, a missing job) is the caller's error, by its message."""
+        try:
+            return await method(request)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED):
+                raise UserError(f"{e.code().name}: {e.details()}") from None
+            raise
+
+    # ------------------------------------------------------------ training
+
+    async def forward_backward(self, request: Any) -> bytes:
+        model = self.model(request.model_id)
+        records = wire.trajectories(request, model.job_id)
+        clip = wire.loss_config(request)
+        loss = LossSpec(type=wire.LOSSES[request.loss_fn], **clip)
+        reply = await self._call(self.trainer.ForwardBackward, trainer_pb2.ForwardBackwardRequest(
+            job_id=model.job_id, trajectories=records, loss=loss.to_proto(), forward_only=request.forward_only,
+            return_logprobs=True))
+        return wire.forward_backward_output([list(r.logprobs) for r in reply.logprobs], dict(reply.metrics.values))
+
+    async def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
+        model = self.model(str(body.get("model_id", "")))
+        params = body.get("adam_params") or body.get("optim_params") or body.get("optimizer_params") or {}
+        if params.get("type", "adam") not in ("adam", "adamw"):
+            raise UserError(f"optimizer {params.get('type')!r}: lorarl serves adam")
+        lr = float(params.get("learning_rate", 1e-4))
+        if not (math.isfinite(lr) and 0 < lr <= 10):
+            raise UserError(f"adam_params.learning_rate must be in (0, 10], got {lr}")
+        for key, fixed in model.adam.items():
+            value = float(params.get(key, fixed))
+            if not math.isclose(value, fixed, rel_tol=1e-9, abs_tol=1e-15):
+                raise UserError(f"adam_params.{key} {value}: this model's Adam runs with {key} {fixed}, fixed when it "
+                                "was created (lorarl sets a job's betas, eps, weight decay and clipping once; only "
+                                "the learning rate goes per step)")
+        reply = await self._call(self.trainer.OptimStep, trainer_pb2.OptimStepRequest(job_id=model.job_id,
+                                                                                      learning_rate=lr))
+        model.version = int(reply.version)
+        metrics = {f"{k}:mean": float(v) for k, v in reply.metrics.values.items() if math.isfinite(v)}
+        return {"metrics": metrics, "type": "optim_step"}
+
+    # ------------------------------------------------------------ state
+
+    async def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """save_state: adapter, Adam moments and RNG as a trainer checkpoint, named by a tinker:// path."""
+        model = self.model(str(body.get("model_id", "")))
+        name = str(body.get("path") or f"step-{model.version}")
+        path = f"tinker://{model.model_id}/weights/{name}"
+        if path in self.saved and not body.get("overwrite"):
+            raise UserError(f"{path} exists; save under another name or pass overwrite")
+        reply = await self._call(self.trainer.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(
+            job_id=model.job_id, path=f"{model.job_id}/{name}"))
+        adapter = await self._call(self.trainer.Export, trainer_pb2.ExportRequest(
+            job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{model.job_id}/{name}-adapter"))
+        self.saved[path] = Saved(reply.path, adapter.path, model.base_model, model.rank,
+                                 self._lora_of.get(model.model_id, {}))
+        return {"path": path, "type": "save_weights"}
+
+    def _saved(self, body: dict[str, Any]) -> Saved:
+        path = str(body.get("path", ""))
+        if path not in self.saved:
+            raise UserError(f"no checkpoint at {path!r} (this front knows the save_state paths it returned)")
+        return self.saved[path]
+
+    async def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """load_state[_with_optimizer] on a model: with the optimizer, the checkpoint (Adam moments, step and
+        RNG included); without, the model's job starts again from the saved adapter with a fresh optimizer."""
+        saved = self._saved(body)
+        model = self.model(str(body.get("model_id", "")))
+        if body.get("optimizer", False):
+            reply = await self._call(self.trainer.LoadCheckpoint, trainer_pb2.LoadCheckpointRequest(
+                job_id=model.job_id, path=saved.checkpoint))
+            model.version = int(reply.version)
+        else:
+            session_id, seq = model.model_id.split(":train:")
+            await self._call(self.trainer.DeleteJob, trainer_pb2.DeleteJobRequest(job_id=model.job_id))
+            del self.models[model.model_id]
+            self.sessions.get(session_id, set()).discard(model.model_id)
+            await self.create_model({"session_id": session_id, "model_seq_id": int(seq),
+                                     "base_model": saved.base_model, "lora_config": saved.lora or {"rank": saved.rank}},
+                                    init_adapter=saved.adapter)
+        return {"path": body["path"], "type": "load_weights"}
+
+    async def create_from_state(self, body: dict[str, Any]) -> dict[str, Any]:
+        """create_training_client_from_state[_with_optimizer]: a new model like the saved one, from its state."""
+        saved = self._saved(body)
+        with_optimizer = bool(body.get("optimizer", False))
+        created = await self.create_model({"session_id": body.get("session_id"), "model_seq_id":
+                                           body.get("model_seq_id", 0), "base_model": saved.base_model,
+                                           "lora_config": saved.lora or {"rank": saved.rank}},
+                                          init_adapter="" if with_optimizer else saved.adapter)
+        if with_optimizer:
+            await self.load_weights({**body, "model_id": created["model_id"]})
+        return {"model_id": created["model_id"], "path": body["path"], "type": "load_weights"}
+
+    # ------------------------------------------------------------ sampling
+
+    def _new_sampler(self, sampler: Sampler) -> str:
+        sampler_id = f"sampler-{next(self._sampler_ids)}"
+        self.samplers[sampler_id] = sampler
+        return sampler_id
+
+    async def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
+        model = self.model(str(body.get("model_id", "")))
+        if body.get("kind", "snapshot") != "snapshot":
+            raise UserError(f"kind={body['kind']!r}: only snapshot samplers are served (fixed weights per version)")
+        if self.rollout is None:
+            raise UserError("this front has no rollout to sample from (start it with one)")
+        name = body.get("path")
+        if model.version == 0:  # untrained: a fresh adapter (B = 0) computes what the base does; nothing to publish
+            path = f"tinker://{model.model_id}/sampler_weights/{name or 'v0'}"
+            sampler_id = self._new_sampler(Sampler(model.base_model, "", 0, path))
+            return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+        reply = await self._call(self.trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
+            job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600))
+        if not reply.activated:
+            raise UserError(f"the rollout did not take version {reply.version}: {reply.error or 'no reason given'}")
+        path = f"tinker://{model.model_id}/sampler_weights/{name or f'v{reply.version}'}"
+        sampler_id = self._new_sampler(Sampler(model.base_model, model.job_id, int(reply.version), path))
+        return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+
+    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._session(str(body.get("session_id", "")))
+        if body.get("model_path"):
+            found = next((s for s in self.samplers.values() if s.model_path == body["model_path"]), None)
+            if found is None:
+                raise UserError(f"no sampler weights at {body['model_path']!r}")
+            return {"sampling_session_id": self._new_sampler(found)}
+        base_model = str(body.get("base_model", ""))
+        self._base_path(base_model)
+        return {"sampling_session_id": self._new_sampler(Sampler(base_model))}
+
+    def sampler_info(self, sampler_id: str) -> dict[str, Any]:
+        if sampler_id not in self.samplers:
+            raise UserError(f"unknown sampler {sampler_id!r}")
+        s = self.samplers[sampler_id]
+        return {"sampler_id": sampler_id, "base_model": s.base_model, **({"model_path": s.model_path}
+                                                                         if s.model_path else {})}
+
+    def sample_request(self, body: dict[str, Any]) -> tuple[rollout_pb2.GenerateRequest, int, int | None]:
+        """The rollout request for an asample body (checked before its future exists), num_samples, and
+        prompt_logprobs_last_n (None: all)."""
+        sampler_id = str(body.get("sampling_session_id", ""))
+        if sampler_id not in self.samplers:
+            raise UserError(f"unknown sampling_session_id {sampler_id!r}")
+        if self.rollout is None:
+            raise UserError("this front has no rollout to sample from")
+        sampler = self.samplers[sampler_id]
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(key):
+                raise UserError(f"{key}: not served (lorarl returns the sampled tokens' logprobs)")
+        if body.get("record_stability_info"):
+            raise UserError("record_stability_info: not served (no StableReinforce records are kept)")
+        if body.get("target_prompt_logprobs"):
+            raise UserError("target_prompt_logprobs: not served (lorarl returns the prompt's own logprobs)")
+        n = int(body.get("num_samples", 1))
+        if not 1 <= n <= 256:
+            raise UserError(f"num_samples must be 1..256, got {n}")
+        chunks = (body.get("prompt") or {}).get("chunks") or []
+        tokens: list[int] = []
+        for i, chunk in enumerate(chunks):
+            if chunk.get("type", "encoded_text") != "encoded_text":
+                raise UserError(f"prompt.chunks[{i}]: only encoded_text chunks are served")
+            tokens.extend(int(t) for t in chunk.get("tokens", []))
+        if not tokens:
+            raise UserError("prompt has no tokens")
+        p = body.get("sampling_params") or {}
+        params = common_pb2.SamplingParams(n=n, temperature=float(p.get("temperature", 1.0)),
+                                           top_p=float(p.get("top_p", 1.0)), top_k=int(p.get("top_k", -1)),
+                                           max_tokens=int(p.get("max_tokens") or 0))
+        if p.get("seed") is not None:
+            params.seed = int(p["seed"])
+        params.prompt_logprobs = bool(body.get("prompt_logprobs"))
+        stop = p.get("stop")
+        if isinstance(stop, str):
+            params.stop.append(stop)
+        elif isinstance(stop, list):
+            for item in stop:
+                (params.stop_token_ids if isinstance(item, int) else params.stop).append(item)
+        policy = rollout_pb2.PolicySelector(job_id=sampler.job_id, version=sampler.version)
+        last_n = body.get("prompt_logprobs_last_n")
+        return rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=tokens)], sampling=params,
+                                           policy=policy), n, None if last_n is None else int(last_n)
+
+    async def sample(self, request: rollout_pb2.GenerateRequest, last_n: int | None = None) -> bytes:
+        reply = await self._call(self.rollout.Generate, request)
+        (result,) = reply.results
+        prompt = list(result.prompt_logprobs) if request.sampling.prompt_logprobs else None
+        if prompt is not None and last_n is not None:  # the SDK wants NaN before the last n
+            prompt = [math.nan] * max(0, len(prompt) - last_n) + prompt[max(0, len(prompt) - last_n):]
+        return wire.sample_response(result.completions, prompt)

@@ -1,0 +1,47 @@
+"""End to end: the demo job's services (real vLLM rollout, weight sync) and the Tinker front over them; the
+cookbook-style loop in examples/tinker/rl_loop.py, on the official `tinker` client only, learns the demo task;
+the same front samples with prompt logprobs (compute_logprobs) that agree with the trainer's."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = ["loop.mode=sync", "output.tensorboard=false", "output.progress=false"]
+
+
+def test_the_cookbook_style_loop_learns_through_the_tinker_front(tmp_path: Path) -> None:
+    import tinker
+    from tinker import types
+
+    from lorarl.client.launch.tinker import local_front
+
+    with local_front(ROOT / "examples/demo.yaml", [*SETTINGS, f"output.dir={tmp_path}"]) as front:
+        env = {**os.environ, "TINKER_BASE_URL": front.base_url, "TINKER_API_KEY": front.api_key,
+               "TINKER_TELEMETRY": "0", "EVAL_PROBLEMS": "100", "TINKER_BASE_MODEL": front.base_model}
+        done = subprocess.run([sys.executable, "examples/tinker/rl_loop.py", "16"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=800)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        before = float(re.search(r"accuracy before: ([\d.]+)", done.stdout).group(1))
+        after = float(re.search(r"accuracy after:\s+([\d.]+)", done.stdout).group(1))
+        print(done.stdout[-1500:])
+        assert after - before >= 0.2, done.stdout
+
+        service = tinker.ServiceClient(base_url=front.base_url, api_key=front.api_key)
+        training = service.create_lora_training_client(base_model=front.base_model, rank=4).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        tokens = training.get_tokenizer().encode("12+34=56")
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+        assert scored[0] is None and len(scored) == len(tokens)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64")})
+        trained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert all(abs(a - b) < 1e-3 for a, b in zip(scored[1:], trained, strict=True)), (scored, trained)
+        service.close("success")

@@ -1,0 +1,315 @@
+"""The Tinker front (lorarl/tinker) driven by the official `tinker` client, unchanged, against a real trainer
+service on loopback: training clients on one base (cross_entropy, importance_sampling and ppo, forward and
+forward_backward, optim_step), their per-token logprobs and summed losses checked against the trainer's own
+ComputeLogprobs, two concurrent clients sharing one resident base, and what is refused as the SDK expects."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+import uvicorn
+from tinker import types
+
+from lorarl.common.server import start_server
+from lorarl.common.server_config import ServerConfig
+from lorarl.tinker.app import create_app
+from lorarl.tinker.service import TinkerService
+from lorarl.trainer.service.config import TrainerSettings
+from lorarl.trainer.service.server import NAME, TrainerServicer, registration
+from lorarl.v1 import trainer_pb2, trainer_pb2_grpc
+from tests.unit.trainer.tiny import dense_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+TOKEN = "trainer-token"
+KEY = "tml-lorarl-test-key"
+BASE = "lorarl/tiny-dense"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopThread:
+    """An asyncio loop on a thread of its own (the trainer's gRPC server lives on it)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(the front's base_url, the trainer's address): a trainer service and the front over it."""
+    root = tmp_path_factory.mktemp("tinker")
+    model_dir = root / "model"
+    dense_model(seed=0).save_pretrained(model_dir)
+    loop = LoopThread()
+    config = ServerConfig(port=0)
+    config.auth.token = TOKEN
+    settings = TrainerSettings(checkpoint_dir=str(root / "ckpt"), export_dir=str(root / "export"))
+    server = loop.run(start_server(NAME, config, registration(TrainerServicer(settings))))
+    trainer = f"127.0.0.1:{server.port}"
+    port = free_port()
+    ready: Future = Future()
+
+    def serve() -> None:
+        async def main() -> None:
+            service = TinkerService({BASE: str(model_dir)}, trainer, token=TOKEN)
+            app = create_app(service, [KEY])
+            web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+            ready.set_result(web)
+            await web.serve()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    web = ready.result(30)
+    deadline = time.monotonic() + 30
+    while not web.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", trainer
+    finally:
+        web.should_exit = True
+        thread.join(15)
+        loop.run(server.stop(0))
+        loop.stop()
+
+
+def datum(tokens: list[int], loss: str, rng: np.random.Generator) -> types.Datum:
+    n = len(tokens) - 1
+    inputs: dict = {"target_tokens": tokens[1:]}
+    if loss == "cross_entropy":
+        inputs["weights"] = [0.0] + [1.0] * (n - 1)  # the first target is "the prompt": not trained
+    else:
+        inputs["logprobs"] = (-rng.uniform(2.0, 5.0, n)).astype(np.float32).tolist()
+        inputs["advantages"] = rng.normal(size=n).astype(np.float32).tolist()
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={k: types.TensorData.from_numpy(np.asarray(v, dtype=np.int64 if k ==
+                                                                                   "target_tokens" else np.float32))
+                                       for k, v in inputs.items()})
+
+
+def batch(seed: int, loss: str, count: int = 3) -> list[types.Datum]:
+    rng = np.random.default_rng(seed)
+    return [datum(rng.integers(1, 90, size=int(rng.integers(4, 9))).tolist(), loss, rng) for _ in range(count)]
+
+
+def expected_loss(loss: str, data: list[types.Datum], logprobs: list[list[float]]) -> float:
+    total = 0.0
+    for d, lp in zip(data, logprobs, strict=True):
+        lp = np.asarray(lp, dtype=np.float64)
+        if loss == "cross_entropy":
+            total += float(-(d.loss_fn_inputs["weights"].to_numpy() * lp).sum())
+            continue
+        ratio = np.exp(lp - d.loss_fn_inputs["logprobs"].to_numpy())
+        adv = d.loss_fn_inputs["advantages"].to_numpy()
+        total += float(-(ratio * adv).sum()) if loss == "importance_sampling" else float(
+            -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv).sum())
+    return total
+
+
+def trainer_logprobs(trainer: str, job_id: str, data: list[types.Datum]) -> list[list[float]]:
+    from lorarl.common.channel import sync_channel
+    from lorarl.v1 import common_pb2
+
+    with sync_channel(trainer, token=TOKEN) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        probes = []
+        for d in data:
+            tokens = d.model_input.to_ints() + d.loss_fn_inputs["target_tokens"].to_numpy().tolist()[-1:]
+            probes.append(common_pb2.Trajectory(prompt_token_ids=tokens[:1], completion_token_ids=tokens[1:]))
+        reply = stub.ComputeLogprobs(trainer_pb2.ComputeLogprobsRequest(job_id=job_id, trajectories=probes))
+        return [list(r.logprobs) for r in reply.results]
+
+
+def test_the_official_client_trains_through_the_front(front: tuple[str, str]) -> None:
+    base_url, trainer = front
+    service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+    try:
+        client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+        assert client.get_info().model_data.model_name == BASE
+        job_id = f"tinker-{client.model_id.split(':')[0]}-0"
+        for loss in ("cross_entropy", "importance_sampling", "ppo"):
+            data = batch(1, loss)
+            forward = client.forward(data, loss).result()
+            logprobs = [o["logprobs"].to_numpy().tolist() for o in forward.loss_fn_outputs]
+            assert [len(lp) for lp in logprobs] == [len(d.model_input.to_ints()) for d in data]
+            want = trainer_logprobs(trainer, job_id, data)
+            assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(logprobs, want, strict=True))
+            assert forward.metrics["loss:sum"] == pytest.approx(expected_loss(loss, data, logprobs), rel=1e-4)
+
+        data = batch(2, "cross_entropy")
+        losses = []
+        for _ in range(4):  # weights 1 on the targets: each step makes them likelier
+            result = client.forward_backward(data, "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            losses.append(result.metrics["loss:sum"])
+        assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 1.0, losses
+
+        with pytest.raises(tinker.RequestFailedError, match="not read by loss cross_entropy"):
+            bad = batch(3, "importance_sampling")
+            client.forward_backward(bad, "cross_entropy").result()
+        with pytest.raises(tinker.RequestFailedError, match="loss_fn 'cispo' is not served"):
+            client.forward_backward(data, "cispo").result()
+        with pytest.raises(tinker.RequestFailedError, match=r"beta2 0\.999"):
+            client.optim_step(types.AdamParams(learning_rate=1e-3, beta2=0.999)).result()
+        after = client.forward(data, "cross_entropy").result()  # refusals kept the model usable, in order
+        assert after.metrics["loss:sum"] < losses[-1]
+    finally:
+        service.close("success")
+
+
+def test_state_saved_and_loaded_resumes_the_same_curve(front: tuple[str, str]) -> None:
+    """save_state, two more steps, load_state_with_optimizer: the two steps again give the same losses (Adam
+    moments and all); a client created from the state with its optimizer continues as the original did, one
+    created from its weights alone starts at the same loss and steps on with fresh Adam moments."""
+    base_url, _ = front
+    service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+    client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    data = batch(9, "cross_entropy")
+
+    def steps(c, count: int = 2) -> list[float]:
+        out = []
+        for _ in range(count):
+            out.append(c.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        return out
+
+    steps(client, 1)
+    path = client.save_state("after-one").result().path
+    assert path.endswith("/weights/after-one")
+    first = steps(client)
+    client.load_state_with_optimizer(path).result()
+    assert steps(client) == pytest.approx(first, rel=1e-6)
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    assert steps(resumed) == pytest.approx(first, rel=1e-6)
+    fresh = service.create_training_client_from_state(path).result()  # the weights, a new optimizer
+    fresh_losses = steps(fresh)
+    assert fresh_losses[0] == pytest.approx(first[0], rel=1e-6)  # the same weights: the same first loss
+    assert fresh_losses[1] != pytest.approx(first[1], rel=1e-6)  # fresh Adam moments: another step
+    service.close("success")
+
+
+def test_two_training_clients_share_one_base_and_stay_apart(front: tuple[str, str]) -> None:
+    """Two models on one base, stepped concurrently from two threads: one resident base on the trainer (its
+    jobs say base_jobs 2), and each model's losses are its own (the same seeds and data give the same curve
+    as the other model, whose steps interleave with it)."""
+    base_url, trainer = front
+    service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+    clients = [service.create_lora_training_client(base_model=BASE, rank=4, seed=7).result() for _ in range(2)]
+    data = batch(5, "importance_sampling")
+    curves: list[list[float]] = [[], []]
+
+    def train(i: int) -> None:
+        for _ in range(3):
+            curves[i].append(clients[i].forward_backward(data, "importance_sampling").result().metrics["loss:sum"])
+            clients[i].optim_step(types.AdamParams(learning_rate=2e-2)).result()
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(curves[0]) == len(curves[1]) == 3
+    assert curves[0] == pytest.approx(curves[1], rel=1e-5)  # same start, same data: the same losses
+    assert curves[0][-1] < curves[0][0]
+    from lorarl.common.channel import sync_channel
+
+    with sync_channel(trainer, token=TOKEN) as channel:
+        jobs = trainer_pb2_grpc.TrainerServiceStub(channel).ListJobs(trainer_pb2.ListJobsRequest()).jobs
+        prefix = f"tinker-{clients[0].model_id.split(':')[0]}"
+        mine = [j for j in jobs if j.job_id.startswith(prefix)]
+        assert len(mine) == 2 and all(j.base_jobs >= 2 for j in mine), mine
+        service.close("success")  # the session's end frees its jobs on the trainer
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            jobs = trainer_pb2_grpc.TrainerServiceStub(channel).ListJobs(trainer_pb2.ListJobsRequest()).jobs
+            if not [j for j in jobs if j.job_id.startswith(prefix)]:
+                break
+            time.sleep(0.1)
+        assert not [j.job_id for j in jobs if j.job_id.startswith(prefix)]
+
+
+def test_what_the_sdk_must_not_retry_is_a_4xx_with_a_body(front: tuple[str, str]) -> None:
+    """No key, a wrong key, an unknown route, an unknown future: 401 / 404 with a body (a 5xx would be retried
+    for minutes); an unknown base model fails the create future as the caller's error."""
+    import httpx
+
+    base_url, _ = front
+    assert httpx.post(f"{base_url}/api/v1/create_session", json={}).status_code == 401
+    wrong = httpx.post(f"{base_url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"})
+    assert wrong.status_code == 401 and "X-API-Key" in wrong.text
+    headers = {"X-API-Key": KEY}
+    unknown = httpx.post(f"{base_url}/api/v1/save_weights_external", json={}, headers=headers)
+    assert unknown.status_code == 404 and unknown.text
+    gone = httpx.post(f"{base_url}/api/v1/retrieve_future", json={"request_id": "nope"}, headers=headers)
+    assert gone.status_code == 404 and "nope" in gone.text
+    service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+    with pytest.raises(tinker.RequestFailedError, match="not served here"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-235B", rank=4).result()
+    training = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match="only snapshot samplers"):  # not snapshot weights quietly
+        training.save_weights_and_get_sampling_client(kind="inflight").result()
+    service.close("success")
+
+
+def test_lorarl_serve_tinker_runs_the_front_from_a_config(tmp_path: Path, front: tuple[str, str]) -> None:
+    """`lorarl serve tinker`: a config file's trainer, models and key file; the ready file names the port, the
+    key works, SIGTERM stops it with exit code 0; a key without the SDK's prefix is a configuration error."""
+    import json
+    import signal
+    import subprocess
+
+    import httpx
+    import yaml
+
+    from lorarl.client.launch.local import lorarl_command
+
+    _, trainer = front
+    keys = tmp_path / "keys"
+    keys.write_text("tml-from-a-file\n")
+    config = tmp_path / "tinker.yaml"
+    config.write_text(yaml.safe_dump({"tinker": {"trainer": trainer, "models": {BASE: str(tmp_path)},
+                                                 "api_key_file": str(keys)}}))
+    ready = tmp_path / "ready.json"
+    process = subprocess.Popen([*lorarl_command(), "serve", "tinker", "--config", str(config), "--port", "0",
+                                "--ready-file", str(ready)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), process.communicate(timeout=10)[0]
+        url = json.loads(ready.read_text())["address"]
+        answer = httpx.get(f"{url}/api/v1/get_server_capabilities", headers={"X-API-Key": "tml-from-a-file"})
+        assert answer.status_code == 200 and answer.json()["supported_models"][0]["model_name"] == BASE
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    keys.write_text("no-prefix\n")
+    bad = subprocess.run([*lorarl_command(), "serve", "tinker", "--config", str(config)], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "must start with 'tml-'" in bad.stderr, bad.stderr
