@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -57,6 +57,29 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
     def future(request_id: str, **extra: Any) -> dict[str, Any]:
         return {"request_id": request_id, **extra}
 
+    def new_model(body: dict[str, Any], create: Callable[[dict[str, Any]], Awaitable[Any]]) -> dict[str, Any]:
+        """The future of `create(body)`, the model's first request: its ordered requests start after it."""
+        seq = body.get("model_seq_id", 0)
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            raise UserError(f"model_seq_id must be an integer, got {seq!r}")
+        model_id = service.model_id_for(str(body.get("session_id", "")), seq)
+
+        async def work() -> Any:
+            created = await create(body)
+            futures.start_model(model_id)
+            return created
+
+        return future(futures.submit(work), model_id=model_id)
+
+    def in_model_order(body: dict[str, Any], call: Callable[[dict[str, Any]], Awaitable[Any]]) -> dict[str, Any]:
+        """The future of `call(body)` on its model, run after the model's earlier seq_ids."""
+        model_id = str(body.get("model_id", ""))
+        service.model(model_id)
+        seq_id = body.get("seq_id", 0)
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise UserError(f"seq_id must be an integer, got {seq_id!r}")
+        return future(futures.submit_ordered(model_id, seq_id, lambda: call(body)), model_id=model_id)
+
     # ------------------------------------------------------------ bootstrap and sessions
 
     @app.post("/api/v1/client/config")
@@ -96,16 +119,7 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        body = await body_of(request)
-        session_id, seq = str(body.get("session_id", "")), int(body.get("model_seq_id", 0))
-        model_id = service.model_id_for(session_id, seq)
-
-        async def work() -> dict[str, Any]:
-            created = await service.create_model(body)
-            futures.start_model(model_id)
-            return created
-
-        return future(futures.submit(work), model_id=model_id)
+        return new_model(await body_of(request), service.create_model)
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
@@ -127,44 +141,22 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        body = await body_of(request)
-        model_id = str(body.get("model_id", ""))
-        service.model(model_id)
-        return future(futures.submit_ordered(model_id, int(body.get("seq_id", 0)), lambda: service.optim_step(body)),
-                      model_id=model_id)
+        return in_model_order(await body_of(request), service.optim_step)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        body = await body_of(request)
-        model_id = str(body.get("model_id", ""))
-        service.model(model_id)
-        return future(futures.submit_ordered(model_id, int(body.get("seq_id", 0)),
-                                             lambda: service.save_weights_for_sampler(body)), model_id=model_id)
+        return in_model_order(await body_of(request), service.save_weights_for_sampler)
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        body = await body_of(request)
-        model_id = str(body.get("model_id", ""))
-        service.model(model_id)
-        return future(futures.submit_ordered(model_id, int(body.get("seq_id", 0)), lambda: service.save_weights(body)),
-                      model_id=model_id)
+        return in_model_order(await body_of(request), service.save_weights)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         body = await body_of(request)
         if "model_id" in body:  # load_state_with_optimizer on an existing model, in its order
-            model_id = str(body["model_id"])
-            service.model(model_id)
-            return future(futures.submit_ordered(model_id, int(body.get("seq_id", 0)),
-                                                 lambda: service.load_weights(body)), model_id=model_id)
-        model_id = service.model_id_for(str(body.get("session_id", "")), int(body.get("model_seq_id", 0)))
-
-        async def work() -> dict[str, Any]:  # a new model from a checkpoint: its first request
-            created = await service.create_from_state(body)
-            futures.start_model(model_id)
-            return created
-
-        return future(futures.submit(work), model_id=model_id)
+            return in_model_order(body, service.load_weights)
+        return new_model(body, service.create_from_state)  # a new model from a checkpoint
 
     # ------------------------------------------------------------ sampling
 

@@ -271,6 +271,9 @@ def test_what_the_sdk_must_not_retry_is_a_4xx_with_a_body(front: tuple[str, str]
     training = service.create_lora_training_client(base_model=BASE, rank=4).result()
     with pytest.raises(tinker.RequestFailedError, match="only snapshot samplers"):  # not snapshot weights quietly
         training.save_weights_and_get_sampling_client(kind="inflight").result()
+    odd = httpx.post(f"{base_url}/api/v1/optim_step", json={"model_id": training.model_id, "seq_id": "later"},
+                     headers=headers)
+    assert odd.status_code == 400 and "seq_id must be an integer" in odd.text
     service.close("success")
 
 
