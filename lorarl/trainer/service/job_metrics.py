@@ -1,7 +1,7 @@
 """Per-job Prometheus series of a trainer: what `lorarl jobs` shows, scraped (lorarl_trainer_job_*{job_id}).
 
 A collector read at scrape time from the JobManager, so a deleted job's series go with it and nothing is
-updated on the training path but two counters per step (Job.trained_tokens, Job.trained_steps).
+updated on the training path but three counters per pass (Job.trained_tokens, _passes, _seconds).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class JobsCollector(Collector):
                                      labels=labels)
         passes = CounterMetricFamily("lorarl_trainer_job_training_passes", "forward_backward / train_step passes.",
                                      labels=labels)
+        seconds = CounterMetricFamily("lorarl_trainer_job_training_seconds",
+                                      "Seconds of those passes in the engine thread.", labels=labels)
         for job in self.jobs.list():
             key = [job.job_id]
             version.add_metric(key, job.engine.version)
@@ -44,4 +46,5 @@ class JobsCollector(Collector):
             base_jobs.add_metric(key, sharing)
             tokens.add_metric(key, job.trained_tokens)
             passes.add_metric(key, job.trained_passes)
-        yield from (version, step, buffered, job_bytes, base_bytes, base_jobs, tokens, passes)
+            seconds.add_metric(key, job.trained_seconds)
+        yield from (version, step, buffered, job_bytes, base_bytes, base_jobs, tokens, passes, seconds)

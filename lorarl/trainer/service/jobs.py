@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -69,11 +70,17 @@ class Job:
     sync_unchecked: bool = True
     trained_tokens: float = 0.0  # completion tokens of its training passes (Prometheus: job_metrics.py)
     trained_passes: int = 0
+    trained_seconds: float = 0.0  # in those passes, the base held (not waiting for it)
 
-    def count(self, metrics: Metrics) -> Metrics:
+    def count(self, metrics: Metrics, seconds: float) -> Metrics:
         self.trained_tokens += float(metrics.get("tokens", 0.0))
         self.trained_passes += 1
+        self.trained_seconds += seconds
         return metrics
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.trained_tokens / self.trained_seconds if self.trained_seconds > 0 else 0.0
 
 
 def check_job_id(job_id: str) -> None:
@@ -257,6 +264,19 @@ class JobManager:
         async with job.lock:
             return await self._in_engine_thread(fn, *args)
 
+    async def _trained(self, job: Job, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the engine thread, its seconds there (not in the executor's queue) counted on the job
+        with the tokens of the metrics it returns (alone, or first of a tuple)."""
+
+        def timed() -> tuple[Any, float]:
+            started = time.perf_counter()
+            out = fn(*args)
+            return out, time.perf_counter() - started
+
+        out, seconds = await self._in_engine_thread(timed)
+        job.count(out[0] if isinstance(out, tuple) else out, seconds)
+        return out
+
     async def train_step(self, job_id: str, max_trajectories: int, inline: Sequence[TrajectoryRecord]
                          ) -> tuple[Metrics, int, int]:
         """One optimiser step on buffered (+ inline) trajectories; popped ones go back on failure."""
@@ -267,7 +287,7 @@ class JobManager:
             if not batch and not extra:
                 raise FailedPreconditionError(f"job {job_id!r} has no trajectories to train on; push some first")
             try:
-                metrics = job.count(await self._in_engine_thread(job.engine.train_step, batch + extra))
+                metrics = await self._trained(job, job.engine.train_step, batch + extra)
             except BaseException:
                 job.buffer.restore(batch)
                 raise
@@ -281,13 +301,15 @@ class JobManager:
         batch = self._validated(job, records, "trajectories", loss)
         if not batch:
             raise InvalidArgumentError("trajectories", "is empty")
-        if not (forward_only or logprobs):
-            return job.count(await self._run(job, job.engine.forward_backward, batch, loss)), []
-        try:
-            metrics, out = await self._run(job, job.engine.forward_with_logprobs, batch, loss, forward_only)
-        except NotImplementedError as e:
-            raise FailedPreconditionError(str(e)) from None
-        return (metrics if forward_only else job.count(metrics)), out
+        async with job.lock:
+            if not (forward_only or logprobs):
+                return await self._trained(job, job.engine.forward_backward, batch, loss), []
+            try:
+                if forward_only:  # no training pass: not counted
+                    return await self._in_engine_thread(job.engine.forward_with_logprobs, batch, loss, True)
+                return await self._trained(job, job.engine.forward_with_logprobs, batch, loss, False)
+            except NotImplementedError as e:
+                raise FailedPreconditionError(str(e)) from None
 
     async def optim_step(self, job_id: str, lr: float | None) -> tuple[Metrics, int, int]:
         job = self.get(job_id)

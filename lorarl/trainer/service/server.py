@@ -45,7 +45,8 @@ def job_status(job: Job) -> trainer_pb2.JobStatus:
         job_id=job.job_id, config=convert.job_config(job.spec), version=engine.version, step=engine.step,
         buffered_trajectories=len(job.buffer), base_model_fingerprint=engine.base_model_fingerprint,
         trainable_parameters=engine.trainable_parameters, total_parameters=engine.total_parameters,
-        base_bytes=base_bytes, base_jobs=base_jobs, job_bytes=job_bytes,
+        base_bytes=base_bytes, base_jobs=base_jobs, job_bytes=job_bytes, trained_tokens=job.trained_tokens,
+        tokens_per_second=job.tokens_per_second,
     )
 
 

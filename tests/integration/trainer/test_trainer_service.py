@@ -261,6 +261,8 @@ def test_two_jobs_on_one_base_share_it_over_grpc(tmp_path: Path, model_dir: Path
         assert trained.version == 1
         statuses = {j.job_id: j for j in (await stub.ListJobs(trainer_pb2.ListJobsRequest())).jobs}
         assert (statuses["one"].version, statuses["two"].version) == (0, 1)
+        assert statuses["two"].trained_tokens == trained.metrics.values["tokens"] > 0
+        assert statuses["two"].tokens_per_second > 0 and statuses["one"].trained_tokens == 0
         # adapter + Adam's two moments once trained (fp32): 3 x 4 bytes a parameter (and a step count per
         # tensor); before its first step, 4
         assert statuses["two"].job_bytes == pytest.approx(12 * two.job.trainable_parameters, rel=0.01)
@@ -270,6 +272,7 @@ def test_two_jobs_on_one_base_share_it_over_grpc(tmp_path: Path, model_dir: Path
         lines = capsys.readouterr().out.splitlines()
         assert lines[0].split()[:3] == ["job", "base", "rank"] and len(lines) == 3
         assert lines[2].split()[:5] == ["two", str(model_dir), "8", "1", "1"] and lines[2].endswith("(2)")
+        assert float(lines[2].split()[6].replace(",", "")) > 0 and lines[1].split()[6] == "0.0"  # tokens/s
         await stub.DeleteJob(trainer_pb2.DeleteJobRequest(job_id="two"))
         left = await stub.GetJob(trainer_pb2.GetJobRequest(job_id="one"))
         assert left.job.base_jobs == 1 and left.job.base_bytes == one.job.base_bytes

@@ -63,6 +63,10 @@ def test_each_live_job_has_its_series_and_a_deleted_job_loses_them(tmp_path: Pat
         assert after[("lorarl_trainer_job_trained_tokens_total", "a")] == 6  # two trajectories of 3 tokens
         assert after[("lorarl_trainer_job_training_passes_total", "a")] == 1
         assert after[("lorarl_trainer_job_training_passes_total", "b")] == 0
+        assert after[("lorarl_trainer_job_training_seconds_total", "a")] > 0 == after[
+            ("lorarl_trainer_job_training_seconds_total", "b")]
+        job = manager.get("a")
+        assert job.tokens_per_second == job.trained_tokens / job.trained_seconds > 0
         assert after[("lorarl_trainer_job_buffered_trajectories", "a")] == 0
         assert after[("lorarl_trainer_job_base_bytes", "a")] == 1000
         assert after[("lorarl_trainer_job_base_jobs", "b")] == 2 and after[("lorarl_trainer_job_bytes", "b")] == 30
