@@ -70,7 +70,7 @@ class Job:
     sync_unchecked: bool = True
     trained_tokens: float = 0.0  # completion tokens of its training passes (Prometheus: job_metrics.py)
     trained_passes: int = 0
-    trained_seconds: float = 0.0  # in those passes, the base held (not waiting for it)
+    trained_seconds: float = 0.0  # those passes in the engine thread (not queued for it)
 
     def count(self, metrics: Metrics, seconds: float) -> Metrics:
         self.trained_tokens += float(metrics.get("tokens", 0.0))
