@@ -34,8 +34,18 @@ LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo", "cross_entr
 TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "token_ppo")
 #: What a token loss leaves to the caller, so these settings are refused with it rather than ignored.
 _NOT_WITH_TOKEN_LOSSES = ("dual_clip", "kl_coef", "behavior_weight_cap", "max_staleness", "overlong_buffer",
-                          "overlong_penalty", "entropy_coef")
+                          "overlong_penalty", "entropy_coef", "rollout_correction")
 KlName = Literal["k1", "k2", "k3"]
+RolloutIsLevel = Literal["token", "sequence"]
+RolloutRejection = Literal["token", "sequence", "geometric", "k3"]
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_REJECTIONS = ("token", "sequence", "geometric", "k3")
+#: Truncated IS's cap C (verl's ``rollout_is_threshold`` default, SkyRL's token-TIS clip).
+ROLLOUT_IS_THRESHOLD = 2.0
+#: Each rejection mode's (low, high) bounds when none is given: verl's presets (Seq-MIS "0.5_2.0", Geo-RS
+#: "0.999_1.001", K3-RS 0.01 above only); token rejection keeps IcePop's symmetric [0.5, 2].
+ROLLOUT_RS_BOUNDS: dict[str, tuple[float | None, float]] = {
+    "token": (0.5, 2.0), "sequence": (0.5, 2.0), "geometric": (0.999, 1.001), "k3": (None, 0.01)}
 Checkpointing = Literal["auto", "on", "off"]
 Engine = Literal["torch", "megatron"]
 Dtype = Literal["float32", "bfloat16"]
@@ -77,6 +87,103 @@ def _at_least(section: str, obj: object, names: tuple[str, ...], low: float, not
 
 
 @dataclass(frozen=True)
+class CorrectionSpec:
+    """Rollout correction: what still differs between the rollout that sampled a token (mu) and the trainer's
+    own policy before the step (pi_old), corrected per token or per sequence (lorarl.trainer.rl.correction).
+
+    Every rule reads rho_t = pi_old(y_t) / mu(y_t) (log rho clamped to [-20, 20]), detached:
+    importance weights (``rollout_is``) multiply a token's loss term; rejection (``rollout_rs``) removes
+    tokens or whole sequences from the loss *and* its denominator. Names and defaults follow verl's
+    ``algorithm.rollout_correction`` (its presets: token TIS = ``rollout_is: token``; Seq-MIS =
+    ``rollout_is: sequence`` + ``rollout_rs: sequence``; Geo-RS = ``rollout_rs: geometric``; K3-RS =
+    ``rollout_rs: k3``; IcePop = ``rollout_is: token`` + ``rollout_is_threshold_low``). Any rule turns on
+    decoupled PPO: the trainer recomputes pi_old before the step.
+    """
+
+    rollout_is: RolloutIsLevel | None = setting(
+        None, doc="Truncated importance weights: 'token' w_t = min(rho_t, C); 'sequence' w = min(prod_t rho_t, C) "
+                  "for every token of the sequence; null: none.")
+    rollout_is_threshold: float = setting(ROLLOUT_IS_THRESHOLD, doc="C, the cap of the importance weights (> 1).")
+    rollout_is_threshold_low: float | None = setting(
+        None, doc="IcePop: a weight (token or sequence) outside [low, C] is 0 instead of truncated (the token stays in "
+                  "the denominator); null: truncation only.")
+    rollout_rs: RolloutRejection | None = setting(
+        None, doc="Rejection: 'token' drops tokens with rho_t outside [low, high]; 'sequence' drops sequences "
+                  "whose prod_t rho_t is outside (Seq-MIS); 'geometric' drops sequences whose exp(mean_t log rho_t) "
+                  "is outside (Geo-RS); 'k3' drops sequences whose mean_t (rho_t - 1 - log rho_t) is above high; "
+                  "null: none.")
+    rollout_rs_threshold: float | None = setting(
+        None, doc="The rejection's upper bound (null: token 2, sequence 2, geometric 1.001, k3 0.01).")
+    rollout_rs_threshold_low: float | None = setting(
+        None, doc="The rejection's lower bound (null: token 0.5, sequence 0.5, geometric 0.999; k3 has none).")
+
+    def __post_init__(self) -> None:
+        s = "loss.rollout_correction"
+        _finite(s, self, ("rollout_is_threshold", "rollout_is_threshold_low", "rollout_rs_threshold",
+                          "rollout_rs_threshold_low"))
+        if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
+            raise SpecError(s, "rollout_is", f"must be one of {list(ROLLOUT_IS_LEVELS)} or null, "
+                                             f"got {self.rollout_is!r}")
+        if self.rollout_rs is not None and self.rollout_rs not in ROLLOUT_REJECTIONS:
+            raise SpecError(s, "rollout_rs", f"must be one of {list(ROLLOUT_REJECTIONS)} or null, "
+                                             f"got {self.rollout_rs!r}")
+        if not self.rollout_is_threshold > 1.0:
+            raise SpecError(s, "rollout_is_threshold", f"must be > 1, got {self.rollout_is_threshold}")
+        low = self.rollout_is_threshold_low
+        if low is not None and not 0.0 <= low < 1.0:
+            raise SpecError(s, "rollout_is_threshold_low", f"must be in [0, 1), got {low}")
+        if low is not None and self.rollout_is is None:
+            raise SpecError(s, "rollout_is_threshold_low", "needs rollout_is (token or sequence)")
+        given = (self.rollout_rs_threshold, self.rollout_rs_threshold_low)
+        if self.rollout_rs is None:
+            if any(v is not None for v in given):
+                raise SpecError(s, "rollout_rs_threshold" if given[0] is not None else "rollout_rs_threshold_low",
+                                "needs rollout_rs (token, sequence, geometric or k3)")
+            return
+        if self.rollout_rs == "k3" and self.rollout_rs_threshold_low is not None:
+            raise SpecError(s, "rollout_rs_threshold_low", "has no meaning with rollout_rs k3 (a KL estimate has an "
+                                                           "upper bound only)")
+        rs_low, rs_high = self.rs_bounds
+        if not rs_high > 0:
+            raise SpecError(s, "rollout_rs_threshold", f"must be > 0, got {rs_high}")
+        if rs_low is not None and not 0.0 <= rs_low < rs_high:
+            raise SpecError(s, "rollout_rs_threshold_low", f"must be in [0, rollout_rs_threshold = {rs_high}), "
+                                                           f"got {rs_low}")
+
+    @property
+    def active(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    @property
+    def rs_bounds(self) -> tuple[float | None, float]:
+        """The rejection's (low, high): the given ones, else the mode's defaults (ROLLOUT_RS_BOUNDS)."""
+        low, high = ROLLOUT_RS_BOUNDS[self.rollout_rs or "token"]
+        if self.rollout_rs_threshold is not None:
+            high = self.rollout_rs_threshold
+        if self.rollout_rs_threshold_low is not None:
+            low = self.rollout_rs_threshold_low
+        return low, high
+
+    def to_proto(self) -> trainer_pb2.RolloutCorrection:
+        return trainer_pb2.RolloutCorrection(
+            rollout_is=self.rollout_is or "", rollout_is_threshold=self.rollout_is_threshold,
+            rollout_is_threshold_low=self.rollout_is_threshold_low, rollout_rs=self.rollout_rs or "",
+            rollout_rs_threshold=self.rollout_rs_threshold, rollout_rs_threshold_low=self.rollout_rs_threshold_low)
+
+    @classmethod
+    def from_proto(cls, cfg: trainer_pb2.RolloutCorrection) -> CorrectionSpec:
+        def present(name: str) -> float | None:
+            return getattr(cfg, name) if cfg.HasField(name) else None
+
+        return cls(rollout_is=cfg.rollout_is or None,  # type: ignore[arg-type]  # checked in __post_init__
+                   rollout_is_threshold=present("rollout_is_threshold") or ROLLOUT_IS_THRESHOLD,
+                   rollout_is_threshold_low=present("rollout_is_threshold_low"),
+                   rollout_rs=cfg.rollout_rs or None,  # type: ignore[arg-type]
+                   rollout_rs_threshold=present("rollout_rs_threshold"),
+                   rollout_rs_threshold_low=present("rollout_rs_threshold_low"))
+
+
+@dataclass(frozen=True)
 class LossSpec:
     """The policy loss (lorarl.trainer.rl.losses computes it)."""
 
@@ -100,6 +207,9 @@ class LossSpec:
     max_response_tokens: int = setting(0, doc="Length the overlong penalty is measured against (a job file: "
                                               "rollout.max_tokens).")
     entropy_coef: float = setting(0.0, doc="Entropy bonus weight.")
+    rollout_correction: CorrectionSpec = setting(
+        default_factory=CorrectionSpec, doc="Rollout correction: importance weights and rejection from the "
+                                            "rollout's logprobs vs the trainer's (off by default).")
 
     def __post_init__(self) -> None:
         s = "loss"
@@ -119,9 +229,14 @@ class LossSpec:
                             "overlong_penalty", "max_response_tokens"), 0)
         if self.overlong_buffer and not self.max_response_tokens:
             raise SpecError(s, "overlong_buffer", "needs loss.max_response_tokens")
+        if self.rollout_correction.rollout_is and self.behavior_weight_cap:
+            raise SpecError(s, "behavior_weight_cap", "must be unset (or 0) with rollout_correction.rollout_is, whose "
+                                                      "weights replace decoupled PPO's capped token weights")
         if self.takes_token_advantages:
             for name in _NOT_WITH_TOKEN_LOSSES:
                 value = getattr(self, name)
+                if name == "rollout_correction":
+                    value = value.active
                 if (value is not None) if name == "max_staleness" else bool(value):
                     raise SpecError(s, name, f"must be unset with loss type {self.type}: its advantages are the "
                                              "caller's, per token (fold penalties and corrections into them)")
@@ -140,10 +255,22 @@ class LossSpec:
 
     @property
     def weight_cap(self) -> float:
-        """The behaviour-weight cap the loss applies (0: none): the given one, else the rule above."""
+        """The behaviour-weight cap the loss applies (0: none): the given one, else the rule above; none where
+        ``rollout_correction.rollout_is`` weighs the tokens instead."""
+        if self.rollout_correction.rollout_is is not None:
+            return 0.0
         if self.behavior_weight_cap is not None:
             return self.behavior_weight_cap
         return STALE_WEIGHT_CAP if self.max_staleness is not None else 0.0
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> LossSpec:
+        """The spec ``dataclasses.asdict`` gave (a checkpoint's manifest, a rank command); TypeError on an
+        unknown key."""
+        correction = fields.get("rollout_correction") or {}
+        if not isinstance(correction, dict):
+            raise TypeError(f"rollout_correction must be an object, got {type(correction).__name__}")
+        return cls(**{**fields, "rollout_correction": CorrectionSpec(**correction)})
 
     def to_proto(self) -> trainer_pb2.LossConfig:
         return trainer_pb2.LossConfig(
@@ -151,7 +278,8 @@ class LossSpec:
             dual_clip=self.dual_clip, kl_coef=self.kl_coef, kl_estimator=KL_ESTIMATORS[self.kl_estimator],
             behavior_weight_cap=self.behavior_weight_cap, max_staleness=self.max_staleness,
             overlong_buffer=self.overlong_buffer, overlong_penalty=self.overlong_penalty,
-            max_response_tokens=self.max_response_tokens, entropy_coef=self.entropy_coef)
+            max_response_tokens=self.max_response_tokens, entropy_coef=self.entropy_coef,
+            rollout_correction=self.rollout_correction.to_proto())
 
     @classmethod
     def from_proto(cls, cfg: trainer_pb2.LossConfig) -> LossSpec:
@@ -165,7 +293,8 @@ class LossSpec:
                    behavior_weight_cap=cfg.behavior_weight_cap if cfg.HasField("behavior_weight_cap") else None,
                    max_staleness=cfg.max_staleness if cfg.HasField("max_staleness") else None,
                    overlong_buffer=cfg.overlong_buffer, overlong_penalty=cfg.overlong_penalty,
-                   max_response_tokens=cfg.max_response_tokens, entropy_coef=cfg.entropy_coef)
+                   max_response_tokens=cfg.max_response_tokens, entropy_coef=cfg.entropy_coef,
+                   rollout_correction=CorrectionSpec.from_proto(cfg.rollout_correction))
 
 
 @dataclass(frozen=True)
@@ -342,6 +471,9 @@ class TrainingSpec:
         if self.init_adapter_path and (self.engine != "torch" or self.full_finetune):
             fail("init_adapter_path", "(a warm start from a PEFT adapter) needs engine 'torch' and adapters "
                                       f"(engine {self.engine!r}, full_finetune {self.full_finetune})")
+        if self.loss.rollout_correction.rollout_rs and self.megatron.pipeline_parallel_size > 1:
+            fail("loss.rollout_correction.rollout_rs", "is not available with megatron.pipeline_parallel_size > 1: "
+                 "only the last stage sees the logprobs that decide which tokens count (use rollout_is)")
         if self.full_finetune and self.loss.kl_coef:
             fail("loss.kl_coef", "must be 0 with full_finetune (the reference is the base with adapters off)")
 
@@ -350,7 +482,8 @@ class TrainingSpec:
         loss = loss or self.loss
         if loss.takes_token_advantages:  # the caller's advantages already say what each token is worth
             return False
-        return self.recompute_proximal or loss.weight_cap > 0 or loss.max_staleness is not None
+        return (self.recompute_proximal or loss.weight_cap > 0 or loss.max_staleness is not None
+                or loss.rollout_correction.active)
 
     def to_proto(self) -> trainer_pb2.JobConfig:
         """The JobConfig with every default made explicit (what the job really runs with)."""

@@ -54,7 +54,7 @@ ACTIVATION_CHECKPOINTING_ON: ActivationCheckpointing
 ACTIVATION_CHECKPOINTING_OFF: ActivationCheckpointing
 
 class LossConfig(_message.Message):
-    __slots__ = ("type", "clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "kl_estimator", "behavior_weight_cap", "max_staleness", "overlong_buffer", "overlong_penalty", "entropy_coef", "max_response_tokens")
+    __slots__ = ("type", "clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "kl_estimator", "behavior_weight_cap", "max_staleness", "overlong_buffer", "overlong_penalty", "entropy_coef", "max_response_tokens", "rollout_correction")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class LossConfig(_message.Message):
     OVERLONG_PENALTY_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_CORRECTION_FIELD_NUMBER: _ClassVar[int]
     type: LossType
     clip_eps_low: float
     clip_eps_high: float
@@ -79,7 +80,24 @@ class LossConfig(_message.Message):
     overlong_penalty: float
     entropy_coef: float
     max_response_tokens: int
-    def __init__(self, type: _Optional[_Union[LossType, str]] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KlEstimator, str]] = ..., behavior_weight_cap: _Optional[float] = ..., max_staleness: _Optional[int] = ..., overlong_buffer: _Optional[int] = ..., overlong_penalty: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., max_response_tokens: _Optional[int] = ...) -> None: ...
+    rollout_correction: RolloutCorrection
+    def __init__(self, type: _Optional[_Union[LossType, str]] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KlEstimator, str]] = ..., behavior_weight_cap: _Optional[float] = ..., max_staleness: _Optional[int] = ..., overlong_buffer: _Optional[int] = ..., overlong_penalty: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., max_response_tokens: _Optional[int] = ..., rollout_correction: _Optional[_Union[RolloutCorrection, _Mapping]] = ...) -> None: ...
+
+class RolloutCorrection(_message.Message):
+    __slots__ = ("rollout_is", "rollout_is_threshold", "rollout_is_threshold_low", "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_low")
+    ROLLOUT_IS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_IS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_IS_THRESHOLD_LOW_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_RS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_RS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_RS_THRESHOLD_LOW_FIELD_NUMBER: _ClassVar[int]
+    rollout_is: str
+    rollout_is_threshold: float
+    rollout_is_threshold_low: float
+    rollout_rs: str
+    rollout_rs_threshold: float
+    rollout_rs_threshold_low: float
+    def __init__(self, rollout_is: _Optional[str] = ..., rollout_is_threshold: _Optional[float] = ..., rollout_is_threshold_low: _Optional[float] = ..., rollout_rs: _Optional[str] = ..., rollout_rs_threshold: _Optional[float] = ..., rollout_rs_threshold_low: _Optional[float] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("learning_rate", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "total_steps", "max_grad_norm", "micro_batch_tokens")

@@ -43,13 +43,35 @@ def steps(out: Path) -> list[dict]:
 
 
 COMMON = ["data.eval_size=100", "loop.prompts_per_step=16", "output.tensorboard=false", "loop.eval_every=0"]
+#: Each run below also trains with one rollout-correction mode (lorarl.trainer.rl.correction), so each mode
+#: runs in a real job without a run of its own: on-policy, none of them may get in the way of learning.
+CORRECTION = "trainer.loss.rollout_correction"
+CORRECTIONS = {
+    "sync": [f"{CORRECTION}.rollout_is=token"],  # token TIS
+    "async": [f"{CORRECTION}.rollout_is=sequence", f"{CORRECTION}.rollout_rs=sequence"],  # Seq-MIS
+    "moe": [f"{CORRECTION}.rollout_rs=k3"],  # K3-RS
+    "megatron": [f"{CORRECTION}.rollout_is=token", f"{CORRECTION}.rollout_is_threshold_low=0.5"],  # IcePop
+    "replicas": [f"{CORRECTION}.rollout_rs=token"],
+    "tp2": [f"{CORRECTION}.rollout_rs=geometric", f"{CORRECTION}.rollout_rs_threshold=1.01"],  # Geo-RS
+}
+
+
+def assert_monitored(out: Path, stdout: str, on_policy: bool) -> None:
+    """Every step's metrics carry the rollout-vs-trainer monitor, its progress line shows the KL, and the alarm
+    stayed quiet; on-policy the KL is ~0 and correction rejected nothing."""
+    history = steps(out)
+    assert all("train/rollout_kl_k3" in r and r["policy/mismatch_alarm"] == 0 for r in history)
+    assert sum(" kl " in line for line in stdout.splitlines()) >= len(history), stdout[-2000:]
+    if on_policy:
+        assert max(r["train/rollout_kl_k3"] for r in history) < 1e-5
+        assert max(r["train/rollout_masked_token_fraction"] for r in history) == 0.0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
     out = tmp_path / mode
     result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", f"loop.mode={mode}", "loop.steps=8",
-                    *COMMON)
+                    *COMMON, *CORRECTIONS[mode])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     accuracy = evals(out)
     assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
@@ -61,6 +83,7 @@ def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
         # On-policy: the rollout's per-token logprobs after each sync equal the trainer's own.
         diffs = [r["train/behavior_logprob_abs_diff"] for r in history]
         assert max(diffs) < 1e-3, diffs
+    assert_monitored(out, result.stdout, on_policy=mode == "sync")
     rewards = [r["rollout/reward_mean"] for r in history]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
     assert (out / "learning_curve.png").stat().st_size > 0
@@ -75,13 +98,14 @@ def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
 def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:
     out = tmp_path / "moe"
     result = lorarl("run", "examples/moe-merged.yaml", f"output.dir={out}", "loop.steps=6", "loop.mode=sync",
-                    *COMMON)
+                    *COMMON, *CORRECTIONS["moe"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     accuracy = evals(out)
     assert accuracy[-1] >= accuracy[0] + 0.05, accuracy
     # The merged weights the rollout serves give the trainer's own logprobs (base + adapter).
     diffs = [r["train/behavior_logprob_abs_diff"] for r in steps(out)]
     assert max(diffs) < 1e-3, diffs
+    assert_monitored(out, result.stdout, on_policy=True)
     trainer_log = (out / "services" / "trainer.log").read_text()
     assert "SYNC_MODE_MERGED" in trainer_log
 
@@ -90,11 +114,12 @@ def test_megatron_tensor_parallel_run_learns_and_stays_on_policy(tmp_path: Path)
     """`trainer.engine=megatron`, TP=2: a two-rank trainer (rank 0 serves), adapters synced to vLLM."""
     out = tmp_path / "megatron"
     result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=6",
-                    "trainer.engine=megatron", "trainer.parallel.tensor=2", *COMMON)
+                    "trainer.engine=megatron", "trainer.parallel.tensor=2", *COMMON, *CORRECTIONS["megatron"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     accuracy = evals(out)
     assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
     assert max(r["train/behavior_logprob_abs_diff"] for r in steps(out)) < 1e-3
+    assert_monitored(out, result.stdout, on_policy=True)
     assert "trainer rank 1 of 2 following rank 0" in (out / "services" / "trainer.log").read_text()
 
 
@@ -102,11 +127,12 @@ def test_two_rollout_replicas_share_the_batches(tmp_path: Path) -> None:
     """`rollout.replicas=2`: two vLLM services, each activating every version, each serving half."""
     out = tmp_path / "replicas"
     result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=3",
-                    "rollout.replicas=2", *COMMON)
+                    "rollout.replicas=2", *COMMON, *CORRECTIONS["replicas"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert len(steps(out)) == 3
     # On-policy on both replicas: the logprobs they sampled with equal the trainer's.
     assert max(r["train/behavior_logprob_abs_diff"] for r in steps(out)) < 1e-3
+    assert_monitored(out, result.stdout, on_policy=True)
     for replica in ("rollout-0", "rollout-1"):
         log = (out / "services" / f"{replica}.log").read_text()
         assert "serving demo v3" in log, log[-2000:]
@@ -119,12 +145,13 @@ def test_tensor_parallel_rollout_receives_in_both_workers_and_stays_on_policy(tm
     out = tmp_path / "tp2"
     result = lorarl("run", "examples/demo.yaml", f"output.dir={out}", "loop.mode=sync", "loop.steps=3",
                     "rollout.tensor_parallel_size=2", "sync.mode=merged", "rollout.enable_lora=true",
-                    "rollout.receive_in_worker=on", *COMMON)
+                    "rollout.receive_in_worker=on", *COMMON, *CORRECTIONS["tp2"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     history = steps(out)
     assert [r["train/version"] for r in history] == [1, 2, 3]
     # What both workers loaded is the trainer's policy: the rollout's logprobs equal the trainer's.
     assert max(r["train/behavior_logprob_abs_diff"] for r in history) < 1e-3
+    assert_monitored(out, result.stdout, on_policy=True)
     rollout_log = (out / "services" / "rollout.log").read_text()
     weightsync_log = (out / "services" / "weightsync.log").read_text()
     assert "vLLM CPU workers bound to CPUs" in rollout_log, rollout_log[-2000:]

@@ -191,6 +191,21 @@ class RolloutSection:
             "blocks only: blocks no longer than the prompts let a group share its prefill.")
 
 @dataclass
+class MismatchAlarmSection:
+    """`loop.mismatch_alarm`: when the rollout-vs-trainer KL is a problem (lorarl.client.rl.mismatch)."""
+
+    window: int = setting(5, check=in_range(0, 1000), doc="Steps the KL must rise in a row, at a flat learning "
+                                                          "rate, to fire (0: off).")
+    growth: float = setting(4.0, check=in_range(1.0), doc="...and the factor it must have grown by over them.")
+    floor: float = setting(1e-4, check=in_range(0.0), doc="KL values below this never count as growing (a KL of "
+                                                          "1e-9 doubling is float noise).")
+    max_kl: float | None = setting(None, check=in_range(0.0), doc="Fire whenever the KL exceeds this (null: no "
+                                                                  "ceiling).")
+    action: Literal["warn", "fail"] = setting("warn", doc="'warn': log it and set policy/mismatch_alarm; 'fail': "
+                                                          "also end the run.")
+
+
+@dataclass
 class LoopSection:
     mode: LoopMode = setting("async", doc="'sync': generate, then train, then sync; 'async': generate while "
                                           "training, at most max_staleness versions behind.")
@@ -200,6 +215,7 @@ class LoopSection:
     eval_every: int = setting(10, check=in_range(0), doc="Evaluate every K steps (0: only before and after).")
     checkpoint_every: int = setting(0, check=in_range(0), doc="Checkpoint every K steps (0: only at the end).")
     time_limit_s: float = setting(0.0, check=in_range(0.0), doc="Stop after this much wall time (0: no limit).")
+    mismatch_alarm: MismatchAlarmSection = field(default_factory=MismatchAlarmSection)
 
 
 @dataclass

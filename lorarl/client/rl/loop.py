@@ -27,6 +27,7 @@ from typing import TypeVar
 from lorarl.client.job.config import JobFileConfig, training_spec
 from lorarl.client.job.datasets import Example, TrainStream
 from lorarl.client.job.rewards import Reward, RewardFn
+from lorarl.client.rl.mismatch import MismatchAlarm
 from lorarl.client.rl.recovery import ActivationFailedError, RecoveryBudget, recoverable
 from lorarl.client.workflow import Episode, Workflow, load_workflow
 from lorarl.client.workflow.coalesce import CoalescingRollout
@@ -118,6 +119,7 @@ class RLLoop:
         self.recover, self.on_rewind = recover, on_rewind
         self._served_by: list[str] = []
         self.budget = RecoveryBudget(cfg.recovery.max_recoveries, cfg.recovery.wait_s)
+        self.mismatch = MismatchAlarm(cfg.loop.mismatch_alarm)
         self.started = time.perf_counter()
         self._published = asyncio.Event()
 
@@ -271,7 +273,10 @@ class RLLoop:
                 logger.info("step %d: prompts served by %s", step, ", ".join(self._served_by))
             metrics.update({"rollout/replicas": float(len(self._served_by)), "rollout/redone_prompts": float(redone)})
         self.state.history.append(metrics)
-        self.on_metrics(metrics)
+        try:
+            self.mismatch.observe(metrics)
+        finally:  # a step that ends the run is still written down
+            self.on_metrics(metrics)
 
     async def _maybe_eval_and_checkpoint(self) -> None:
         """Evaluation and checkpoint, when due, see the step's version serving (it may be activating)."""

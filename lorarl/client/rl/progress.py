@@ -1,4 +1,5 @@
-"""The progress bar of a run: step, reward, accuracy, policy version lag, throughput and ETA.
+"""The progress bar of a run: step, reward, accuracy, policy version lag, the rollout-vs-trainer KL,
+throughput and ETA.
 
 On a terminal it is one line redrawn in place (evaluations print above it and stay); when the
 output is a file or a pipe (CI logs, `| tee`), every step prints its own line, since carriage
@@ -58,6 +59,8 @@ class ProgressBar:
             f"reward {m.get('rollout/reward_mean', 0):.3f}",
             f"acc {m.get('rollout/accuracy', 0):.3f}",
             f"v{int(m.get('train/version', 0))} lag {int(m.get('policy/version_lag', 0))}",
+            f"kl {m['train/rollout_kl_k3']:.1e}{' (!)' if m.get('policy/mismatch_alarm') else ''}"
+            if "train/rollout_kl_k3" in m else "",
             f"{m.get('rollout/tokens_per_s', 0):.0f} tok/s",
             f"{rate:.2f} step/s" if rate else "",
             format_duration(m.get("time_s", 0)),

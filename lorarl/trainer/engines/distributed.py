@@ -104,10 +104,11 @@ class SummedShares:
         raise NotImplementedError
 
     def reduce_totals(self, totals: BatchTotals) -> BatchTotals:
-        sequences, tokens, loss_tokens = self._all_reduce_ints(
-            [int(totals.sequences), int(totals.tokens), int(totals.loss_tokens)], dist.ReduceOp.SUM)
+        sequences, tokens, loss_tokens, loss_sequences = self._all_reduce_ints(
+            [int(totals.sequences), int(totals.tokens), int(totals.loss_tokens), int(totals.loss_sequences)],
+            dist.ReduceOp.SUM)
         (norm,) = self._all_reduce_ints([totals.norm_tokens], dist.ReduceOp.MAX)
-        return BatchTotals(float(sequences), float(tokens), float(loss_tokens), norm)
+        return BatchTotals(float(sequences), float(tokens), float(loss_tokens), norm, float(loss_sequences))
 
     def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         keys = sorted(sums)  # every rank reports the same keys (same loss settings)

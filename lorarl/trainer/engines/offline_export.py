@@ -53,7 +53,7 @@ def loss_from_manifest(fields: dict) -> LossSpec:
     fields = dict(fields)
     if "name" in fields and "type" not in fields:
         fields["type"] = fields.pop("name")
-    return LossSpec(**fields)
+    return LossSpec.from_dict(fields)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, mode: ExportMode,

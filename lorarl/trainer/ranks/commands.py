@@ -75,7 +75,7 @@ def spec_from_json(raw: Any) -> TrainingSpec:
             **d,
             "lora": LoraConfig(**{**lora, "target_modules": tuple(_list(lora.get("target_modules"),
                                                                         "spec.lora.target_modules"))}),
-            "loss": LossSpec(**_dict(d.get("loss"), "spec.loss")),
+            "loss": _loss(d.get("loss"), "spec.loss"),
             "optimizer": OptimizerSpec(**_dict(d.get("optimizer"), "spec.optimizer")),
             "limits": LimitsSpec(**_dict(d.get("limits"), "spec.limits")),
             "megatron": MegatronSpec(**_dict(d.get("megatron"), "spec.megatron")),
@@ -115,9 +115,13 @@ def loss_from_json(raw: Any) -> LossSpec | None:
     if raw is None:
         return None
     try:
-        return LossSpec(**_dict(raw, "loss"))
+        return _loss(raw, "loss")
     except (TypeError, ValueError) as e:
         raise CommandError(f"loss: {e}") from None
+
+
+def _loss(raw: Any, where: str) -> LossSpec:
+    return LossSpec.from_dict(_dict(raw, where))
 
 
 def _dict(raw: Any, where: str) -> dict[str, Any]:

@@ -7,7 +7,9 @@ Decoupled PPO (asynchronous RL): the clipped ratio is taken against the *proxima
 (logprobs recomputed by the trainer before the step), and each token is re-weighted by
 ``proximal / behaviour`` (the policy that actually sampled it), capped; tokens produced more than
 ``max_staleness`` versions ago are masked out: lorarl.trainer.rl.step computes that mask once per
-micro-batch (lorarl.contract.staleness) and hands it in as ``LossInputs.fresh``.
+micro-batch (lorarl.contract.staleness) and hands it in as ``LossInputs.fresh``. With
+``loss.rollout_correction`` set, its weights replace that capped weight and its rejection removes tokens
+or sequences (lorarl.trainer.rl.correction, which also computes the rollout-vs-trainer monitor).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from lorarl.contract.training import KlName, LossSpec
+from lorarl.trainer.rl.correction import SEQUENCE_METRICS, TOKEN_METRICS, correct
 
 EPS = 1e-6
 
@@ -136,7 +139,10 @@ def token_loss(inputs: LossInputs, settings: LossSpec) -> tuple[torch.Tensor, di
             clipped_mask = (clipped > per_token).float()
             per_token = torch.maximum(per_token, clipped)
     loss = aggregate(per_token, mask, "token-sum")
-    metrics = {"loss": float(loss.detach()), "pg_loss": float(loss.detach()), "tokens": float(mask.sum()),
+    # cross_entropy has no sampler's logprobs to compare with: its monitor reads 0
+    monitor = dict.fromkeys((*TOKEN_METRICS, *SEQUENCE_METRICS), 0.0) if ratio is None else correct(
+        inputs.logp, inputs.behavior_logp, mask, settings.rollout_correction).metrics
+    metrics = {**monitor, "loss": float(loss.detach()), "pg_loss": float(loss.detach()), "tokens": float(mask.sum()),
                "clip_fraction": 0.0 if clipped_mask is None else float(aggregate(clipped_mask, mask, "token-mean")),
                "ratio_mean": 1.0 if ratio is None else float(aggregate(ratio.detach(), mask, "token-mean")),
                "behavior_logprob_abs_diff": 0.0 if ratio is None else float(aggregate(
@@ -157,11 +163,18 @@ def policy_loss(inputs: LossInputs, settings: LossSpec, norm_tokens: int = 0
         mask = mask * inputs.fresh
 
     old = inputs.proximal_logp if inputs.proximal_logp is not None else inputs.behavior_logp
+    # The trainer's policy before the step: the proximal logprobs, or (one update per batch) the current ones.
+    correction = correct(inputs.proximal_logp if inputs.proximal_logp is not None else inputs.logp,
+                         inputs.behavior_logp, inputs.mask, settings.rollout_correction)
+    mask = mask * correction.keep
     weight = torch.ones_like(inputs.logp)
     if inputs.proximal_logp is not None:
-        weight = (inputs.proximal_logp - inputs.behavior_logp).exp()
-        if settings.weight_cap:
-            weight = weight.clamp(max=settings.weight_cap)
+        if settings.rollout_correction.rollout_is is not None:
+            weight = correction.weight
+        else:
+            weight = (inputs.proximal_logp - inputs.behavior_logp).exp()
+            if settings.weight_cap:
+                weight = weight.clamp(max=settings.weight_cap)
     weight = weight.detach()
 
     adv = inputs.advantages.float()[:, None]
@@ -185,6 +198,7 @@ def policy_loss(inputs: LossInputs, settings: LossSpec, norm_tokens: int = 0
     mode = AGGREGATION[settings.type]
     loss = aggregate(per_token, mask, mode, norm_tokens)
     metrics: dict[str, float] = {
+        **correction.metrics,
         "pg_loss": float(loss.detach()),
         "clip_fraction": float(aggregate(clipped_mask, mask, "token-mean")),
         "ratio_mean": float(aggregate(ratio.detach(), mask, "token-mean")),

@@ -3,7 +3,8 @@
 The algorithm on one page; engines only say how to run the model (a `ModelBackend`) and how ranks
 combine their parts (a `GradientReducer`):
 
-    totals     = reduce(counts of sequences, tokens, fresh tokens, Dr.GRPO length)   # whole batch
+    proximal   = logprobs(policy) of every micro-batch   if rollout rejection is on  # no_grad, first
+    totals     = reduce(counts of sequences, tokens, fresh (and kept) tokens, Dr.GRPO length)   # whole batch
     advantages = group_advantages(shaped rewards)                                    # before splitting
     for micro in split(batch, micro_batch_tokens):
         proximal = logprobs(policy)          if decoupled PPO (and dropout on)       # no_grad, before any update
@@ -18,7 +19,10 @@ Dr.GRPO's constant-normalised sums) by its share of sequences; Dr.GRPO's constan
 ``loss.max_response_tokens`` when set, else the longest completion of the whole batch. Data-parallel
 ranks use the same rule with global totals (the reducer's), so the SUM of their gradients is the
 full-batch gradient. Tokens too old for ``loss.max_staleness`` (lorarl.contract.staleness) count in
-neither the loss nor its shares. The optimiser step, the schedule and the version stay with the engine.
+neither the loss nor its shares; nor do tokens and sequences ``loss.rollout_correction.rollout_rs`` rejects,
+which is why rejection reads every micro-batch's proximal logprobs in a pass of its own before the first
+backward (lorarl.trainer.rl.correction). The optimiser step, the schedule and the version stay with the
+engine.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 
 from lorarl.contract import staleness
 from lorarl.trainer.rl.batching import PackedBatch, compute_advantages, micro_batches, pack
+from lorarl.trainer.rl.correction import SEQUENCE_METRICS, TOKEN_METRICS, correct, kept_counts
 from lorarl.trainer.rl.losses import AGGREGATION, LossInputs, LossSpec, policy_loss
 from lorarl.trainer.rl.trajectory import TrajectoryRecord
 
@@ -41,6 +46,8 @@ Metrics = dict[str, float]
 # Metrics averaged over loss weight (the micro-batch's share of the loss) vs over its share of tokens.
 LOSS_WEIGHTED = ("loss", "pg_loss", "kl", "entropy")
 TOKEN_WEIGHTED = ("clip_fraction", "ratio_mean", "importance_weight_mean", "behavior_logprob_abs_diff")
+# The rollout-vs-trainer monitor's: over every policy token (stale or rejected too), or every sequence.
+RAW_TOKEN_WEIGHTED = ("stale_token_fraction", *TOKEN_METRICS)
 # (logp, entropy) of a micro-batch -> (its loss share to backpropagate, the loss metrics)
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
@@ -55,8 +62,29 @@ class BatchTotals:
 
     sequences: float
     tokens: float  # completion tokens
-    loss_tokens: float  # completion tokens that count in the loss (not masked as stale)
+    loss_tokens: float  # completion tokens that count in the loss (not masked as stale, nor rejected)
     norm_tokens: int  # Dr.GRPO's constant length normaliser
+    loss_sequences: float = -1.0  # sequences that count in the loss (not rejected); -1: all of them
+
+    def __post_init__(self) -> None:
+        if self.loss_sequences < 0:
+            self.loss_sequences = self.sequences
+
+
+@dataclass(frozen=True)
+class Shares:
+    """A micro-batch's weights in the whole batch's figures: its loss's, its loss tokens', its policy tokens'
+    (stale and rejected ones too: the monitor's) and its sequences'."""
+
+    loss: float
+    tokens: float
+    raw_tokens: float
+    sequences: float
+
+
+def rejects(settings: LossSpec) -> bool:
+    """Whether rollout rejection may drop tokens, so the batch's totals need its proximal logprobs first."""
+    return settings.rollout_correction.rollout_rs is not None
 
 
 class ModelBackend(Protocol):
@@ -123,15 +151,20 @@ def fresh_tokens(batch: PackedBatch, settings: LossSpec, version: int) -> torch.
     return staleness.fresh(version, batch.token_versions, settings.max_staleness).float()
 
 
-def batch_totals(records: Sequence[TrajectoryRecord], settings: LossSpec, version: int) -> BatchTotals:
+def batch_totals(records: Sequence[TrajectoryRecord], settings: LossSpec, version: int,
+                 kept: Sequence[tuple[float, float]] | None = None) -> BatchTotals:
     """This process's counts of ``records`` (before any reduction): the whole batch's, needed before its
-    first micro-batch; ``loss_tokens`` counts the tokens each micro-batch's ``fresh_tokens`` keeps."""
+    first micro-batch; ``loss_tokens`` counts the tokens each micro-batch's ``fresh_tokens`` keeps.
+    ``kept``: each micro-batch's (loss tokens, sequences) after rollout rejection, which then replace them."""
     tokens = sum(r.trained_tokens for r in records)
     loss_tokens = tokens
     if settings.max_staleness is not None:
         loss_tokens = sum(1 for r in records for v, trained in zip(r.token_versions, r.trained(), strict=False)
                           if trained and staleness.fresh(version, v, settings.max_staleness))
     norm = settings.max_response_tokens or max((r.trained_tokens for r in records), default=0)
+    if kept is not None:
+        return BatchTotals(float(len(records)), float(tokens), sum(t for t, _ in kept), int(norm),
+                           sum(s for _, s in kept))
     return BatchTotals(float(len(records)), float(tokens), float(loss_tokens), int(norm))
 
 
@@ -197,22 +230,25 @@ class RLStep:
         records = list(records)
         if settings.kl_coef and not self.has_reference:
             raise ValueError("loss.kl_coef must be 0 with full_finetune (no frozen reference policy)")
-        totals = self.reducer.reduce_totals(batch_totals(records, settings, version))
+        plan = micro_batches([r.num_tokens for r in records], self.micro_batch_tokens)
+        idle = 0 if forward_only else self.reducer.idle_micro_steps(len(plan))
+        proximals = self._rejection_pass(records, plan, idle, settings, version) if rejects(settings) else None
+        kept = None if proximals is None else [counts for _, counts in proximals]
+        totals = self.reducer.reduce_totals(batch_totals(records, settings, version, kept))
         if not totals.tokens:
             raise ValueError("trajectories must hold at least one completion token")
         advantages = compute_advantages(records, settings)
         # A fixed key set, so data-parallel ranks (even one with an empty shard) reduce alike.
-        keys = [*LOSS_WEIGHTED, *TOKEN_WEIGHTED, "stale_token_fraction"]
+        keys = [*LOSS_WEIGHTED, *TOKEN_WEIGHTED, *RAW_TOKEN_WEIGHTED, *SEQUENCE_METRICS]
         sums = {k: 0.0 for k in keys if k != "kl" or settings.kl_coef}
-        plan = micro_batches([r.num_tokens for r in records], self.micro_batch_tokens)
         if logprobs_out is not None:
             logprobs_out[:] = [[] for _ in records]
-        idle = 0 if forward_only else self.reducer.idle_micro_steps(len(plan))
-        for idx in plan:
+        for n, idx in enumerate(plan):
             micro = pack([records[i] for i in idx], advantages[idx]).to(self.backend.device)
             seen: list[torch.Tensor] = []
             step = self._forward_step if forward_only else self._micro_step
-            for key, value in step(micro, settings, totals, version, seen).items():
+            proximal = None if proximals is None else proximals[n][0]
+            for key, value in step(micro, settings, totals, version, seen, proximal).items():
                 sums[key] += value
             if logprobs_out is not None:
                 if len(seen) != 1:  # e.g. a pipeline stage that does not compute the loss
@@ -221,59 +257,85 @@ class RLStep:
                 for row, i in enumerate(idx):
                     logprobs_out[i] = logp[row, : len(records[i].completion_token_ids)].tolist()
         for _ in range(idle):
-            self._idle_micro_step(settings)
+            self._idle_micro_step(settings, proximal_given=proximals is not None)
         metrics = self.reducer.reduce_metrics(sums)
         metrics.update(tokens=totals.tokens, loss_tokens=totals.loss_tokens, sequences=totals.sequences,
                        version=float(version), time_s=time.perf_counter() - start)
         return metrics
 
     @staticmethod
-    def _shares(batch: PackedBatch, settings: LossSpec, totals: BatchTotals, fresh: torch.Tensor | None
-                ) -> tuple[float, float, float]:
-        """(loss share, token share, raw token share) of a micro-batch in the whole batch's loss."""
+    def _shares(batch: PackedBatch, settings: LossSpec, totals: BatchTotals, fresh: torch.Tensor | None,
+                proximal: torch.Tensor | None = None) -> Shares:
+        """A micro-batch's shares of the whole batch. ``proximal`` (given when rollout rejection is on): only
+        its kept tokens count in its token share, as only the batch's kept ones count in ``totals``."""
         mask = batch.mask if fresh is None else batch.mask * fresh
+        if proximal is not None:
+            mask = mask * correct(proximal, batch.behavior_logp, batch.mask, settings.rollout_correction).keep
         token_share = float(mask.sum()) / totals.loss_tokens if totals.loss_tokens else 0.0
-        mode = AGGREGATION[settings.type]
-        share = {"token-mean": token_share, "token-sum": 1.0}.get(mode, batch.size / totals.sequences)
+        # GRPO's and Dr.GRPO's per-sequence means divide by the micro-batch's rows (a rejected row adds a 0), so
+        # its share is its rows over the batch's sequences that count
+        sequence_share = batch.size / totals.loss_sequences if totals.loss_sequences else 0.0
+        share = {"token-mean": token_share, "token-sum": 1.0}.get(AGGREGATION[settings.type], sequence_share)
         raw_token_share = float(batch.mask.sum()) / totals.tokens if totals.tokens else 0.0
-        return share, token_share, raw_token_share
+        return Shares(share, token_share, raw_token_share, batch.size / totals.sequences)
 
     @staticmethod
-    def _weighted(m: dict[str, float], share: float, token_share: float, raw_token_share: float
-                  ) -> dict[str, float]:
-        out = {k: m[k] * share for k in LOSS_WEIGHTED if k in m}
-        out.update({k: m[k] * token_share for k in TOKEN_WEIGHTED})
-        out["stale_token_fraction"] = m["stale_token_fraction"] * raw_token_share
+    def _weighted(m: dict[str, float], shares: Shares) -> dict[str, float]:
+        out = {k: m[k] * shares.loss for k in LOSS_WEIGHTED if k in m}
+        out.update({k: m[k] * shares.tokens for k in TOKEN_WEIGHTED})
+        out.update({k: m[k] * shares.raw_tokens for k in RAW_TOKEN_WEIGHTED})
+        out.update({k: m[k] * shares.sequences for k in SEQUENCE_METRICS})
+        return out
+
+    @torch.no_grad()
+    def _rejection_pass(self, records: Sequence[TrajectoryRecord], plan: list[list[int]], idle: int,
+                        settings: LossSpec, version: int) -> list[tuple[torch.Tensor, tuple[float, float]]]:
+        """Each micro-batch's proximal logprobs and the (loss tokens, sequences) rollout rejection keeps of it,
+        before any backward: the batch's totals must leave the rejected ones out. The micro-steps then take
+        these logprobs as their proximal policy (no pass of their own); ``idle`` empty passes follow, as on
+        ranks that run more micro-batches."""
+        out = []
+        for idx in plan:
+            micro = pack([records[i] for i in idx]).to(self.backend.device)
+            proximal = self.logprobs_no_grad(micro)
+            keep = correct(proximal, micro.behavior_logp, micro.mask, settings.rollout_correction).keep
+            out.append((proximal, kept_counts(keep, fresh_tokens(micro, settings, version))))
+        for _ in range(idle):
+            self.logprobs_no_grad(empty_batch(self.backend.device))
         return out
 
     @torch.no_grad()
     def _forward_step(self, batch: PackedBatch, settings: LossSpec, totals: BatchTotals, version: int,
-                      seen: list[torch.Tensor]) -> dict[str, float]:
-        """`_micro_step`'s loss and metrics without gradient; the policy is its own proximal policy."""
+                      seen: list[torch.Tensor], proximal: torch.Tensor | None = None) -> dict[str, float]:
+        """`_micro_step`'s loss and metrics without gradient; the policy is its own proximal policy (or the
+        rejection pass's ``proximal``, the same policy's)."""
         fresh = fresh_tokens(batch, settings, version)
-        share, token_share, raw_token_share = self._shares(batch, settings, totals, fresh)
+        shares = self._shares(batch, settings, totals, fresh, proximal)
         ref = self.logprobs_no_grad(batch, reference=True) if settings.kl_coef else None
         self.backend.set_training(False)
         logp, entropy = self.backend.completion_logprobs(batch)
         seen.append(logp)
+        if proximal is None and self._decoupled(settings):
+            proximal = logp
         inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages, behavior_logp=batch.behavior_logp,
-                            proximal_logp=logp if self._decoupled(settings) else None, ref_logp=ref, entropy=entropy,
-                            fresh=fresh, token_advantages=batch.token_advantages)
+                            proximal_logp=proximal, ref_logp=ref, entropy=entropy, fresh=fresh,
+                            token_advantages=batch.token_advantages)
         _, m = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
-        return self._weighted(m, share, token_share, raw_token_share)
+        return self._weighted(m, shares)
 
     def _micro_step(self, batch: PackedBatch, settings: LossSpec, totals: BatchTotals, version: int,
-                    seen: list[torch.Tensor] | None = None) -> dict[str, float]:
+                    seen: list[torch.Tensor] | None = None, proximal: torch.Tensor | None = None) -> dict[str, float]:
         """Forward + backward of one micro-batch, its loss scaled by its share of the whole batch; the
-        with-grad pass's logprobs (detached) appended to ``seen``."""
+        with-grad pass's logprobs (detached) appended to ``seen``. ``proximal``: the rejection pass's."""
         fresh = fresh_tokens(batch, settings, version)
-        share, token_share, raw_token_share = self._shares(batch, settings, totals, fresh)
+        shares = self._shares(batch, settings, totals, fresh, proximal)
         # Decoupled PPO's proximal policy is the policy before this update: with no dropout anywhere the
         # with-grad forward below computes exactly its logprobs, so they are read off it (detached)
         # instead of costing a forward pass of their own.
-        separate_proximal = self.needs_proximal_pass(settings)
-        reuse_proximal = self._decoupled(settings) and not separate_proximal
-        proximal = self.logprobs_no_grad(batch) if separate_proximal else None
+        separate_proximal = proximal is None and self.needs_proximal_pass(settings)
+        reuse_proximal = proximal is None and self._decoupled(settings) and not separate_proximal
+        if separate_proximal:
+            proximal = self.logprobs_no_grad(batch)
         ref = self.logprobs_no_grad(batch, reference=True) if settings.kl_coef else None
 
         def scaled_loss(logp: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -284,18 +346,19 @@ class RLStep:
                                 proximal_logp=logp.detach() if reuse_proximal else proximal, ref_logp=ref,
                                 entropy=entropy, fresh=fresh, token_advantages=batch.token_advantages)
             loss, metrics = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
-            return loss * share, metrics
+            return loss * shares.loss, metrics
 
         self.backend.set_training(True)
         self.backend.before_micro_batch(batch)
         m = self.backend.loss_backward(batch, bool(settings.entropy_coef), scaled_loss)
         self.backend.set_training(False)
-        return self._weighted(m, share, token_share, raw_token_share)
+        return self._weighted(m, shares)
 
-    def _idle_micro_step(self, settings: LossSpec) -> None:
-        """`_micro_step`'s forward and backward passes on a batch of no sequences, with a zero loss."""
+    def _idle_micro_step(self, settings: LossSpec, proximal_given: bool = False) -> None:
+        """`_micro_step`'s forward and backward passes on a batch of no sequences, with a zero loss
+        (``proximal_given``: the rejection pass ran the proximal ones)."""
         empty = empty_batch(self.backend.device)
-        if self.needs_proximal_pass(settings):
+        if self.needs_proximal_pass(settings) and not proximal_given:
             self.logprobs_no_grad(empty)
         if settings.kl_coef:
             self.logprobs_no_grad(empty, reference=True)

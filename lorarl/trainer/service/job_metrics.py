@@ -1,7 +1,8 @@
 """Per-job Prometheus series of a trainer: what `lorarl jobs` shows, scraped (lorarl_trainer_job_*{job_id}).
 
 A collector read at scrape time from the JobManager, so a deleted job's series go with it and nothing is
-updated on the training path but three counters per pass (Job.trained_tokens, _passes, _seconds).
+updated on the training path but three counters per pass (Job.trained_tokens, _passes, _seconds) and the
+last pass's rollout-vs-trainer monitor (Job.rollout_kl_k3, _masked_token_fraction).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class JobsCollector(Collector):
                                      labels=labels)
         seconds = CounterMetricFamily("lorarl_trainer_job_training_seconds",
                                       "Seconds of those passes in the engine thread.", labels=labels)
+        rollout_kl = GaugeMetricFamily("lorarl_trainer_job_rollout_kl", "KL(rollout || trainer) of the last pass's "
+                                       "tokens, k3 estimate: how far the sampler was from the trainer's policy.",
+                                       labels=labels)
+        masked = GaugeMetricFamily("lorarl_trainer_job_rollout_masked_token_fraction", "Tokens of the last pass "
+                                   "that rollout correction rejected.", labels=labels)
         for job in self.jobs.list():
             key = [job.job_id]
             version.add_metric(key, job.engine.version)
@@ -47,4 +53,7 @@ class JobsCollector(Collector):
             tokens.add_metric(key, job.trained_tokens)
             passes.add_metric(key, job.trained_passes)
             seconds.add_metric(key, job.trained_seconds)
-        yield from (version, step, buffered, job_bytes, base_bytes, base_jobs, tokens, passes, seconds)
+            rollout_kl.add_metric(key, job.rollout_kl_k3)
+            masked.add_metric(key, job.rollout_masked_token_fraction)
+        yield from (version, step, buffered, job_bytes, base_bytes, base_jobs, tokens, passes, seconds, rollout_kl,
+                    masked)

@@ -71,11 +71,17 @@ class Job:
     trained_tokens: float = 0.0  # completion tokens of its training passes (Prometheus: job_metrics.py)
     trained_passes: int = 0
     trained_seconds: float = 0.0  # those passes in the engine thread (not queued for it)
+    #: The last pass's rollout-vs-trainer monitor (lorarl.trainer.rl.correction): KL k3, masked token fraction.
+    rollout_kl_k3: float = 0.0
+    rollout_masked_token_fraction: float = 0.0
 
     def count(self, metrics: Metrics, seconds: float) -> Metrics:
         self.trained_tokens += float(metrics.get("tokens", 0.0))
         self.trained_passes += 1
         self.trained_seconds += seconds
+        self.rollout_kl_k3 = float(metrics.get("rollout_kl_k3", self.rollout_kl_k3))
+        self.rollout_masked_token_fraction = float(metrics.get("rollout_masked_token_fraction",
+                                                               self.rollout_masked_token_fraction))
         return metrics
 
     @property

@@ -91,3 +91,12 @@ def test_run_log_writes_jsonl_and_summary(tmp_path) -> None:
     assert "0.250 -> 0.750 (+50.0 points)" in summary
     assert "steps: 2" in summary and "max policy version lag: 2" in summary
     assert log.plot().stat().st_size > 1000
+
+
+def test_step_line_shows_the_rollout_vs_trainer_kl_and_its_alarm() -> None:
+    progress = ProgressBar(40, stream=io.StringIO(), clock=FakeClock())
+    progress.update(step_row(1, **{"train/rollout_kl_k3": 0.00123}))
+    progress.update(step_row(2, **{"train/rollout_kl_k3": 0.05, "policy/mismatch_alarm": 1.0}))
+    first, second = progress.stream.getvalue().splitlines()[-2:]
+    assert "kl 1.2e-03" in first and "(!)" not in first
+    assert "kl 5.0e-02 (!)" in second

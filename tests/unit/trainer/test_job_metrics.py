@@ -34,7 +34,8 @@ class CountingEngine:
 
     def train_step(self, batch: list[TrajectoryRecord]) -> dict[str, float]:
         self.version, self.step = self.version + 1, self.step + 1
-        return {"loss": 0.0, "tokens": float(sum(len(r.completion_token_ids) for r in batch))}
+        return {"loss": 0.0, "tokens": float(sum(len(r.completion_token_ids) for r in batch)),
+                "rollout_kl_k3": 0.0125, "rollout_masked_token_fraction": 0.25}
 
 
 def samples(registry) -> dict[tuple[str, str], float]:
@@ -70,6 +71,9 @@ def test_each_live_job_has_its_series_and_a_deleted_job_loses_them(tmp_path: Pat
         assert after[("lorarl_trainer_job_buffered_trajectories", "a")] == 0
         assert after[("lorarl_trainer_job_base_bytes", "a")] == 1000
         assert after[("lorarl_trainer_job_base_jobs", "b")] == 2 and after[("lorarl_trainer_job_bytes", "b")] == 30
+        assert after[("lorarl_trainer_job_rollout_kl", "a")] == 0.0125  # the last pass's monitor
+        assert after[("lorarl_trainer_job_rollout_masked_token_fraction", "a")] == 0.25
+        assert after[("lorarl_trainer_job_rollout_kl", "b")] == 0.0
         await manager.delete("a")
         gone = samples(metrics.registry)
         assert not [k for k in gone if k[1] == "a"] and ("lorarl_trainer_job_version", "b") in gone
