@@ -63,6 +63,23 @@ def tiny_moe_config() -> Qwen3MoeConfig:
     )
 
 
+def tiny_a3b_router_config() -> Qwen3MoeConfig:
+    """The tiny widths and vocabulary with Qwen3-30B-A3B's routing: top-8 of 128 experts in every layer. Random
+    init, its routers are nearly flat, as a real 128-expert router's near-ties are: the shape where the rollout's
+    and the trainer's routing part (routing replay's tests and benchmark)."""
+    return Qwen3MoeConfig(
+        **_TINY_COMMON,
+        intermediate_size=512,
+        moe_intermediate_size=32,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+    )
+
+
 def _qwen3_dense_config(num_layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
                         tied: bool) -> Qwen3Config:
     return Qwen3Config(
@@ -136,6 +153,7 @@ def qwen3_30b_a3b_config(num_layers: int = 48, num_experts: int = 128, num_exper
 SHAPES: dict[str, Callable[..., PreTrainedConfig]] = {
     "qwen3-tiny": tiny_dense_config,
     "qwen3-moe-tiny": tiny_moe_config,
+    "qwen3-moe-tiny-a3b-router": tiny_a3b_router_config,
     "qwen3-0.6b": qwen3_0_6b_config,
     "qwen3-1.7b": qwen3_1_7b_config,
     "qwen3-8b": qwen3_8b_config,
@@ -159,12 +177,25 @@ def shape_config(shape: str, num_layers: int | None = None, num_experts: int | N
     return config
 
 
-def init_model(config: PreTrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A randomly initialised causal LM for ``config``; the same seed gives the same weights."""
+#: Random-init MoE shapes whose experts' weights are scaled up: at initializer_range 0.02 an expert's output is a
+#: negligible part of the residual update, so which experts a token reaches hardly matters; in a trained model it
+#: does (the experts are most of its parameters), and that is what routing replay is measured against.
+EXPERT_INIT_SCALE = {"qwen3-moe-tiny-a3b-router": 10.0}
+
+
+def init_model(config: PreTrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+               expert_scale: float = 1.0) -> PreTrainedModel:
+    """A randomly initialised causal LM for ``config``; the same seed gives the same weights. ``expert_scale``
+    multiplies the MoE experts' weights (EXPERT_INIT_SCALE says why)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if expert_scale != 1.0:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".experts." in name:
+                    param.mul_(expert_scale)
     model.eval()
     return model
 
@@ -205,7 +236,7 @@ def build_random_model(
 ) -> dict[str, Any]:
     """Random-init a named shape and save it to ``out_dir`` (for benchmarks); returns a summary."""
     config = shape_config(shape, num_layers=num_layers, num_experts=num_experts)
-    model = init_model(config, seed=seed, dtype=dtype)
+    model = init_model(config, seed=seed, dtype=dtype, expert_scale=EXPERT_INIT_SCALE.get(shape, 1.0))
     save_model(model, out_dir)
     summary = {
         "shape": shape,
@@ -213,6 +244,7 @@ def build_random_model(
         "num_layers": config.num_hidden_layers,
         "num_experts": getattr(config, "num_experts", None),
         "parameters": count_parameters(model),
+        "expert_scale": EXPERT_INIT_SCALE.get(shape, 1.0),
         "dtype": str(dtype).removeprefix("torch."),
     }
     (out_dir / "build_info.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -260,9 +260,7 @@ class SamplingClient:
         reply = self.stub.Generate(rollout_pb2.GenerateRequest(prompts=[message], sampling=params,
                                                                policy=self.policy()))
         (result,) = reply.results
-        return list(result.prompt_token_ids), [
-            Sampled(list(c.token_ids), list(c.logprobs), list(c.token_versions), c.text, c.finish_reason)
-            for c in result.completions]
+        return list(result.prompt_token_ids), [Sampled.from_proto(c) for c in result.completions]
 
     def renderer(self) -> ChatRenderer:
         if not self.model_path:

@@ -47,6 +47,8 @@ ROLLOUT_IS_THRESHOLD = 2.0
 ROLLOUT_RS_BOUNDS: dict[str, tuple[float | None, float]] = {
     "token": (0.5, 2.0), "sequence": (0.5, 2.0), "geometric": (0.999, 1.001), "k3": (None, 0.01)}
 Checkpointing = Literal["auto", "on", "off"]
+RoutingReplay = Literal["auto", "on", "off"]
+ROUTING_REPLAY = ("auto", "on", "off")
 Engine = Literal["torch", "megatron"]
 Dtype = Literal["float32", "bfloat16"]
 DTYPES = ("float32", "bfloat16")
@@ -443,6 +445,7 @@ class TrainingSpec:
     memory: MemorySpec = field(default_factory=MemorySpec)
     layer_devices: int = 1
     init_adapter_path: str = ""
+    routing_replay: RoutingReplay = "auto"
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str) -> None:
@@ -474,6 +477,11 @@ class TrainingSpec:
         if self.loss.rollout_correction.rollout_rs and self.megatron.pipeline_parallel_size > 1:
             fail("loss.rollout_correction.rollout_rs", "is not available with megatron.pipeline_parallel_size > 1: "
                  "only the last stage sees the logprobs that decide which tokens count (use rollout_is)")
+        if self.routing_replay not in ROUTING_REPLAY:
+            fail("routing_replay", f"must be one of {list(ROUTING_REPLAY)}, got {self.routing_replay!r}")
+        if self.routing_replay == "on" and self.engine != "torch":
+            fail("routing_replay", f"'on' needs engine 'torch' (engine {self.engine!r} routes live; use 'auto' or "
+                                   "'off')")
         if self.full_finetune and self.loss.kl_coef:
             fail("loss.kl_coef", "must be 0 with full_finetune (the reference is the base with adapters off)")
 
@@ -493,7 +501,7 @@ class TrainingSpec:
             seed=self.seed, engine=self.engine, max_sequence_tokens=self.limits.max_sequence_tokens,
             max_buffered_trajectories=self.limits.max_buffered_trajectories, megatron=self.megatron.to_proto(),
             memory=self.memory.to_proto(), layer_devices=self.layer_devices,
-            init_adapter_path=self.init_adapter_path)
+            init_adapter_path=self.init_adapter_path, routing_replay=self.routing_replay)
 
     @classmethod
     def from_proto(cls, cfg: trainer_pb2.JobConfig, default_device: str = "cpu",
@@ -509,7 +517,8 @@ class TrainingSpec:
                               max_buffered_trajectories=cfg.max_buffered_trajectories
                               or DEFAULT_MAX_BUFFERED_TRAJECTORIES),
             megatron=MegatronSpec.from_proto(cfg.megatron), memory=MemorySpec.from_proto(cfg.memory),
-            layer_devices=cfg.layer_devices or 1, init_adapter_path=cfg.init_adapter_path)
+            layer_devices=cfg.layer_devices or 1, init_adapter_path=cfg.init_adapter_path,
+            routing_replay=cfg.routing_replay or "auto")  # type: ignore[arg-type]  # checked on construction
 
 
 def loss_for_loop(loss: LossSpec, *, mode: str, max_staleness: int, max_tokens: int) -> LossSpec:

@@ -103,6 +103,12 @@ class RolloutSettings:
         "The engine steps no further while its worker receives (with vLLM in-process, as on CPU, neither "
         "does this service's event loop), where this service's own receive overlaps generation. Versions "
         "this replica merges itself (adapters served merged) are always received here.")
+    record_routes: bool = setting(
+        False, doc="MoE models on vLLM: record the experts every router chooses for every token and return them "
+        "with each completion (Completion.routed_experts), for routing replay in the trainer (R3). The engine then "
+        "starts without prefix caching (a cached position is never computed, so it has no route).")
+    max_recorded_requests: int = setting(8192, check=in_range(1), doc="Requests whose routes the engine holds "
+                                         "until their completion is returned; past it the oldest lose theirs.")
 
     def validate(self) -> None:
         unknown = sorted(set(self.collective_backends) - {"gloo", "nccl", "hccl"})
@@ -113,6 +119,8 @@ class RolloutSettings:
                 raise ConfigError("engine_cpus", f"pins vLLM's engine core; engine is {self.engine!r} (use "
                                   "server.cpus for the whole service)")
             check_cpu_setting("engine_cpus", self.engine_cpus)
+        if self.record_routes and self.engine != "vllm":
+            raise ConfigError("record_routes", f"needs engine 'vllm' (engine is {self.engine!r})")
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ConfigError("max_lora_rank", f"expected one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}")
         if self.adapter_window is not None and self.adapter_window > self.max_loras:

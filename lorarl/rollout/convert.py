@@ -27,10 +27,13 @@ def _top(top: list[dict[int, float]]) -> list[rollout_pb2.TopLogprobs]:
     return [rollout_pb2.TopLogprobs(token_ids=list(t), logprobs=list(t.values())) for t in top]
 
 
-def completion(c: Completion) -> rollout_pb2.Completion:
-    return rollout_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, token_versions=c.versions,
-                                  finish_reason=FINISH_TO_PROTO[c.finish], text=c.text,
-                                  top_logprobs=_top(c.top_logprobs))
+def completion(c: Completion, prompt_tokens: int) -> rollout_pb2.Completion:
+    out = rollout_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, token_versions=c.versions,
+                                 finish_reason=FINISH_TO_PROTO[c.finish], text=c.text,
+                                 top_logprobs=_top(c.top_logprobs))
+    if c.routes is not None:  # exactly the sequence's routed positions: all its tokens but the last
+        out.routed_experts.CopyFrom(c.routes.truncated(prompt_tokens + len(c.token_ids) - 1).to_proto())
+    return out
 
 
 def stream_chunk(chunk: CompletionChunk) -> rollout_pb2.GenerateStreamResponse:

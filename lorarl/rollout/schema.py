@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from lorarl.contract import versions
+from lorarl.contract.routes import RoutedExperts
 
 BASE_JOB = ""
 """job_id of the base model (no adapter, no merged weights)."""
@@ -131,6 +132,7 @@ class SegmentEvent:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish: Finish | None = None
     prompt_logprobs: list[float] | None = None  # when asked: one per prompt token, the first NaN
+    routes: RoutedExperts | None = None  # on the last event, when the engine records routes (MoE)
 
 
 @dataclass
@@ -156,6 +158,12 @@ class Completion:
     finish: Finish = Finish.ABORT
     text: str = ""
     segments: int = 0
+    #: experts chosen at each position of prompt + completion but the last (recording engines, MoE)
+    routes: RoutedExperts | None = None
+
+    def add_routes(self, routes: RoutedExperts) -> None:
+        """A segment's routes: over the whole sequence so far, so what it computed is laid over the earlier ones."""
+        self.routes = routes if self.routes is None else self.routes.overlay(routes)
 
     def extend(self, chunk: CompletionChunk) -> None:
         self.token_ids += chunk.token_ids

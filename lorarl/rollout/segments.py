@@ -195,6 +195,8 @@ class SegmentRunner:
                 async for event in events:
                     if event.prompt_logprobs is not None:
                         seq.prompt_logprobs = event.prompt_logprobs
+                    if event.routes is not None:
+                        seq.completion.add_routes(event.routes)
                     versions = [policy.version] * len(event.token_ids)
                     chunk = CompletionChunk(seq.index, event.token_ids, event.logprobs, versions, event.top_logprobs)
                     if event.finish is not None:

@@ -51,9 +51,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         request_input = validation.generate_input(request, self._limits(), self.core.renderer)
         results = await self.core.generate(request_input)
         return rollout_pb2.GenerateResponse(results=[
-            rollout_pb2.PromptCompletions(prompt_token_ids=r.prompt_token_ids,
-                                          completions=[convert.completion(c) for c in r.completions],
-                                          prompt_logprobs=r.prompt_logprobs or [])
+            rollout_pb2.PromptCompletions(
+                prompt_token_ids=r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs or [],
+                completions=[convert.completion(c, len(r.prompt_token_ids)) for c in r.completions])
             for r in results])
 
     async def GenerateStream(self, request: rollout_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext

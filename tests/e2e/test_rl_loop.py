@@ -106,6 +106,13 @@ def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:
     diffs = [r["train/behavior_logprob_abs_diff"] for r in steps(out)]
     assert max(diffs) < 1e-3, diffs
     assert_monitored(out, result.stdout, on_policy=True)
+    # routing replay (trainer.routing_replay auto: a MoE job, the torch engine, vLLM rollouts): every token the
+    # trainer learns from was routed as the rollout routed it, recorded in the vLLM worker and carried through
+    # the loop; at float32 on both sides the live routers would have chosen the same experts almost everywhere
+    assert all(r["train/routing_replayed_fraction"] == 1.0 for r in steps(out))
+    assert max(r["train/routing_disagreement"] for r in steps(out)) < 0.01
+    rollout_log = (out / "services" / "rollout.log").read_text()
+    assert "recording routed experts: 4 MoE layers, top-2 of 8 experts" in rollout_log
     trainer_log = (out / "services" / "trainer.log").read_text()
     assert "SYNC_MODE_MERGED" in trainer_log
 

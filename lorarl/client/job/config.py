@@ -151,11 +151,18 @@ class TrainerSection:
     memory: MemorySpec = field(default_factory=MemorySpec)
     init_adapter: str = setting("", doc="A PEFT LoRA adapter directory to start from (warm start; torch engine); "
                                         "its r, lora_alpha, target_modules and use_rslora must match trainer.lora.")
+    routing_replay: Literal["auto", "on", "off"] = setting(
+        "auto", doc="MoE models: the rollout records the experts its routers choose and the trainer's routers use "
+                    "them (R3). 'auto': on for MoE models with the torch engine and vLLM rollouts; 'on': refuse a "
+                    "job that cannot; 'off': route live.")
 
 
 @dataclass
 class RolloutSection:
     engine: Literal["vllm", "hf"] = setting("vllm")
+    dtype: Literal["float32", "bfloat16"] | None = setting(
+        None, doc="The rollout engines' dtype (null: model.dtype, the trainer's). bfloat16 rollouts with a float32 "
+                  "trainer is a common mismatch: the rollout-vs-trainer monitor and rollout correction see it.")
     group_size: int = setting(8, check=in_range(1, 64), doc="Completions per prompt (GRPO group).")
     temperature: float = setting(1.0, check=in_range(0.0, 10.0))
     top_p: float = setting(1.0, check=in_range(0.0, 1.0))
@@ -326,6 +333,9 @@ class JobFileConfig:
                               f"{self.rollout.max_lora_rank} is below trainer.lora.rank={self.trainer.lora.rank} "
                               "(0: derived from it)")
         parallel = self.trainer.parallel
+        if self.trainer.routing_replay == "on" and not records_routes(self):
+            raise ConfigError("trainer.routing_replay", "'on' needs a MoE model (model.path's config names experts), "
+                                                        "trainer.engine torch and rollout.engine vllm; use 'auto'")
         if self.trainer.engine == "torch" and (parallel.tensor, parallel.expert) != (1, 1):
             raise ConfigError("trainer.parallel", "tensor/expert parallelism needs trainer.engine=megatron")
         if self.trainer.engine == "torch" and parallel.pipeline > 1 and parallel.data > 1:
@@ -405,9 +415,29 @@ def training_spec(cfg: JobFileConfig, model_path: str) -> TrainingSpec:
             base_model_path=model_path, device=t.device, dtype=cfg.model.dtype, lora=t.lora.spec(), loss=loss,
             optimizer=t.optimizer, seed=t.seed, engine=t.engine, megatron=megatron, memory=t.memory,
             layer_devices=t.parallel.pipeline if t.engine == "torch" else 1, init_adapter_path=init,
-            limits=LimitsSpec(max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS)))
+            limits=LimitsSpec(max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS)),
+            routing_replay=t.routing_replay)
     except SpecError as e:
         raise ConfigError(f"trainer.{e.path}", e.problem) from None
+
+
+def is_moe(cfg) -> bool:
+    """Whether the job's model routes tokens to experts (its config.json names experts)."""
+    config = Path(cfg.model.path) / "config.json"
+    if not config.is_file():
+        return False
+    fields = json.loads(config.read_text())
+    fields = fields.get("text_config", fields)
+    return bool(fields.get("num_experts") or fields.get("num_local_experts"))
+
+
+def records_routes(cfg, moe: bool | None = None) -> bool:
+    """Whether this job's rollouts record routed experts for the trainer to replay (trainer.routing_replay):
+    a MoE model (``moe``; None: as model.path's config.json says), the torch trainer engine and vLLM rollouts,
+    unless 'off'."""
+    t = cfg.trainer
+    return (t.routing_replay != "off" and t.engine == "torch" and cfg.rollout.engine == "vllm"
+            and (is_moe(cfg) if moe is None else moe))
 
 
 def serving_length(cfg) -> int | None:

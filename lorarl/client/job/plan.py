@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorarl.client.job.config import records_routes
 from lorarl.client.job.step_time import IMBALANCE, StepTime, estimate
+from lorarl.contract.routes import bytes_per_token as routes_bytes_per_token
 from lorarl.trainer.engines.memory import StepMemory, needs_checkpointing, stage_sizes, step_memory
 
 GIB = 1 << 30
@@ -254,6 +256,29 @@ def kv_bytes_per_token(shape: dict[str, Any], dtype: str) -> int:
     return 2 * full * shape["num_key_value_heads"] * hd * (2 if dtype == "bfloat16" else 4)
 
 
+def moe_layers(shape: dict[str, Any]) -> int:
+    """Decoder layers with a router: all but ``mlp_only_layers``, every ``decoder_sparse_step``-th."""
+    step = shape.get("decoder_sparse_step") or 1
+    dense = set(shape.get("mlp_only_layers") or ())
+    return sum(1 for i in range(shape["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def routing_replay_line(cfg, shape: dict[str, Any], experts: int, sequence_tokens: int) -> str:
+    """What routing replay costs this job (lorarl.contract.routes), or why it is off."""
+    t = cfg.trainer
+    if not records_routes(cfg, moe=True):
+        why = ("trainer.routing_replay is off" if t.routing_replay == "off" else
+               f"the {t.engine} engine routes live" if t.engine != "torch" else "rollout.engine is not vllm")
+        return f"off ({why})"
+    layers, top_k = moe_layers(shape), shape.get("num_experts_per_tok") or 1
+    per_token = routes_bytes_per_token(layers, top_k, experts)
+    batch = per_token * sequence_tokens * cfg.loop.prompts_per_step * cfg.rollout.group_size
+    return (f"on ({t.routing_replay}): the rollouts record {layers} MoE layers x top-{top_k} of {experts} experts, "
+            f"{per_token} B per token, up to {human_bytes(batch)} per step at full length (sent with the "
+            f"trajectories, held in the trainer's buffer); the rollouts run without prefix caching (a cached "
+            f"position is never computed, so it has no route)")
+
+
 def sync_choice(cfg, shape: dict[str, Any], is_moe: bool, environ: Any = None) -> tuple[str, str]:
     """The sync mode the job will run in and why, and whether its rollouts start vLLM with LoRA and why:
     the rule the rollout's engine applies at start (lorarl.common.vllm_lora), with the job's own settings."""
@@ -343,6 +368,8 @@ def print_plan(cfg) -> int:
     print(f"weight sync: {mode}; per version {human_bytes(n['lora'] * ADAPTER_BYTES)} (adapter, fp32) vs "
           f"{human_bytes(base_bytes)} (merged)")
     print(f"rollout LoRA: {rollout_lora}")
+    if n["experts"]:
+        print(f"routing replay (R3): {routing_replay_line(cfg, shape, n['experts'], trainer.sequence_tokens)}")
     if sequences < 1:
         print(f"lorarl: bad config: rollout.kv_cache_gib: {human_bytes(kv)} holds "
               f"{int(kv / kv_per_token):,} tokens, less than one {trainer.sequence_tokens:,}-token sequence")

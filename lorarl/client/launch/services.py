@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.job.config import serving_length
+from lorarl.client.job.config import records_routes, serving_length
 from lorarl.contract import staleness
 
 
@@ -37,7 +37,8 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     # one process per rank (rank 0 serves gRPC); a torch layer split is one process
                     **({"ranks": ranks} if (ranks := cfg.trainer.parallel.ranks(cfg.trainer.engine)) > 1 else {})},
         "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
-                    "dtype": cfg.model.dtype,
+                    "dtype": cfg.rollout.dtype or cfg.model.dtype,
+                    **({"record_routes": True} if records_routes(cfg) else {}),
                     "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.serving_lora_rank,
                     "max_loras": window + 1, "adapter_window": window, "replica_id": "rollout-0",
                     "tensor_parallel_size": cfg.rollout.tensor_parallel_size,

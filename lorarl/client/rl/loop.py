@@ -87,6 +87,25 @@ Checkpoint = Callable[[LoopState, str], Awaitable[None]]
 Recover = Callable[[], Awaitable[LoopState]]
 
 
+#: Bytes of trajectories per PushTrajectories message: a step's trajectories, routed experts included (384 B per
+#: token at Qwen3-30B-A3B), stay well under gRPC's message limit (lorarl.common.channel: 256 MiB) in any batch.
+PUSH_PART_BYTES = 32 << 20
+
+
+def push_parts(trajectories: list, limit: int = PUSH_PART_BYTES) -> list[list]:
+    """Consecutive runs of ``trajectories`` of at most ``limit`` serialized bytes each (one, if larger)."""
+    parts: list[list] = []
+    size = 0
+    for t in trajectories:
+        n = t.ByteSize()
+        if not parts or (size + n > limit and parts[-1]):
+            parts.append([])
+            size = 0
+        parts[-1].append(t)
+        size += n
+    return parts
+
+
 class RLLoop:
     """Drives one job through the trainer, rollout and weight-sync services."""
 
@@ -194,7 +213,8 @@ class RLLoop:
         job = self.cfg.job_id
 
         async def requests():
-            yield trainer_pb2.PushTrajectoriesRequest(job_id=job, trajectories=batch.trajectories)
+            for part in push_parts(batch.trajectories):
+                yield trainer_pb2.PushTrajectoriesRequest(job_id=job, trajectories=part)
 
         refused = 0
         async for response in self.trainer.PushTrajectories(requests()):

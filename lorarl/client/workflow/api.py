@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorarl.client.job.datasets import Example
+from lorarl.contract.routes import RoutedExperts
 from lorarl.v1 import common_pb2
 
 
@@ -41,6 +42,15 @@ class Sampled:
     versions: list[int]
     text: str = ""
     finish_reason: int = common_pb2.FINISH_REASON_STOP
+    #: The experts the rollout's routers chose at every position of its prompt + these tokens but the last (MoE
+    #: replicas that record routes; None: not recorded).
+    routes: RoutedExperts | None = None
+
+    @classmethod
+    def from_proto(cls, c: Any) -> Sampled:
+        """A lorarl.v1.Completion (RoutesError if its routes are malformed)."""
+        return cls(list(c.token_ids), list(c.logprobs), list(c.token_versions), c.text, c.finish_reason,
+                   RoutedExperts.from_proto(c.routed_experts) if c.HasField("routed_experts") else None)
 
 
 @dataclass
@@ -57,6 +67,9 @@ class Episode:
     finish_reason: int = common_pb2.FINISH_REASON_STOP
     group_id: str = ""  # empty: the loop groups an example's episodes together (GRPO's group)
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Routed experts by position of the whole sequence: each policy turn's, later turns laid over earlier ones
+    #: (a turn's request recomputes every earlier position: those are what its tokens were sampled under).
+    routes: RoutedExperts | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -93,6 +106,8 @@ class Episode:
         self.logprobs += sampled.logprobs
         self.versions += sampled.versions
         self.finish_reason = sampled.finish_reason
+        if sampled.routes is not None:
+            self.routes = sampled.routes if self.routes is None else self.routes.overlay(sampled.routes)
         if reward is not None:
             self.turn_rewards.append(float(reward))
 
@@ -108,11 +123,14 @@ class Episode:
     def to_proto(self, job_id: str, trajectory_id: str, group_id: str) -> common_pb2.Trajectory:
         """The trainer's contract; a single-turn episode (every token the policy's) sends no mask."""
         single = all(self.loss_mask)
-        return common_pb2.Trajectory(
+        out = common_pb2.Trajectory(
             id=trajectory_id, job_id=job_id, group_id=self.group_id or group_id, prompt_token_ids=self.prompt_ids,
             completion_token_ids=self.completion_ids, behavior_logprobs=self.logprobs, token_versions=self.versions,
             reward=self.reward, finish_reason=self.finish_reason, loss_mask=[] if single else self.loss_mask,
             turn_rewards=self.turn_rewards, metrics=self.metrics)
+        if self.routes is not None:  # context tokens after the last turn were never computed: not recorded
+            out.routed_experts.CopyFrom(self.routes.truncated(len(self.token_ids) - 1).to_proto())
+        return out
 
 
 class EpisodeContext(abc.ABC):

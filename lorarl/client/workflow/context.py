@@ -85,8 +85,7 @@ class RolloutContext(EpisodeContext):
             response = await self._generate(request)
             self.unpinned += 1
         (result,) = response.results
-        return [Sampled(list(c.token_ids), list(c.logprobs), list(c.token_versions), c.text, c.finish_reason)
-                for c in result.completions]
+        return [Sampled.from_proto(c) for c in result.completions]
 
     async def _generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         if isinstance(self.rollout, CoalescingRollout):

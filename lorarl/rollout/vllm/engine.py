@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lorarl.common import ascend
@@ -28,6 +29,7 @@ from lorarl.common.cpu_affinity import available_cpus, format_cpu_list, parse_cp
 from lorarl.common.errors import FailedPreconditionError, UnavailableError
 from lorarl.common.vllm_lora import lora_blocker
 from lorarl.contract.lora import LoraSpec
+from lorarl.contract.routes import RoutedExperts
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.model_files import ModelFiles
 from lorarl.rollout.schema import (
@@ -102,6 +104,48 @@ def engine_memory_args(s: RolloutSettings, on_cpu: bool) -> dict[str, Any]:
         args["gpu_memory_utilization"] = s.gpu_memory_utilization
     return args
 
+class RouteTaker:
+    """Takes finished requests' routes from the recording worker (route_recorder.py), many per call: the
+    requests that finish in one engine output share one collective_rpc instead of one each."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        self._pending: dict[str, asyncio.Future[RoutedExperts | None]] = {}
+        self._flushing: asyncio.Task[None] | None = None
+        self._forgotten: list[str] = []
+
+    async def take(self, request_id: str) -> RoutedExperts | None:
+        future: asyncio.Future[RoutedExperts | None] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        if self._flushing is None:
+            self._flushing = asyncio.create_task(self._flush())
+        return await future
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request's routes are dropped with the next take (nobody will ask for them)."""
+        self._forgotten.append(request_id)
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # the other requests of this engine output join
+        pending, self._pending, self._flushing = self._pending, {}, None
+        forgotten, self._forgotten = self._forgotten, []
+        try:
+            if forgotten:
+                await self._llm.collective_rpc("lorarl_forget_routes", kwargs={"request_ids": forgotten})
+            taken = (await self._llm.collective_rpc("lorarl_take_routes", kwargs={"request_ids": list(pending)}))[0]
+        except BaseException as exc:
+            for future in pending.values():
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for request_id, future in pending.items():
+            fields = taken.get(request_id)
+            if not future.done():
+                future.set_result(None if fields is None else RoutedExperts(
+                    np.frombuffer(fields["data"], dtype=np.int16).reshape(
+                        fields["positions"], fields["layers"], fields["top_k"]).copy(), int(fields["num_experts"])))
+
+
 class VllmEngine:
     """GenerationEngine backed by vllm.v1 AsyncLLM (see module docstring)."""
 
@@ -126,6 +170,7 @@ class VllmEngine:
         self.loaded_weight_names: frozenset[str] | None = None
         #: why this engine cannot take merged weights ("" when it can): captured graphs + per-tensor reload
         self.merged_refusal = ""
+        self._routes: RouteTaker | None = None  # rollout.record_routes: the worker records each request's routes
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -153,6 +198,8 @@ class VllmEngine:
             raise ValueError(f"rollout.enable_lora is true but {reason}")
         if not enable_lora and supported:
             reason = "the engine was started with rollout.enable_lora=false"
+        if s.record_routes and not self.files.is_moe:
+            raise ValueError(f"rollout.record_routes: {self.files.architecture} has no MoE layers to record")
         args = AsyncEngineArgs(
             model=str(self.files.root),
             dtype=s.dtype,
@@ -171,6 +218,8 @@ class VllmEngine:
             max_cpu_loras=s.max_loras if enable_lora else None,
             worker_extension_cls=EXTENSION_QUALNAME,
             disable_log_stats=True,
+            # a prefix-cached position is never computed, so its route would never be recorded
+            **({"enable_prefix_caching": False} if s.record_routes else {}),
         )
         # No stat loggers: with any, vLLM records Prometheus histograms and iteration stats for every
         # request at every step in the frontend (~15% of its CPU on the demo); stats() counts requests here.
@@ -205,6 +254,12 @@ class VllmEngine:
                 [self.merged_refusal] = ascend.merged_reload_problems(s.enforce_eager,
                                                                       eager_key="rollout.enforce_eager")
         await self._learn_weight_names()
+        if s.record_routes:
+            dims = (await self._llm.collective_rpc("lorarl_record_routes",
+                                                   kwargs={"max_requests": s.max_recorded_requests}))[0]
+            self._routes = RouteTaker(self._llm)
+            logger.info("recording routed experts: %d MoE layers, top-%d of %d experts (prefix caching off)",
+                        dims["layers"], dims["top_k"], dims["num_experts"])
         if s.engine_cpus and self.worker_count == 1:  # several workers: each is bound by apply_thread_binding
             pinned = await self._llm.collective_rpc("lorarl_pin_cpus", kwargs={"cpus": parse_cpu_list(s.engine_cpus)})
             logger.info("vLLM engine core pinned to CPUs %s", format_cpu_list(pinned[0]))
@@ -303,12 +358,15 @@ class VllmEngine:
                 logprobs, top = _logprobs(token_ids, completion.logprobs, top_n)
                 finish = _FINISH.get(completion.finish_reason, Finish.ABORT) if finished else None
                 prompt = _prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)
+                routes = await self._routes.take(queue.request_id) if finished and self._routes is not None else None
                 yield SegmentEvent(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish=finish,
-                                   prompt_logprobs=prompt)
+                                   prompt_logprobs=prompt, routes=routes)
         finally:
             self._live -= 1
             if not finished and self._llm is not None and not self._llm.errored:  # consumer gone
                 await self._llm.abort(queue.request_id, internal=True)  # (vLLM's id for this request)
+                if self._routes is not None:
+                    self._routes.forget(queue.request_id)
             queue.close()
 
     async def abort(self, request_ids: Sequence[str]) -> None:

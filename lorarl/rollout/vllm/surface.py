@@ -47,7 +47,7 @@ def _s(ref: str, *params: str, platforms: frozenset[str] = ALL, fallback: str = 
 _ENGINE_ARGS = ("model", "dtype", "max_model_len", "enforce_eager", "kv_cache_memory_bytes", "gpu_memory_utilization",
                 "seed", "max_num_seqs", "block_size", "tensor_parallel_size", "max_num_batched_tokens",
                 "max_logprobs", "logprobs_mode", "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras",
-                "worker_extension_cls", "disable_log_stats")
+                "worker_extension_cls", "disable_log_stats", "enable_prefix_caching")
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "logprobs",
              "ignore_eos", "detokenize", "output_kind", "skip_clone", "prompt_logprobs")
 
@@ -120,6 +120,16 @@ SURFACE: tuple[Symbol, ...] = (
        platforms=frozenset({"npu"})),
     _s("vllm_ascend.attention.attention_v1:AscendAttentionBackend.supported_dtypes", platforms=frozenset({"npu"})),
     _s("vllm_ascend.utils:refresh_block_size", platforms=frozenset({"npu"})),
+    # --- recording routed experts (route_recorder.py: rollout.record_routes); vllm-ascend routes in its own kernel
+    # (vllm_ascend.ops.fused_moe.experts_selector), past the capture hook: there the recorder finds no routes
+    _s("vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter.set_capture_fn", "capture_fn"),
+    _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward", "input_ids", "positions"),
+    _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch", platforms=frozenset({"cpu", "cuda"})),
+    _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner.query_start_loc", platforms=frozenset({"cpu", "cuda"})),
+    _s("vllm.v1.worker.gpu_input_batch:InputBatch.req_ids"),
+    _s("vllm.v1.worker.gpu_input_batch:InputBatch.num_reqs"),
+    _s("vllm.config.model:ModelConfig.get_num_experts"),
+    _s("vllm.config.model:ModelConfig.hf_text_config"),
     # --- CPU platform code (plugin.py, cpu_fixes.py, cpu_lora_ops.py; vLLM 0.32 only)
     _s("vllm.v1.attention.backend:MultipleOf", platforms=frozenset({"cpu"})),
     _s("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend", platforms=frozenset({"cpu"})),

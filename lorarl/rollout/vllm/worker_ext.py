@@ -186,6 +186,38 @@ class LorarlWorkerExtension:
 
         return {"reload_way": compat.reload_way(self), "loaders_restored": npu_fixes.install(compat.served_model(self))}
 
+    def lorarl_record_routes(self, max_requests: int) -> dict[str, int]:
+        """Starts recording the experts every MoE router chooses (route_recorder.py), on the first rank only (the
+        router is replicated); its layers, top-k and experts ({} on other ranks)."""
+        from lorarl.rollout.vllm.route_recorder import RouteRecorder
+
+        if getattr(self, "rank", 0) != 0:
+            return {}
+        config = self.model_runner.model_config  # type: ignore[attr-defined]
+        recorder = getattr(self, "_lorarl_routes", None)
+        if recorder is None:
+            recorder = RouteRecorder.install(self.model_runner, compat.served_model(self),  # type: ignore[attr-defined]
+                                             config.get_num_experts(), int(config.hf_text_config.num_experts_per_tok),
+                                             max_requests)
+            self._lorarl_routes = recorder
+        return {"layers": recorder.layers, "top_k": recorder.top_k, "num_experts": recorder.num_experts}
+
+    def lorarl_take_routes(self, request_ids: list[str]) -> dict[str, Any]:
+        """Each finished request's routes (wire fields; absent: none recorded), forgotten here ({} off rank 0)."""
+        recorder = getattr(self, "_lorarl_routes", None)
+        if recorder is None:
+            return {}
+        taken = {r: recorder.take(r) for r in request_ids}
+        return {r: routes for r, routes in taken.items() if routes is not None}
+
+    def lorarl_forget_routes(self, request_ids: list[str]) -> int:
+        """Drops aborted requests' routes; how many requests still hold some."""
+        recorder = getattr(self, "_lorarl_routes", None)
+        if recorder is None:
+            return 0
+        recorder.forget(request_ids)
+        return recorder.pending()
+
     def lorarl_pin_cpus(self, cpus: list[int]) -> list[int]:
         """Pins every thread of this worker's process (vLLM's engine core, or the whole service when vLLM
         runs in-process) to ``cpus``; returns the union of the threads' CPU sets afterwards."""

@@ -236,17 +236,26 @@ class PolicyEngine(TrainEngine):
 
     def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         """Accumulates gradients through the RL step (lorarl.trainer.rl.step: its metrics)."""
+        self.routing_metrics([])  # forgets the passes before this step (a compute_logprobs, a warm-up)
         metrics = self.rl.forward_backward(list(batch), loss or self.spec.loss, self._version)
+        metrics.update(self.routing_metrics(batch))
         self._pending_grads = True
         return metrics
 
     def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
                               forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:
         logprobs: list[list[float]] = []
+        self.routing_metrics([])
         metrics = self.rl.forward_backward(list(batch), loss or self.spec.loss, self._version, logprobs,
                                            forward_only=forward_only)
+        metrics.update(self.routing_metrics(batch))
         self._pending_grads = self._pending_grads or not forward_only
         return metrics, logprobs
+
+    def routing_metrics(self, batch: Sequence[TrajectoryRecord]) -> Metrics:
+        """Routing replay's figures for ``batch`` and the passes since the last call (engines that replay
+        recorded MoE routes, R3); none here."""
+        return {}
 
     def warm_up(self) -> None:
         """One forward and backward on a two-completion dummy group, its gradients and random draws

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.rl.batching import PackedBatch
 
 #: Model types whose decoder this module was checked against (full attention, per-position K/V cache).
@@ -257,8 +258,11 @@ def shared_prefix_hidden(decoder: nn.Module, batch: PackedBatch, plan: PrefixPla
     device = batch.input_ids.device
     prompt_mask = (torch.arange(P, device=device) < plan.prompt_lengths.unsqueeze(1)).long()
     cache = DynamicCache()
+    # Recorded experts (R3), when the batch carries them, laid out like each pass's tokens.
+    replay = routing_replay.prompt_pass_replay(batch, plan.row_prompt, plan.prompt_lengths, P)
     prompt_hidden = decoder(input_ids=plan.prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
-                            use_cache=True).last_hidden_state
+                            use_cache=True, **({} if replay is None else {"routing_replay": replay})
+                            ).last_hidden_state
     flat = [prompt_hidden.flatten(0, 1)]
     row_len = plan.prompt_lengths.index_select(0, plan.row_prompt).unsqueeze(1)  # [B, 1]
     if layout.slots > 0:
@@ -275,8 +279,10 @@ def shared_prefix_hidden(decoder: nn.Module, batch: PackedBatch, plan: PrefixPla
             real = steps < (batch.completion_lengths.unsqueeze(1) - 1)
             mask = torch.cat([prompt_mask.index_select(0, plan.row_prompt), real.long()], dim=1)
             ids, positions = batch.completion_ids[:, : layout.width], row_len + steps
+        replay = routing_replay.completion_pass_replay(batch, layout.row_start, layout.slots, row_len)
         completion_hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                    past_key_values=per_line, use_cache=True).last_hidden_state
+                                    past_key_values=per_line, use_cache=True,
+                                    **({} if replay is None else {"routing_replay": replay})).last_hidden_state
         flat.append(completion_hidden.flatten(0, 1))
     pos = batch.target_positions
     in_prompt = pos < row_len

@@ -113,7 +113,8 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
 def disable_activation_checkpointing(model: nn.Module) -> None:
     for layer in decoder_layers(model):
         if hasattr(layer, _ORIGINAL_FORWARD):
-            del layer.forward  # the instance attribute: the class's forward shows again
+            # the forward it wrapped: the class's, or another wrapper beneath (routing replay's)
+            layer.forward = getattr(layer, _ORIGINAL_FORWARD)
             delattr(layer, _ORIGINAL_FORWARD)
 
 

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from lorarl.contract import versions
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.contract.peft_files import read_peft_tensors
+from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import (
     CheckpointInfo,
     EngineStateError,
@@ -79,8 +80,10 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool
     if plan is not None:
         selected = shared_prefix_hidden(model.get_decoder(), batch, plan)
     else:
+        replay = routing_replay.plain_replay(batch)  # the rollout's experts, when the batch carries them (R3)
         hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                     use_cache=False).last_hidden_state
+                                     use_cache=False, **({} if replay is None else {"routing_replay": replay})
+                                     ).last_hidden_state
         selected = hidden.gather(1, batch.target_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
     return head_token_logprobs(selected, model.get_output_embeddings(), batch.completion_ids, entropy_grad,
                                token_logprobs, logits_chunk_tokens)
@@ -131,6 +134,7 @@ class TorchEngine(PolicyEngine):
         model = AutoModelForCausalLM.from_pretrained(spec.base_model_path, dtype=TORCH_DTYPES[spec.dtype],
                                                      use_safetensors=True)
         model.eval()
+        routing_replay.install(model)  # MoE routers replay recorded experts when a batch carries them (R3)
         layers_per_device = place_by_layers(model, devices)
         return SharedBase(BaseKey.of(spec), model, base_model_fingerprint(spec.base_model_path), layers_per_device)
 
@@ -211,6 +215,19 @@ class TorchEngine(PolicyEngine):
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
+
+    @property
+    def route_shape(self) -> tuple[int, int, int] | None:
+        """(MoE layers, top_k, experts) when this engine replays recorded routes (R3), else None."""
+        if self.spec.routing_replay == "off":
+            return None
+        return routing_replay.route_shape(self.model)
+
+    def routing_metrics(self, batch: Sequence[TrajectoryRecord]) -> Metrics:
+        stats = routing_replay.take_stats(self.model)
+        if any(r.routes is not None for r in batch):
+            stats["routing_replayed_fraction"] = routing_replay.replayed_fraction(batch)
+        return stats
 
     # ------------------------------------------------------------ the RL step's model backend
 

@@ -10,12 +10,14 @@ is refused with a CommandError saying what is wrong.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorarl.contract.routes import RoutedExperts
 from lorarl.trainer.engines.api import (
     LimitsSpec,
     MegatronSpec,
@@ -26,6 +28,7 @@ from lorarl.trainer.engines.api import (
 )
 from lorarl.trainer.rl.lora import LoraConfig
 from lorarl.trainer.rl.losses import LossSpec
+from lorarl.v1 import common_pb2
 
 #: create: build an engine under `engine`; call / iter: run an engine method; close: forget an engine;
 #: ping: do nothing (rank 0's heartbeat); stop: leave the follower loop.
@@ -86,14 +89,26 @@ def spec_from_json(raw: Any) -> TrainingSpec:
 
 
 def record_to_json(record: TrajectoryRecord) -> dict[str, Any]:
-    return dataclasses.asdict(record)
+    d = dataclasses.asdict(dataclasses.replace(record, routes=None))
+    if record.routes is not None:  # their wire form (lorarl.contract.routes), the bytes as base64
+        msg = record.routes.to_proto()
+        d["routes"] = {"data": base64.b64encode(msg.data).decode(), "positions": msg.positions, "layers": msg.layers,
+                       "top_k": msg.top_k, "num_experts": msg.num_experts}
+    return d
 
 
 def record_from_json(raw: Any, where: str) -> TrajectoryRecord:
     d = _dict(raw, where)
     try:
+        routes = d.pop("routes", None)
+        if routes is not None:
+            fields = _dict(routes, f"{where}.routes")
+            d["routes"] = RoutedExperts.from_proto(common_pb2.RoutedExperts(
+                **{**fields, "data": base64.b64decode(str(fields.get("data", "")), validate=True)}))
+        if d.get("routes_problem") is not None:
+            d["routes_problem"] = tuple(_list(d["routes_problem"], f"{where}.routes_problem"))
         record = TrajectoryRecord(**d)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise CommandError(f"{where}: {e}") from None
     for name in ("prompt_token_ids", "completion_token_ids", "token_versions"):
         if not all(type(v) is int for v in _list(getattr(record, name), f"{where}.{name}")):

@@ -35,6 +35,7 @@ class PackedBatch:
     advantages: torch.Tensor  # [B] float
     completion_lengths: torch.Tensor  # [B] long
     token_advantages: torch.Tensor | None = None  # [B, T] float: the caller's, for the token losses
+    routes: torch.Tensor | None = None  # [B, L, moe layers, k] int16: recorded experts per input position, -1: none
 
     @property
     def size(self) -> int:
@@ -107,7 +108,22 @@ def pack(records: Sequence[TrajectoryRecord], advantages: torch.Tensor | None = 
     adv = torch.zeros(B) if advantages is None else advantages.detach().float().reshape(B).clone()
     lengths = torch.tensor([len(r.completion_token_ids) for r in records], dtype=torch.long)
     return PackedBatch(input_ids, attention_mask, target_positions, completion_ids, mask, behavior, versions,
-                       adv, lengths, token_adv)
+                       adv, lengths, token_adv, packed_routes(records, L))
+
+
+def packed_routes(records: Sequence[TrajectoryRecord], length: int) -> torch.Tensor | None:
+    """[B, length, layers, k] int16 of the records' routes by input position, -1 where a record has none (or
+    past its routed positions); None when no record carries routes."""
+    given = [r.routes for r in records if r.routes is not None]
+    if not given:
+        return None
+    layers, k = given[0].layers, given[0].top_k
+    out = torch.full((len(records), length, layers, k), -1, dtype=torch.int16)
+    for b, r in enumerate(records):
+        if r.routes is not None:
+            n = min(r.routes.positions, length)
+            out[b, :n] = torch.from_numpy(r.routes.ids[:n])
+    return out
 
 
 def micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lorarl.contract.routes import RoutedExperts
+
 
 @dataclass
 class TrajectoryRecord:
@@ -28,6 +30,11 @@ class TrajectoryRecord:
     # Per completion token: the caller's advantage (cross_entropy: weight), for the losses that take them
     # (lorarl.contract.training.TOKEN_LOSSES); None: none given.
     token_advantages: list[float] | None = None
+    # The experts the rollout's MoE routers chose at each position of prompt + completion but the last
+    # (lorarl.contract.routes), for routing replay; None: not recorded. ``routes_problem``: why the routes sent
+    # could not be read (validation refuses the trajectory with it).
+    routes: RoutedExperts | None = None
+    routes_problem: tuple[str, str] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from lorarl.common.errors import InvalidArgumentError
 from lorarl.contract.errors import SpecError
+from lorarl.contract.routes import RoutedExperts, RoutesError
 from lorarl.contract.training import LossSpec, TrainingSpec
 from lorarl.trainer.engines.api import TrajectoryRecord
 from lorarl.trainer.rl.lora import LoraConfig
@@ -48,12 +49,20 @@ def job_config(spec: TrainingSpec) -> trainer_pb2.JobConfig:
 
 
 def trajectory_record(t: common_pb2.Trajectory) -> TrajectoryRecord:
+    """The plain record; routes that cannot be read are kept as the problem, which validation reports under
+    the trajectory's own index (one bad trajectory never fails the others of its request)."""
+    routes, problem = None, None
+    if t.HasField("routed_experts"):
+        try:
+            routes = RoutedExperts.from_proto(t.routed_experts)
+        except RoutesError as e:
+            problem = (e.field, e.problem)
     return TrajectoryRecord(
         prompt_token_ids=list(t.prompt_token_ids), completion_token_ids=list(t.completion_token_ids),
         behavior_logprobs=list(t.behavior_logprobs), token_versions=list(t.token_versions), reward=t.reward,
         group_id=t.group_id, finish_reason=FINISH_REASONS.get(t.finish_reason, "?"), id=t.id,
         loss_mask=list(t.loss_mask) or None, turn_rewards=list(t.turn_rewards),
-        token_advantages=list(t.token_advantages) or None,
+        token_advantages=list(t.token_advantages) or None, routes=routes, routes_problem=problem,
     )
 
 

@@ -39,6 +39,7 @@ from lorarl.trainer.service import fit
 from lorarl.trainer.service.validation import (
     BufferFullError,
     InvalidTrajectory,
+    RouteRule,
     TrajectoryBuffer,
     validate_trajectory,
 )
@@ -234,8 +235,13 @@ class JobManager:
                 await self._in_engine_thread(engine.warm_up)
             except Exception:  # the job still trains; its first step just pays the set-up itself
                 logger.warning("job %s: engine warm-up failed", job_id, exc_info=True)
+            routes = RouteRule(getattr(engine, "route_shape", None), ignore=spec.routing_replay == "off")
+            if spec.routing_replay == "on" and routes.shape is None:
+                await self._in_engine_thread(engine.close)
+                raise FailedPreconditionError(f"routing_replay 'on': {spec.base_model_path} has no MoE router the "
+                                              f"{spec.engine} engine replays (use 'auto' or 'off')")
             freeze_long_lived()  # the model lives as long as the job: keep full collections off it
-            job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits, spec.loss))
+            job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits, spec.loss, routes))
             self._jobs[job_id] = job
             return job, False
         finally:
@@ -259,7 +265,7 @@ class JobManager:
         for i, rec in enumerate(records):
             try:
                 validate_trajectory(rec, job.engine.vocab_size, job.engine.version, job.spec.limits,
-                                    loss or job.spec.loss)
+                                    loss or job.spec.loss, job.buffer.routes)
             except InvalidTrajectory as e:
                 raise InvalidArgumentError(f"{field_name}[{i}].{e.field}", e.message) from None
         return list(records)

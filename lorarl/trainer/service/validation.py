@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from lorarl.contract.routes import RoutesError
 from lorarl.trainer.engines.api import FINISH_REASONS, LimitsSpec, LossSpec, TrajectoryRecord
 
 #: Largest positive behaviour logprob accepted. Samplers compute log_softmax in low precision and a
@@ -48,10 +50,38 @@ def check_advantages_fit(rec: TrajectoryRecord, loss: LossSpec) -> None:
         raise InvalidTrajectory("token_advantages", f"are needed by loss {loss.type} (one per completion token)")
 
 
+@dataclass(frozen=True)
+class RouteRule:
+    """What a job does with a trajectory's routed experts: ``shape`` (MoE layers, top_k, experts) its engine
+    replays, None: it cannot; ``ignore``: the job's routing_replay is 'off' (routes are dropped, as asked)."""
+
+    shape: tuple[int, int, int] | None = None
+    ignore: bool = False
+
+    def check(self, rec: TrajectoryRecord) -> None:
+        if rec.routes_problem is not None:
+            field, problem = rec.routes_problem
+            raise InvalidTrajectory(f"routed_experts.{field}", problem)
+        if rec.routes is None:
+            return
+        if self.ignore:
+            rec.routes = None
+            return
+        if self.shape is None:
+            raise InvalidTrajectory("routed_experts", "this job cannot replay routes (its model has no MoE router the "
+                                                      "engine replays, or its engine is megatron); send none, or "
+                                                      "create the job with routing_replay 'off'")
+        try:
+            rec.routes.check_fits(rec.num_tokens, *self.shape)
+        except RoutesError as e:
+            raise InvalidTrajectory(f"routed_experts.{e.field}", e.problem) from None
+
+
 def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version: int, limits: LimitsSpec,
-                        loss: LossSpec | None = None) -> None:
+                        loss: LossSpec | None = None, routes: RouteRule | None = None) -> None:
     """Raises InvalidTrajectory for the first problem found; returns None when the trajectory is usable.
-    ``loss``: the loss it will train under, for the per-token advantages (None: not checked here)."""
+    ``loss``: the loss it will train under, for the per-token advantages (None: not checked here); ``routes``:
+    what the job does with routed experts (None: a job that replays none)."""
     n = len(rec.completion_token_ids)
     if not rec.prompt_token_ids:
         raise InvalidTrajectory("prompt_token_ids", "is empty; the first completion token is predicted from the prompt")
@@ -109,6 +139,7 @@ def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version:
         raise InvalidTrajectory("reward", f"is {rec.reward}, not a finite number")
     if rec.finish_reason not in FINISH_REASONS:
         raise InvalidTrajectory("finish_reason", f"is {rec.finish_reason!r}, expected one of {list(FINISH_REASONS)}")
+    (routes or RouteRule()).check(rec)
 
 
 class TrajectoryBuffer:
@@ -118,10 +149,12 @@ class TrajectoryBuffer:
     one never removes or blocks those accepted before or after it.
     """
 
-    def __init__(self, vocab_size: int, limits: LimitsSpec, loss: LossSpec | None = None) -> None:
+    def __init__(self, vocab_size: int, limits: LimitsSpec, loss: LossSpec | None = None,
+                 routes: RouteRule | None = None) -> None:
         self.vocab_size = vocab_size
         self.limits = limits
         self.loss = loss  # the job's: buffered trajectories train under it
+        self.routes = routes
         self._items: list[TrajectoryRecord] = []
         self._lock = threading.Lock()
 
@@ -135,7 +168,7 @@ class TrajectoryBuffer:
 
     def push(self, rec: TrajectoryRecord, current_version: int) -> None:
         """Validates and appends one trajectory; raises InvalidTrajectory or BufferFullError."""
-        validate_trajectory(rec, self.vocab_size, current_version, self.limits, self.loss)
+        validate_trajectory(rec, self.vocab_size, current_version, self.limits, self.loss, self.routes)
         with self._lock:
             if len(self._items) >= self.capacity:
                 raise BufferFullError(f"trajectory buffer is full ({self.capacity} trajectories); "

@@ -2,7 +2,9 @@
 
 Merged weights (trainer-style: every checkpoint tensor, experts included) reload between engine
 steps and give what transformers computes from the same checkpoint; an adapter is refused with the
-reason, or merged locally when weight sync says so; a switch mid-generation retags the tokens.
+reason, or merged locally when weight sync says so; a switch mid-generation retags the tokens. The
+replica records routed experts (rollout.record_routes): every completion carries the experts its routers
+chose, the ones the trainer's own routers choose on the same tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -50,7 +53,7 @@ def fingerprint(model_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def service(model_dir: Path) -> Iterator[RolloutHarness]:
     settings = RolloutSettings(model_path=str(model_dir), engine="vllm", dtype="float32", max_model_len=512,
-                               kv_cache_gib=0.5)
+                               kv_cache_gib=0.5, record_routes=True)
     harness = RolloutHarness(settings).start()
     yield harness
     harness.close()
@@ -135,3 +138,61 @@ def test_adapter_merged_locally_when_weight_sync_says_so(service: RolloutHarness
     reference = save_checkpoint(model_dir, merged_weights(model_dir, adapter, LORA))
     assert list(out.token_ids) == reference_greedy(reference, PROMPT, N_TOKENS)[0]
     service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="local"))
+
+
+def trainer_routes(model_dir: Path, prompt: tuple[int, ...], completions: list) -> list:
+    """The experts the trainer's own routers choose on each completion's tokens (transformers, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from lorarl.trainer.engines import routing_replay
+    from lorarl.trainer.engines.api import TrajectoryRecord
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    routing_replay.install(model)
+    records = [TrajectoryRecord(list(prompt), list(c.token_ids), [0.0] * len(c.token_ids), [0] * len(c.token_ids),
+                                0.0) for c in completions]
+    return routing_replay.live_routes(model, records)
+
+
+def test_completions_carry_the_experts_their_routers_chose(service: RolloutHarness, model_dir) -> None:
+    from lorarl.contract.routes import RoutedExperts
+
+    response = service.stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=PROMPT)],
+        sampling=common_pb2.SamplingParams(n=3, temperature=1.0, max_tokens=N_TOKENS, seed=4)), timeout=120)
+    completions = list(response.results[0].completions)
+    recorded = [RoutedExperts.from_proto(c.routed_experts) for c in completions]
+    expected = trainer_routes(model_dir, PROMPT, completions)
+    agree = total = 0
+    for c, got, want in zip(completions, recorded, expected, strict=True):
+        assert got is not None and got.recorded_fraction == 1.0
+        assert (got.positions, got.layers, got.top_k, got.num_experts) == (len(PROMPT) + len(c.token_ids) - 1, 4, 2, 8)
+        same = (np.sort(got.ids, -1) == np.sort(want.ids, -1)).all(-1)
+        agree, total = agree + int(same.sum()), total + same.size
+    assert agree / total >= 0.99, f"{agree}/{total} (position, layer) routes agree with the trainer's"
+    # every finished request's routes were handed over: nothing is left behind in the worker
+    assert service.call(service.core.engine.llm.collective_rpc("lorarl_forget_routes", kwargs={"request_ids": []})
+                        )[0] == 0
+
+
+def test_a_completion_switched_mid_generation_has_every_position_routed(service: RolloutHarness, model_dir,
+                                                                        fingerprint) -> None:
+    from lorarl.contract.routes import RoutedExperts
+
+    load(service, "r3", 1, policy_weights(model_dir, seed=7), fingerprint)
+    total = 200
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", generate(
+        service.stub, PROMPT, greedy(total), "r3")))
+    worker.start()
+    while service.core.status().in_flight == 0 and worker.is_alive():
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.3)
+    load(service, "r3", 2, policy_weights(model_dir, seed=8), fingerprint)
+    worker.join(120)
+    out = result["out"]
+    versions = list(out.token_versions)
+    routes = RoutedExperts.from_proto(out.routed_experts)
+    assert routes is not None and routes.positions == len(PROMPT) + total - 1 and routes.recorded_fraction == 1.0
+    assert versions[0] == 1 and versions[-1] == 2  # two segments, their routes laid end to end
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="r3"))
