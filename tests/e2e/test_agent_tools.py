@@ -29,3 +29,8 @@ def test_the_calculator_agent_learns_to_call_and_copy(tmp_path: Path) -> None:
     assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.30, evals
     assert all(r["rollout/context_tokens"] > 0 for r in steps)  # the tool's replies, masked
     assert all(r["train/tokens"] == r["rollout/tokens"] for r in steps)
+    # 40 steps of a healthy agent job: the served-policy guard probed every version it could (the last one's
+    # activation outlives the last step's record) and never fired, nor did the mismatch alarm
+    assert len(steps) == 40 and sorted(r["policy/guard_version"] for r in steps[1:])[-1] >= 39
+    assert all(r["policy/guard_alarm"] == 0 and r["policy/guard_abs_diff"] < 1e-3 for r in steps[1:])
+    assert all(r["policy/mismatch_alarm"] == 0 for r in steps)

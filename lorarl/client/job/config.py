@@ -213,6 +213,17 @@ class MismatchAlarmSection:
 
 
 @dataclass
+class PolicyGuardSection:
+    """`loop.policy_guard`: each served version's probe logprobs against the trainer's (lorarl.client.rl.guard)."""
+
+    every: int = setting(1, check=in_range(0, 100_000), doc="Check every K-th version (0: off).")
+    tolerance: float = setting(0.03, check=in_range(0.0), doc="Largest mean |rollout - trainer| logprob over the "
+                                                              "probe's tokens (bfloat16 rollouts: ~0.002-0.01).")
+    action: Literal["warn", "fail"] = setting("fail", doc="'fail': a version past the tolerance ends the run, naming "
+                                                          "replica and version; 'warn': log it, policy/guard_alarm.")
+
+
+@dataclass
 class LoopSection:
     mode: LoopMode = setting("async", doc="'sync': generate, then train, then sync; 'async': generate while "
                                           "training, at most max_staleness versions behind.")
@@ -223,6 +234,7 @@ class LoopSection:
     checkpoint_every: int = setting(0, check=in_range(0), doc="Checkpoint every K steps (0: only at the end).")
     time_limit_s: float = setting(0.0, check=in_range(0.0), doc="Stop after this much wall time (0: no limit).")
     mismatch_alarm: MismatchAlarmSection = field(default_factory=MismatchAlarmSection)
+    policy_guard: PolicyGuardSection = field(default_factory=PolicyGuardSection)
 
 
 @dataclass

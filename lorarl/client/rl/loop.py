@@ -22,11 +22,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from lorarl.client.job.config import JobFileConfig, training_spec
 from lorarl.client.job.datasets import Example, TrainStream
 from lorarl.client.job.rewards import Reward, RewardFn
+from lorarl.client.rl.guard import PolicyGuard, Probe
 from lorarl.client.rl.mismatch import MismatchAlarm
 from lorarl.client.rl.recovery import ActivationFailedError, RecoveryBudget, recoverable
 from lorarl.client.workflow import Episode, Workflow, load_workflow
@@ -139,8 +140,22 @@ class RLLoop:
         self._served_by: list[str] = []
         self.budget = RecoveryBudget(cfg.recovery.max_recoveries, cfg.recovery.wait_s)
         self.mismatch = MismatchAlarm(cfg.loop.mismatch_alarm)
+        self.guard = PolicyGuard(cfg.loop.policy_guard, self._probe())
         self.started = time.perf_counter()
         self._published = asyncio.Event()
+
+    def _probe(self) -> Probe:
+        """The policy guard's probe: the first held-out (else training) example, rendered as the job renders its
+        prompts, its answer as the completion."""
+        example = (self.test or self.examples)[0]
+        completion = [int(t) for t in self.renderer.tokenizer.encode(str(example.answer), add_special_tokens=False)]
+        return Probe(self.renderer.prompt_ids(example.prompt), completion or [int(self.renderer.tokenizer.eos_token_id
+                                                                                 or 0)])
+
+    def _replicas(self) -> list[tuple[str, Any]]:
+        """Every rollout replica the loop samples from, by name (the guard probes each)."""
+        live = getattr(self.rollout, "live", None)
+        return live() if callable(live) else [("rollout", self.rollout)]
 
     # ------------------------------------------------------------------ rollout
 
@@ -243,12 +258,15 @@ class RLLoop:
         response = await self.trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
             job_id=self.cfg.job_id, mode=SYNC_MODES[self.cfg.sync.mode], wait_for_activation=not overlap,
             timeout_seconds=600))
+        if not response.error:  # the trainer holds this version until its next step: score the guard's probe now
+            await self.guard.expect(self.trainer, self.cfg.job_id, response.version)
         if overlap and not response.error:
             self._activating = asyncio.create_task(self._await_activation(response.version))
         elif not response.activated:
             raise ActivationFailedError(f"version {response.version} was not activated: {response.error} "
                                    f"(failed replicas: {list(response.failed_replicas)})")
         else:
+            await self.guard.check(self._replicas(), self.cfg.job_id, response.version)
             self._serving(response.version)
         return {"sync/seconds": response.seconds, "sync/bytes": float(response.payload_bytes),
                 "sync/version": float(response.version)}
@@ -267,6 +285,7 @@ class RLLoop:
             raise ActivationFailedError(f"version {version} was not activated: "
                                f"{response.error or weightsync_pb2.ActivationOutcome.Name(response.outcome)} "
                                f"(failed replicas: {list(response.failed_replicas)})")
+        await self.guard.check(self._replicas(), self.cfg.job_id, version)
         self._serving(version)
 
     def _serving(self, version: int) -> None:
@@ -285,7 +304,8 @@ class RLLoop:
                    "rollout/reward_errors": float(batch.reward_errors),
                    "rollout/context_tokens": float(batch.context_tokens),
                    "rollout/unpinned_samples": float(batch.unpinned),
-                   "policy/version_lag": float(version_before - batch.min_version), **train, **sync}
+                   "policy/version_lag": float(version_before - batch.min_version), **train, **sync,
+                   **self.guard.metrics()}
         if hasattr(self.rollout, "take_usage"):  # a pool: which replicas served the latest generation
             usage, redone = self.rollout.take_usage()
             if usage and sorted(usage) != self._served_by:  # none since the last step (async): as before

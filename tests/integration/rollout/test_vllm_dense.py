@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -567,3 +568,95 @@ def test_a_version_received_in_the_worker_and_refused_leaves_nothing_behind(serv
         engine.receives_in_worker = False
     assert "wrk-refused" not in service.core.active_versions()
     assert list(generate(service.stub, PROMPT, greedy(N_TOKENS)).token_ids) == reference["base"][0]
+
+
+@torch.no_grad()
+def scored(model_dir: Path, prompt: list[int], completion: list[int], adapter: dict | None = None) -> list[float]:
+    """transformers(+PEFT)'s logprobs of ``completion`` after ``prompt``: what the trainer scores a probe with."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter})
+        model = get_peft_model(model, LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, target_modules=targets,
+                                                 lora_dropout=0.0))
+        set_peft_model_state_dict(model, dict(adapter))
+        model.eval()
+    logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + completion])).logits[0].float(), -1)
+    return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(completion)]
+
+
+class TrainerScores:
+    """The trainer's side of the guard: its ComputeLogprobs of the probe (the adapter it published; the base)."""
+
+    def __init__(self, policy: list[float], base: list[float]) -> None:
+        self.policy, self.base = policy, base
+
+    async def ComputeLogprobs(self, request: Any) -> Any:  # noqa: N802 (the gRPC method's name)
+        from lorarl.v1 import trainer_pb2
+
+        scores = self.base if request.reference else self.policy
+        return trainer_pb2.ComputeLogprobsResponse(results=[trainer_pb2.TokenLogprobs(logprobs=scores)])
+
+
+def test_the_policy_guard_catches_each_broken_link(service: RolloutHarness, model_dir, adapter, reference,
+                                                   fingerprint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lorarl.client.rl.guard on a real replica: the version a trainer published (``adapter``) passes; each link of
+    the serving path broken on purpose fails it, and says whether the replica serves the base."""
+    import dataclasses
+
+    from lorarl.client.job.config import PolicyGuardSection
+    from lorarl.client.rl.guard import PolicyGuard, PolicyGuardError, Probe
+    from lorarl.common.channel import aio_channel
+    from lorarl.v1 import rollout_pb2_grpc
+    from tests.integration.rollout.harness import TOKEN
+
+    probe = Probe(list(PROMPT), reference["adapter"][0][:12])
+    trainer = TrainerScores(scored(model_dir, probe.prompt, probe.completion, adapter),
+                            scored(model_dir, probe.prompt, probe.completion))
+    engine = service.core.engine
+
+    def check(version: int) -> float:
+        async def run() -> float:
+            guard = PolicyGuard(PolicyGuardSection(action="fail"), probe)
+            await guard.expect(trainer, "guard", version)
+            async with aio_channel(service.running.address, token=TOKEN) as channel:
+                [verdict] = await guard.check([("rollout-0", rollout_pb2_grpc.RolloutServiceStub(channel))], "guard",
+                                              version)
+            return verdict.diff
+
+        return asyncio.run(run())
+
+    load(service, "guard", 1, random_adapter(model_dir, seed=2), ADAPTER, fingerprint)  # an older policy
+    load(service, "guard", 2, adapter, ADAPTER, fingerprint)  # the version the trainer just published
+    assert check(2) < 1e-3  # healthy: the replica serves what the trainer scores
+
+    # requests without their adapter (verl #5220): the base serves
+    original_submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda spec: original_submit(dataclasses.replace(spec, adapter=None)))
+    with pytest.raises(PolicyGuardError, match="serves the base"):
+        check(2)
+    monkeypatch.setattr(engine, "submit", original_submit)
+
+    # the new adapter never reached the serving layer (ART #661): v2's requests run v1's registration
+    ids = {v: service.core.table.get("guard", v).adapter.lora_int_id for v in (1, 2)}
+    real = engine._lora_requests[ids[2]]
+    engine._lora_requests[ids[2]] = engine._lora_requests[ids[1]]
+    with pytest.raises(PolicyGuardError, match="other weights"):
+        check(2)
+    engine._lora_requests[ids[2]] = real
+    assert check(2) < 1e-3
+
+    # a sync that pushed no adapter effect (verl #7495: the base went out instead): lora_B all zero
+    load(service, "guard", 3, {n: torch.zeros_like(t) if "lora_B" in n else t for n, t in adapter.items()}, ADAPTER,
+         fingerprint)
+    with pytest.raises(PolicyGuardError, match="serves the base"):
+        check(3)
+
+    # a module of the adapter dropped on the way (vLLM #51594's lm_head, here o_proj)
+    load(service, "guard", 4, {n: t for n, t in adapter.items() if "o_proj" not in n}, ADAPTER, fingerprint)
+    with pytest.raises(PolicyGuardError, match="replica rollout-0 serves version 4"):
+        check(4)
+    service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="guard"))
