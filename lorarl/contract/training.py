@@ -49,6 +49,8 @@ ROLLOUT_RS_BOUNDS: dict[str, tuple[float | None, float]] = {
 Checkpointing = Literal["auto", "on", "off"]
 RoutingReplay = Literal["auto", "on", "off"]
 ROUTING_REPLAY = ("auto", "on", "off")
+FingerprintCheck = Literal["refuse", "flag", "off"]
+FINGERPRINT_CHECKS = ("refuse", "flag", "off")
 Engine = Literal["torch", "megatron"]
 Dtype = Literal["float32", "bfloat16"]
 DTYPES = ("float32", "bfloat16")
@@ -427,7 +429,12 @@ class TrainingSpec:
     ``recompute_proximal`` forces decoupled PPO (proximal logprobs recomputed before the step); it is also on
     whenever the loss caps behaviour weights or masks stale tokens. ``layer_devices`` splits the torch
     engine's decoder layers across that many devices of its one process. ``init_adapter_path``: a PEFT adapter
-    the adapters start from (version 1 then; 0 stays the base model).
+    the adapters start from (version 1 then; 0 stays the base model). ``routing_replay`` (R3, MoE models):
+    'auto' replays the experts a trajectory's routes record where the engine can (the torch engine), 'on'
+    insists (a job whose engine or model cannot is refused), 'off' routes live and ignores recorded routes.
+    ``fingerprint_check``: a trajectory whose fingerprint for a version is not the one the trainer published for
+    it (the rollout served other weights under that version) is refused ('refuse'), accepted and counted
+    ('flag'), or not checked ('off').
     """
 
     base_model_path: str
@@ -446,6 +453,7 @@ class TrainingSpec:
     layer_devices: int = 1
     init_adapter_path: str = ""
     routing_replay: RoutingReplay = "auto"
+    fingerprint_check: FingerprintCheck = "refuse"
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str) -> None:
@@ -482,6 +490,8 @@ class TrainingSpec:
         if self.routing_replay == "on" and self.engine != "torch":
             fail("routing_replay", f"'on' needs engine 'torch' (engine {self.engine!r} routes live; use 'auto' or "
                                    "'off')")
+        if self.fingerprint_check not in FINGERPRINT_CHECKS:
+            fail("fingerprint_check", f"must be one of {list(FINGERPRINT_CHECKS)}, got {self.fingerprint_check!r}")
         if self.full_finetune and self.loss.kl_coef:
             fail("loss.kl_coef", "must be 0 with full_finetune (the reference is the base with adapters off)")
 
@@ -501,7 +511,8 @@ class TrainingSpec:
             seed=self.seed, engine=self.engine, max_sequence_tokens=self.limits.max_sequence_tokens,
             max_buffered_trajectories=self.limits.max_buffered_trajectories, megatron=self.megatron.to_proto(),
             memory=self.memory.to_proto(), layer_devices=self.layer_devices,
-            init_adapter_path=self.init_adapter_path, routing_replay=self.routing_replay)
+            init_adapter_path=self.init_adapter_path, routing_replay=self.routing_replay,
+            fingerprint_check=self.fingerprint_check)
 
     @classmethod
     def from_proto(cls, cfg: trainer_pb2.JobConfig, default_device: str = "cpu",
@@ -518,7 +529,8 @@ class TrainingSpec:
                               or DEFAULT_MAX_BUFFERED_TRAJECTORIES),
             megatron=MegatronSpec.from_proto(cfg.megatron), memory=MemorySpec.from_proto(cfg.memory),
             layer_devices=cfg.layer_devices or 1, init_adapter_path=cfg.init_adapter_path,
-            routing_replay=cfg.routing_replay or "auto")  # type: ignore[arg-type]  # checked on construction
+            routing_replay=cfg.routing_replay or "auto",  # type: ignore[arg-type]  # checked on construction
+            fingerprint_check=cfg.fingerprint_check or "refuse")  # type: ignore[arg-type]
 
 
 def loss_for_loop(loss: LossSpec, *, mode: str, max_staleness: int, max_tokens: int) -> LossSpec:

@@ -13,6 +13,7 @@ from lorarl.rollout.core import ReplicaStatus
 from lorarl.rollout.payloads import PolicyPayload
 from lorarl.rollout.schema import Completion, CompletionChunk, EngineInfo, Finish, Mode
 from lorarl.v1 import common_pb2, rollout_pb2
+from lorarl.weightsync.wire.payload import version_fingerprint
 
 FINISH_TO_PROTO = {
     Finish.STOP: common_pb2.FINISH_REASON_STOP,
@@ -31,6 +32,8 @@ def completion(c: Completion, prompt_tokens: int) -> rollout_pb2.Completion:
     out = rollout_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, token_versions=c.versions,
                                  finish_reason=FINISH_TO_PROTO[c.finish], text=c.text,
                                  top_logprobs=_top(c.top_logprobs))
+    for version, weights in c.fingerprints.items():
+        out.policy_fingerprints[version] = weights
     if c.routes is not None:  # exactly the sequence's routed positions: all its tokens but the last
         out.routed_experts.CopyFrom(c.routes.truncated(prompt_tokens + len(c.token_ids) - 1).to_proto())
     return out
@@ -80,4 +83,5 @@ def policy_payload(manifest: common_pb2.WeightManifest, tensors: Mapping[str, to
     if mode is Mode.ADAPTER and lora is None:
         raise InvalidArgumentError("manifest.lora", "an adapter manifest needs its LoRA spec (rank, alpha)")
     return PolicyPayload(job_id=manifest.job_id, version=manifest.version, mode=mode, serve_mode=serve,
-                         fingerprint=manifest.base_model_fingerprint, tensors=tensors, lora=lora)
+                         fingerprint=manifest.base_model_fingerprint, tensors=tensors, lora=lora,
+                         weights=version_fingerprint(manifest))

@@ -35,6 +35,7 @@ class PolicyPayload:
     fingerprint: str
     tensors: Mapping[str, torch.Tensor]
     lora: LoraSpec | None = None
+    weights: str = ""  # the version's own fingerprint (weightsync.wire.payload.version_fingerprint): what it is
 
     @property
     def local_merge(self) -> bool:

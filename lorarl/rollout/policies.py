@@ -37,10 +37,11 @@ class LoadedVersion:
     adapter: AdapterHandle | None = None
     weights_token: str | None = None
     in_flight: int = 0
+    weights: str = ""  # the version's fingerprint (PolicyPayload.weights)
 
     @property
     def served(self) -> ServedPolicy:
-        return ServedPolicy(self.job_id, self.version, self.mode, self.adapter)
+        return ServedPolicy(self.job_id, self.version, self.mode, self.adapter, self.weights)
 
     def __str__(self) -> str:
         return f"{self.job_id} v{self.version}"

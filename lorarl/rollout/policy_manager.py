@@ -101,7 +101,8 @@ class PolicyManager:
             await self.engine.add_adapter(handle, lora, payload.tensors)
         except Exception as exc:
             raise FailedPreconditionError(f"the engine refused {handle.name}: {exc}") from exc
-        self.table.add(LoadedVersion(payload.job_id, payload.version, Mode.ADAPTER, adapter=handle))
+        self.table.add(LoadedVersion(payload.job_id, payload.version, Mode.ADAPTER, adapter=handle,
+                                     weights=payload.weights))
 
     async def _stage_merged(self, payload: PolicyPayload, previous: LoadedVersion | None) -> None:
         received = getattr(payload.tensors, "engine_token", None)  # already in the engine's worker
@@ -122,7 +123,8 @@ class PolicyManager:
             await self.engine.stage_weights(token, weights, received=received)  # type: ignore[call-arg]
         else:
             await self.engine.stage_weights(token, weights)
-        self.table.add(LoadedVersion(payload.job_id, payload.version, Mode.MERGED, weights_token=token))
+        self.table.add(LoadedVersion(payload.job_id, payload.version, Mode.MERGED, weights_token=token,
+                                     weights=payload.weights))
 
     async def commit(self, job_id: str, version: int) -> None:
         """Serves a staged version from now on (see module docstring for what happens to requests in flight)."""

@@ -96,6 +96,7 @@ class ServedPolicy:
     version: int
     mode: Mode | None = None  # None: the base model
     adapter: AdapterHandle | None = None
+    weights: str = ""  # the version's fingerprint, which its completions carry ("" for the base model)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -160,6 +161,8 @@ class Completion:
     segments: int = 0
     #: experts chosen at each position of prompt + completion but the last (recording engines, MoE)
     routes: RoutedExperts | None = None
+    #: the fingerprint of each version that produced tokens of it (the served-policy guard reads them)
+    fingerprints: dict[int, str] = field(default_factory=dict)
 
     def add_routes(self, routes: RoutedExperts) -> None:
         """A segment's routes: over the whole sequence so far, so what it computed is laid over the earlier ones."""

@@ -190,6 +190,8 @@ class SegmentRunner:
                     self._end_segment(segment)
                     raise
             segment_no += 1
+            if policy.weights:
+                seq.completion.fingerprints[policy.version] = policy.weights
             finish: Finish | None = None
             try:
                 async for event in events:

@@ -155,6 +155,10 @@ class TrainerSection:
         "auto", doc="MoE models: the rollout records the experts its routers choose and the trainer's routers use "
                     "them (R3). 'auto': on for MoE models with the torch engine and vLLM rollouts; 'on': refuse a "
                     "job that cannot; 'off': route live.")
+    fingerprint_check: Literal["refuse", "flag", "off"] = setting(
+        "refuse", doc="A trajectory whose tokens a rollout produced with other weights than the trainer published for "
+                      "their version (their fingerprints differ): 'refuse' it, 'flag' it (accepted, counted in "
+                      "lorarl_trainer_job_fingerprint_mismatches), or 'off'.")
 
 
 @dataclass
@@ -428,7 +432,7 @@ def training_spec(cfg: JobFileConfig, model_path: str) -> TrainingSpec:
             optimizer=t.optimizer, seed=t.seed, engine=t.engine, megatron=megatron, memory=t.memory,
             layer_devices=t.parallel.pipeline if t.engine == "torch" else 1, init_adapter_path=init,
             limits=LimitsSpec(max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS)),
-            routing_replay=t.routing_replay)
+            routing_replay=t.routing_replay, fingerprint_check=t.fingerprint_check)
     except SpecError as e:
         raise ConfigError(f"trainer.{e.path}", e.problem) from None
 

@@ -45,12 +45,15 @@ class Sampled:
     #: The experts the rollout's routers chose at every position of its prompt + these tokens but the last (MoE
     #: replicas that record routes; None: not recorded).
     routes: RoutedExperts | None = None
+    #: The fingerprint of the weights each version served it with (the trainer checks them)
+    fingerprints: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, c: Any) -> Sampled:
         """A lorarl.v1.Completion (RoutesError if its routes are malformed)."""
         return cls(list(c.token_ids), list(c.logprobs), list(c.token_versions), c.text, c.finish_reason,
-                   RoutedExperts.from_proto(c.routed_experts) if c.HasField("routed_experts") else None)
+                   RoutedExperts.from_proto(c.routed_experts) if c.HasField("routed_experts") else None,
+                   dict(c.policy_fingerprints))
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Episode:
     #: Routed experts by position of the whole sequence: each policy turn's, later turns laid over earlier ones
     #: (a turn's request recomputes every earlier position: those are what its tokens were sampled under).
     routes: RoutedExperts | None = None
+    fingerprints: dict[int, str] = field(default_factory=dict)  # each serving version's weights (its turns')
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -108,6 +112,7 @@ class Episode:
         self.finish_reason = sampled.finish_reason
         if sampled.routes is not None:
             self.routes = sampled.routes if self.routes is None else self.routes.overlay(sampled.routes)
+        self.fingerprints.update(sampled.fingerprints)
         if reward is not None:
             self.turn_rewards.append(float(reward))
 
@@ -127,7 +132,7 @@ class Episode:
             id=trajectory_id, job_id=job_id, group_id=self.group_id or group_id, prompt_token_ids=self.prompt_ids,
             completion_token_ids=self.completion_ids, behavior_logprobs=self.logprobs, token_versions=self.versions,
             reward=self.reward, finish_reason=self.finish_reason, loss_mask=[] if single else self.loss_mask,
-            turn_rewards=self.turn_rewards, metrics=self.metrics)
+            turn_rewards=self.turn_rewards, metrics=self.metrics, policy_fingerprints=self.fingerprints)
         if self.routes is not None:  # context tokens after the last turn were never computed: not recorded
             out.routed_experts.CopyFrom(self.routes.truncated(len(self.token_ids) - 1).to_proto())
         return out

@@ -35,6 +35,8 @@ class TrajectoryRecord:
     # could not be read (validation refuses the trajectory with it).
     routes: RoutedExperts | None = None
     routes_problem: tuple[str, str] | None = None
+    # Version -> fingerprint of the weights the rollout served it with (lorarl.v1.Trajectory.policy_fingerprints).
+    fingerprints: dict[int, str] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,9 @@ class JobsCollector(Collector):
                                        labels=labels)
         masked = GaugeMetricFamily("lorarl_trainer_job_rollout_masked_token_fraction", "Tokens of the last pass "
                                    "that rollout correction rejected.", labels=labels)
+        flagged = CounterMetricFamily("lorarl_trainer_job_fingerprint_mismatches", "Trajectories accepted whose "
+                                      "weights fingerprint for a version is not the one published (fingerprint_check "
+                                      "'flag').", labels=labels)
         for job in self.jobs.list():
             key = [job.job_id]
             version.add_metric(key, job.engine.version)
@@ -55,5 +58,6 @@ class JobsCollector(Collector):
             seconds.add_metric(key, job.trained_seconds)
             rollout_kl.add_metric(key, job.rollout_kl_k3)
             masked.add_metric(key, job.rollout_masked_token_fraction)
+            flagged.add_metric(key, job.buffer.fingerprints.flagged)
         yield from (version, step, buffered, job_bytes, base_bytes, base_jobs, tokens, passes, seconds, rollout_kl,
-                    masked)
+                    masked, flagged)

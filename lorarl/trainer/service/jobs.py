@@ -38,6 +38,7 @@ from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.service import fit
 from lorarl.trainer.service.validation import (
     BufferFullError,
+    FingerprintRule,
     InvalidTrajectory,
     RouteRule,
     TrajectoryBuffer,
@@ -241,7 +242,8 @@ class JobManager:
                 raise FailedPreconditionError(f"routing_replay 'on': {spec.base_model_path} has no MoE router the "
                                               f"{spec.engine} engine replays (use 'auto' or 'off')")
             freeze_long_lived()  # the model lives as long as the job: keep full collections off it
-            job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits, spec.loss, routes))
+            job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits, spec.loss, routes,
+                                                             FingerprintRule(action=spec.fingerprint_check)))
             self._jobs[job_id] = job
             return job, False
         finally:
@@ -265,7 +267,7 @@ class JobManager:
         for i, rec in enumerate(records):
             try:
                 validate_trajectory(rec, job.engine.vocab_size, job.engine.version, job.spec.limits,
-                                    loss or job.spec.loss, job.buffer.routes)
+                                    loss or job.spec.loss, job.buffer.routes, job.buffer.fingerprints)
             except InvalidTrajectory as e:
                 raise InvalidArgumentError(f"{field_name}[{i}].{e.field}", e.message) from None
         return list(records)
@@ -413,6 +415,7 @@ class JobManager:
                     job_id, version, wait=False,
                     adapter=lambda: [(n, t.detach().clone()) for n, t in engine.iter_adapter_tensors()],
                     merged=engine.iter_merged_tensors)
+                job.buffer.fingerprints.record(version, result.fingerprints)  # what its trajectories must name
             registration = publisher.jobs[job_id]
             outcome = PublishOutcome(version=version, mode=registration.mode, mode_reason=registration.reason,
                                      duplicate=result.duplicate, payload_bytes=result.payload_bytes,

@@ -6,13 +6,16 @@ its offending field (later INVALID_ARGUMENT) and never poisons a training step o
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lorarl.contract.routes import RoutesError
 from lorarl.trainer.engines.api import FINISH_REASONS, LimitsSpec, LossSpec, TrajectoryRecord
+
+logger = logging.getLogger(__name__)
 
 #: Largest positive behaviour logprob accepted. Samplers compute log_softmax in low precision and a
 #: near-certain token can come back as a tiny positive number (e.g. 2e-6); anything above this is a
@@ -77,8 +80,45 @@ class RouteRule:
             raise InvalidTrajectory(f"routed_experts.{e.field}", e.problem) from None
 
 
+@dataclass
+class FingerprintRule:
+    """The served-policy check: ``published`` holds the fingerprints of the versions this job published (weight
+    sync's digest of each payload); a trajectory naming another for one of them was produced by other weights
+    than its versions claim. ``action``: 'refuse' (InvalidTrajectory), 'flag' (accepted, counted in
+    ``flagged``), 'off'."""
+
+    published: dict[int, frozenset[str]] = field(default_factory=dict)
+    action: str = "refuse"
+    flagged: int = 0
+    #: Versions remembered: a trajectory older than these many versions is not checked (nothing to compare).
+    keep: int = 256
+
+    def record(self, version: int, fingerprints: Sequence[str]) -> None:
+        if fingerprints:
+            self.published[version] = frozenset(fingerprints)
+        for old in [v for v in self.published if v <= version - self.keep]:
+            del self.published[old]
+
+    def check(self, rec: TrajectoryRecord) -> None:
+        if self.action == "off":
+            return
+        for version, served in sorted(rec.fingerprints.items()):
+            known = self.published.get(version)
+            if known is None or served in known:
+                continue
+            if self.action == "flag":
+                self.flagged += 1
+                logger.warning("trajectory %s: version %d was served with weights %s, not the %s published",
+                               rec.id or "?", version, served, sorted(known))
+                return
+            raise InvalidTrajectory("policy_fingerprints", f"version {version} was served with weights {served}, "
+                                                           f"but this trainer published {sorted(known)} as it: the "
+                                                           "rollout served other weights under that version")
+
+
 def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version: int, limits: LimitsSpec,
-                        loss: LossSpec | None = None, routes: RouteRule | None = None) -> None:
+                        loss: LossSpec | None = None, routes: RouteRule | None = None,
+                        fingerprints: FingerprintRule | None = None) -> None:
     """Raises InvalidTrajectory for the first problem found; returns None when the trajectory is usable.
     ``loss``: the loss it will train under, for the per-token advantages (None: not checked here); ``routes``:
     what the job does with routed experts (None: a job that replays none)."""
@@ -140,6 +180,8 @@ def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version:
     if rec.finish_reason not in FINISH_REASONS:
         raise InvalidTrajectory("finish_reason", f"is {rec.finish_reason!r}, expected one of {list(FINISH_REASONS)}")
     (routes or RouteRule()).check(rec)
+    if fingerprints is not None:
+        fingerprints.check(rec)
 
 
 class TrajectoryBuffer:
@@ -150,11 +192,12 @@ class TrajectoryBuffer:
     """
 
     def __init__(self, vocab_size: int, limits: LimitsSpec, loss: LossSpec | None = None,
-                 routes: RouteRule | None = None) -> None:
+                 routes: RouteRule | None = None, fingerprints: FingerprintRule | None = None) -> None:
         self.vocab_size = vocab_size
         self.limits = limits
         self.loss = loss  # the job's: buffered trajectories train under it
         self.routes = routes
+        self.fingerprints = fingerprints or FingerprintRule()
         self._items: list[TrajectoryRecord] = []
         self._lock = threading.Lock()
 
@@ -168,7 +211,8 @@ class TrajectoryBuffer:
 
     def push(self, rec: TrajectoryRecord, current_version: int) -> None:
         """Validates and appends one trajectory; raises InvalidTrajectory or BufferFullError."""
-        validate_trajectory(rec, self.vocab_size, current_version, self.limits, self.loss, self.routes)
+        validate_trajectory(rec, self.vocab_size, current_version, self.limits, self.loss, self.routes,
+                            self.fingerprints)
         with self._lock:
             if len(self._items) >= self.capacity:
                 raise BufferFullError(f"trajectory buffer is full ({self.capacity} trajectories); "

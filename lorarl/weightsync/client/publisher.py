@@ -43,6 +43,7 @@ from lorarl.weightsync.wire.payload import (
     build_manifest,
     pack,
     transfer_key,
+    version_fingerprint,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ class PublishResult:
     send_error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     activation: ActivationResult | None = None
+    #: The version's fingerprints (version_fingerprint): its adapter's, and its merged weights' in a merged job
+    #: (a replica serves one or the other, or merges the adapter itself).
+    fingerprints: tuple[str, ...] = ()
 
 
 def _pairs(tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
@@ -244,7 +248,8 @@ class WeightPublisher:
         receivers = accepted.transport.collective.world_size - 1 if is_collective else 0
         result = PublishResult(job_id, version, manifest.mode, response.duplicate,
                                "collective" if is_collective else "inline", receivers, manifest.total_bytes,
-                               0, timings=timings)
+                               0, timings=timings, fingerprints=tuple(dict.fromkeys(
+                                   version_fingerprint(m) for m in (adapter_manifest, manifest))))
         if not response.duplicate:
             await self._deliver(accepted, response.sender_rank, payload, adapter_payload, adapter_manifest, result)
         if wait:

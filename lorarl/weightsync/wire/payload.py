@@ -245,6 +245,12 @@ def unpack_bucket(manifest: common_pb2.WeightManifest, index: int, buffer: torch
         yield spec.name, tensor
 
 
+def version_fingerprint(manifest: common_pb2.WeightManifest) -> str:
+    """What a version's weights are, as text: the trainer records it for each version it publishes, a rollout
+    tags every completion with the one it served, and the trainer checks the two agree (served-policy guard)."""
+    return f"xxh64:{manifest_digest(manifest):016x}"
+
+
 def manifest_digest(manifest: common_pb2.WeightManifest) -> int:
     """Identity of a payload's content: same tensors, same bytes -> same digest (idempotent publish)."""
     h = xxhash.xxh64()

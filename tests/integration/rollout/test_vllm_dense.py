@@ -26,6 +26,7 @@ from lorarl.rollout.factory import start_core
 from lorarl.rollout.payloads import PolicyPayload
 from lorarl.rollout.schema import GenerateInput, Mode, PolicyRef, Sampling
 from lorarl.v1 import common_pb2, rollout_pb2
+from lorarl.weightsync.wire.payload import version_fingerprint
 from tests.integration.rollout.harness import (
     RolloutHarness,
     field_of,
@@ -101,6 +102,10 @@ def test_adapter_version_matches_transformers_peft(service: RolloutHarness, adap
     assert list(base.token_versions) == [0] * N_TOKENS
     assert load(service, "peft", 1, adapter, ADAPTER, fingerprint).version == 1
     out = generate(service.stub, PROMPT, greedy(N_TOKENS), "peft", 1)
+    # the completion names the weights it was served with: the digest of the payload loaded as v1
+    manifest = next(load_requests("peft", 1, adapter, ADAPTER, fingerprint, LORA)).manifest
+    assert dict(out.policy_fingerprints) == {1: version_fingerprint(manifest)}
+    assert dict(base.policy_fingerprints) == {}  # the base model has none
     tokens, logprobs = reference["adapter"]
     assert list(out.token_ids) == tokens
     torch.testing.assert_close(torch.tensor(list(out.logprobs)), torch.tensor(logprobs), atol=2e-4, rtol=0)

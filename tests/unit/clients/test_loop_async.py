@@ -105,7 +105,8 @@ class Recorder:
 def run_loop(stub: Recorder, steps: int, max_staleness: int, overlap: bool = False, eval_every: int = 0) -> RLLoop:
     cfg = load_job_config(str(ROOT / "examples/demo.yaml"),
                           [f"loop.steps={steps}", "loop.prompts_per_step=2", "rollout.group_size=2",
-                           f"loop.eval_every={eval_every}", f"loop.max_staleness={max_staleness}"])
+                           f"loop.eval_every={eval_every}", f"loop.max_staleness={max_staleness}",
+                           "loop.policy_guard.every=0"])  # the guard has its own tests (test_policy_guard.py)
     examples = [Example(f"q{i}", "1") for i in range(8)]
     loop = RLLoop(cfg, trainer=stub, rollout=stub, reward=lambda text, answer: float(text == answer),
                   train=examples, test=examples[:2], on_metrics=lambda row: None,

@@ -140,7 +140,8 @@ class Flaky(Recorder):
 def flaky_loop(stub: Flaky, mode: str, max_recoveries: int = 10) -> tuple[RLLoop, list[int], list[int]]:
     cfg = load_job_config(str(ROOT / "examples/demo.yaml"),
                           ["loop.steps=6", "loop.prompts_per_step=2", "rollout.group_size=2", "loop.eval_every=0",
-                           f"loop.mode={mode}", "loop.max_staleness=1", f"recovery.max_recoveries={max_recoveries}"])
+                           f"loop.mode={mode}", "loop.max_staleness=1", f"recovery.max_recoveries={max_recoveries}",
+                           "loop.policy_guard.every=0"])  # stub services: the guard has its own tests
     examples = [Example(f"q{i}", "1") for i in range(8)]
     saved: list[int] = []
     rewinds: list[int] = []
