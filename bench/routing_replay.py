@@ -22,13 +22,11 @@ Rollout: vLLM (CPU here) in bfloat16, the common sampler dtype; trainer: the tor
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,16 +37,7 @@ if str(ROOT) not in sys.path:
 
 HEADING = "## Routing replay (R3): rollout vs trainer mismatch, and its cost"
 
-
-class Loop:
-    """A rollout core on an event loop in a thread, as the service runs it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(3600)
+from bench.receive_in_worker import Loop  # noqa: E402  (a rollout core on an event loop in a thread)
 
 
 def build_model(args: argparse.Namespace, out: Path) -> dict[str, Any]:

@@ -67,17 +67,9 @@ def tiny_a3b_router_config() -> Qwen3MoeConfig:
     """The tiny widths and vocabulary with Qwen3-30B-A3B's routing: top-8 of 128 experts in every layer. Random
     init, its routers are nearly flat, as a real 128-expert router's near-ties are: the shape where the rollout's
     and the trainer's routing part (routing replay's tests and benchmark)."""
-    return Qwen3MoeConfig(
-        **_TINY_COMMON,
-        intermediate_size=512,
-        moe_intermediate_size=32,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        router_aux_loss_coef=0.001,
-    )
+    config = tiny_moe_config()
+    config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size = 128, 8, 32
+    return config
 
 
 def _qwen3_dense_config(num_layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,

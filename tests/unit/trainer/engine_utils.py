@@ -39,3 +39,16 @@ def synthetic_batch(seed: int, groups: int = 3, group_size: int = 3, vocab: int 
                                         [-rng.uniform(1.0, 6.0) for _ in range(n)], versions,
                                         float(rng.randint(0, 3)), f"g{seed}-{g}"))
     return out
+
+
+def count_calls(obj: object, name: str) -> list[int]:
+    """Replaces ``obj.name`` with a wrapper counting its calls; the one-element list holds the count."""
+    calls = [0]
+    original = getattr(obj, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return calls

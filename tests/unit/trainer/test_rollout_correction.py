@@ -13,9 +13,10 @@ import torch
 from lorarl.contract.errors import SpecError
 from lorarl.contract.training import CorrectionSpec, LossSpec, MegatronSpec, TrainingSpec
 from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.batching import micro_batches
 from lorarl.trainer.rl.correction import correct
 from lorarl.trainer.rl.losses import LossInputs, policy_loss
-from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
+from tests.unit.trainer.engine_utils import count_calls, make_spec, synthetic_batch
 
 # rho (trainer over rollout) per token: row 0 [3, 0.5, 1], row 1 [1.5, 1] and a padding position.
 RHO = torch.tensor([[3.0, 0.5, 1.0], [1.5, 1.0, 1.0]])
@@ -207,18 +208,8 @@ def test_rejection_reads_each_micro_batch_once_before_the_step(dense_dir: Path) 
     engine = TorchEngine.create(make_spec(dense_dir, loss=LossSpec(
         rollout_correction=CorrectionSpec(rollout_rs="token")), micro_batch_tokens=30))
     batch = on_policy(engine, seed=2, wild=0)
-    passes = 0
-    original = engine.rl.logprobs_no_grad
-
-    def counted(*args, **kwargs):
-        nonlocal passes
-        passes += 1
-        return original(*args, **kwargs)
-
-    engine.rl.logprobs_no_grad = counted  # type: ignore[method-assign]
+    passes = count_calls(engine.rl, "logprobs_no_grad")
     metrics = engine.train_step(batch)
-    from lorarl.trainer.rl.batching import micro_batches
-
-    assert passes == len(micro_batches([r.num_tokens for r in batch], 30)) > 1
+    assert passes[0] == len(micro_batches([r.num_tokens for r in batch], 30)) > 1
     assert metrics["rollout_masked_token_fraction"] == 0.0
     assert metrics["rollout_kl_k3"] == pytest.approx(0.0, abs=1e-6)  # the rollout's logprobs are the trainer's
