@@ -1,6 +1,8 @@
-"""Time to detect and to recover from each fault of `lorarl run`, one SIGKILL after another.
+"""Time to detect and to recover from each fault of `lorarl run`, one SIGKILL after another; and a campaign
+of trainer kills in the async loop, where a kill can land anywhere in overlapping steps.
 
     python bench/recovery.py [--steps 14] [--out runs/bench-recovery]
+    python bench/recovery.py --campaign 20 [--steps 30] [--seed 0]
 
 One run of examples/demo.yaml (sync, so each step is short and the kill lands between known points);
 at chosen steps it SIGKILLs, in turn, the trainer, the rollout, the rollout's vLLM engine core and
@@ -8,12 +10,17 @@ weight sync. Per fault it reports: seconds from the kill to the supervisor notic
 line), to the service serving again ("is back"), and to the next completed step in metrics.jsonl;
 and how many steps were redone. The same harness drives the end-to-end fault test
 (tests/e2e/test_faults.py), which asserts; this script measures and writes bench/RESULTS.md.
+
+``--campaign N``: N runs of the default (async) demo, each SIGKILLing the trainer once, at a step drawn from
+12..20 and 0-1 s after that step's row (so inside the next step's training, its publish, or generation of the
+batches in flight); each run must end rc 0 with every step logged once and versions strictly rising.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -32,7 +39,9 @@ TARGETS = ("trainer", "rollout", "engine-core", "weightsync")
 class Kill:
     target: str
     at_step: int  # killed once this many steps were logged
+    delay_s: float = 0.0  # ... and this long after
     pid: int = 0
+    due: float = 0.0
     killed_at: float = 0.0
     noticed_s: float | None = None  # the supervisor's "exited" line
     back_s: float | None = None  # the supervisor's "is back" line
@@ -129,6 +138,10 @@ def run_with_faults(out: Path, kills: list[Kill], overrides: list[str], timeout_
                     kill.next_step_s = now - kill.killed_at
             if pending and done >= pending[0].at_step and all(k.next_step_s is not None for k in kills
                                                               if k.killed_at):
+                if not pending[0].due:
+                    pending[0].due = now + pending[0].delay_s
+                if now < pending[0].due:
+                    continue
                 kill = pending.pop(0)
                 try:
                     kill.pid = target_pid(out, kill.target)
@@ -163,12 +176,65 @@ def redone(run: FaultRun) -> int:
     return lines.count("recovering (fault")
 
 
+def versions_rise(run: FaultRun, steps: int) -> bool:
+    """Every step logged once, in order, and each under a version above the last one."""
+    versions = [int(r["sync/version"]) for r in run.steps]
+    return ([int(r["step"]) for r in run.steps] == list(range(1, steps + 1))
+            and all(b > a for a, b in itertools.pairwise(versions)))
+
+
+def campaign(args: argparse.Namespace, out: Path) -> int:
+    """--campaign: N async runs, one trainer SIGKILL each at a drawn step and phase."""
+    import random
+    import shutil
+
+    rng = random.Random(args.seed)
+    rows, ok = [], 0
+    for i in range(args.campaign):
+        kill = Kill("trainer", rng.randint(12, 20), round(rng.uniform(0.0, 1.0), 2))
+        where = out / f"run-{i:02d}"
+        shutil.rmtree(where, ignore_errors=True)
+        started = time.monotonic()
+        run = run_with_faults(where, [kill], [f"loop.steps={args.steps}", "loop.eval_every=0", "data.eval_size=50",
+                                              "output.tensorboard=false", "output.progress=false"], timeout_s=600)
+        wall = time.monotonic() - started
+        good = run.returncode == 0 and bool(kill.killed_at) and versions_rise(run, args.steps)
+        ok += good
+        stderr = "\n".join(line for _, line in run.stderr)
+        renumbered = stderr.count(" continues as ")
+        rows.append(f"| {i + 1} | {kill.at_step} + {kill.delay_s:.2f} s | {run.returncode} | {len(run.steps)} | "
+                    f"{'yes' if versions_rise(run, args.steps) else 'NO'} | "
+                    f"{'-' if kill.next_step_s is None else f'{kill.next_step_s:.1f}'} | {renumbered} | {wall:.0f} |")
+        print(rows[-1], flush=True)
+        if not good:
+            print(run.text(), file=sys.stderr)
+    body = [f"{ok} of {args.campaign} runs of `lorarl run examples/demo.yaml loop.steps={args.steps}` (async) ended "
+            f"rc 0 with every step once and versions strictly rising, each through one SIGKILL of the trainer "
+            f"(step drawn from 12..20, then 0-1 s into the next; seed {args.seed}); {os.cpu_count()} CPUs.", "",
+            "| run | killed after step | rc | steps | versions rise | kill to next step (s) | renumbered | wall (s) |",
+            "|---|---|---|---|---|---|---|---|", *rows]
+    print("\n".join(body))
+    if args.write:
+        from bench.results import write_results
+
+        write_results("## Fault recovery", f"### {args.campaign} trainer SIGKILLs in the async demo", body)
+    return 0 if ok == args.campaign else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--out", default="runs/bench-recovery")
+    parser.add_argument("--campaign", type=int, default=0, help="N async runs with one trainer SIGKILL each")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="--campaign 2 --steps 8, nothing written")
+    parser.add_argument("--no-write", dest="write", action="store_false", help="leave bench/RESULTS.md alone")
     args = parser.parse_args()
     out = Path(args.out).resolve()
+    if args.quick:
+        args.campaign, args.steps, args.write = 2, 16, False
+    if args.campaign:
+        return campaign(args, out)
     if out.exists():
         import shutil
 

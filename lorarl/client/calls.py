@@ -24,7 +24,8 @@ TOKEN_FILE_ENV = "LORARL_AUTH_TOKEN_FILE"
 #: What a person can do about each code, after the call failed with it.
 HINTS = {
     grpc.StatusCode.UNAVAILABLE: "is the service running and reachable? (it may be restarting)",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "the service did not answer in time; check its log for a stuck step",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the service did not answer in time (loop.call_timeout_s); check its log "
+                                       "for a stuck step",
     grpc.StatusCode.UNAUTHENTICATED: "the token differs from the services' (pass theirs with --token-file)",
     grpc.StatusCode.PERMISSION_DENIED: "the token differs from the services' (pass theirs with --token-file)",
     grpc.StatusCode.INVALID_ARGUMENT: "fix the job config field the message names",
@@ -54,18 +55,24 @@ class ServiceCallError(Exception):
 
 
 class NamedStub:
-    """A generated stub whose calls raise ServiceCallError instead of a bare grpc error."""
+    """A generated stub whose calls raise ServiceCallError instead of a bare grpc error. ``deadline_s``: the gRPC
+    deadline of every call that names none itself, so a service that hangs (alive, answering health checks,
+    never this call) ends the call with DEADLINE_EXCEEDED naming service and method instead of holding the
+    caller forever."""
 
-    def __init__(self, stub: Any, service: str, address: str = "") -> None:
-        self._stub, self.service, self.address = stub, service, address
+    def __init__(self, stub: Any, service: str, address: str = "", deadline_s: float | None = None) -> None:
+        self._stub, self.service, self.address, self.deadline_s = stub, service, address, deadline_s
 
     def _error(self, method: str, error: grpc.aio.AioRpcError) -> ServiceCallError:
         return ServiceCallError(self.service, self.address, method, error.code(), error.details() or "")
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         call = getattr(self._stub, method)
+        deadline = {"timeout": self.deadline_s} if self.deadline_s else {}
         if isinstance(call, grpc.aio.UnaryStreamMultiCallable | grpc.aio.StreamStreamMultiCallable):
             def streaming(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                kwargs = {**deadline, **kwargs}
+
                 async def responses() -> AsyncIterator[Any]:
                     try:
                         async for response in call(*args, **kwargs):
@@ -77,7 +84,7 @@ class NamedStub:
 
         async def unary(*args: Any, **kwargs: Any) -> Any:
             try:
-                return await call(*args, **kwargs)
+                return await call(*args, **{**deadline, **kwargs})
             except grpc.aio.AioRpcError as e:
                 raise self._error(method, e) from None
         return unary

@@ -1,7 +1,8 @@
 """End to end: a job finishes through SIGKILLs of its services (real processes, vLLM, gloo, gRPC).
 
-- `lorarl run`: the trainer, the rollout, the rollout's vLLM engine core and weight sync are killed in
-  turn, mid-run; its supervisor restarts each and the loop carries on from its last resume point.
+- `lorarl run` (async, as the demo runs: a kill lands while batches generate and the trainer trains): the
+  trainer, the rollout, the rollout's vLLM engine core and weight sync are killed in turn, mid-run; its
+  supervisor restarts each and the loop carries on from its last resume point.
 - `lorarl train` against services it does not own: each is killed and started again by hand (same
   port, 3 s later, as compose or Kubernetes would); the loop waits each restart out. A re-run
   attaches to the job instead of failing with ALREADY_EXISTS.
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["loop.mode=sync", "loop.eval_every=0", "data.eval_size=50", "output.tensorboard=false",
          "output.progress=false"]
+ASYNC = ["loop.mode=async", *QUICK[1:]]
 
 
 def step_rows(rows: list[dict]) -> list[dict]:
@@ -69,7 +71,7 @@ def test_lorarl_run_finishes_through_a_sigkill_of_each_service(tmp_path: Path) -
     out = tmp_path / "run"
     steps = 14
     kills = [Kill(target, 2 + 3 * i) for i, target in enumerate(TARGETS)]
-    run = run_with_faults(out, kills, [f"loop.steps={steps}", *QUICK], timeout_s=800)
+    run = run_with_faults(out, kills, [f"loop.steps={steps}", *ASYNC], timeout_s=800)
     assert run.returncode == 0, run.text()
     assert all(k.killed_at for k in kills), kills
     assert_versions_never_reused(run.rows, steps)

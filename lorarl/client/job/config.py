@@ -237,6 +237,10 @@ class LoopSection:
     eval_every: int = setting(10, check=in_range(0), doc="Evaluate every K steps (0: only before and after).")
     checkpoint_every: int = setting(0, check=in_range(0), doc="Checkpoint every K steps (0: only at the end).")
     time_limit_s: float = setting(0.0, check=in_range(0.0), doc="Stop after this much wall time (0: no limit).")
+    call_timeout_s: float = setting(
+        1800.0, check=in_range(0.0), doc="Deadline of every call the loop makes to a service (0: none): a service "
+        "that hangs ends its call with DEADLINE_EXCEEDED naming service and call, which the loop recovers from "
+        "(recovery.max_recoveries) or fails with, instead of waiting forever.")
     mismatch_alarm: MismatchAlarmSection = field(default_factory=MismatchAlarmSection)
     policy_guard: PolicyGuardSection = field(default_factory=PolicyGuardSection)
 

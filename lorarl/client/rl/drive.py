@@ -41,6 +41,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     rollout_addresses = list(rollout_addresses or [])
     if not rollout_addresses and not weightsync_address:
         raise ConfigError("--rollout", "name the rollout replicas, or the weight-sync service to learn them from")
+    deadline = cfg.loop.call_timeout_s or None  # every call's: a hung service ends in a named error, never a wait
     async with contextlib.AsyncExitStack() as stack:
         channels = {}  # service name -> channel, for the health checks after a fault (same TLS, same token)
 
@@ -54,18 +55,18 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
         async def connect_rollout(address: str) -> NamedStub:
             if address not in replicas:
                 ch = await stack.enter_async_context(aio_channel(address, token=token, tls=tls))
-                replicas[address] = NamedStub(rollout_pb2_grpc.RolloutServiceStub(ch), "rollout", address)
+                replicas[address] = NamedStub(rollout_pb2_grpc.RolloutServiceStub(ch), "rollout", address, deadline)
             return replicas[address]
 
         trainer = NamedStub(trainer_pb2_grpc.TrainerServiceStub(await channel("trainer", trainer_address)),
-                            "trainer", trainer_address)
+                            "trainer", trainer_address, deadline)
         weightsync = None
         if weightsync_address:
             weightsync = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(
-                await channel("weightsync", weightsync_address)), "weightsync", weightsync_address)
+                await channel("weightsync", weightsync_address)), "weightsync", weightsync_address, deadline)
         if rollout_addresses:  # a static fleet: every replica is waited for after a fault
             rollout = RolloutPool([NamedStub(rollout_pb2_grpc.RolloutServiceStub(await channel("rollout", a)),
-                                             "rollout", a) for a in rollout_addresses])
+                                             "rollout", a, deadline) for a in rollout_addresses])
         else:
             rollout = RolloutPool(discover=weightsync_fleet(weightsync, cfg.job_id), connect=connect_rollout)
         session = JobSession(cfg, trainer, out)

@@ -10,6 +10,15 @@ vLLM's torch ops index ``stacked[-1]`` instead, i.e. the last adapter slot, when
 of the step has an adapter, so a base-model request batched with adapter requests silently gets the
 delta of whatever the last slot holds (a resident adapter, or an evicted one's stale weights). The
 prefill shortcut (`no_lora`: no token of the step has an adapter, nothing is applied) is unchanged.
+
+Prompt logprobs. vLLM computes a request's prompt logprobs (`_get_prompt_logprobs_dict`) by running the LM
+head over that one request's prompt rows, while the logits LoRA (`add_lora_logits`) indexes them with the
+batch's per-*sequence* sampler indices: with more than one sequence in the step the shapes disagree (vLLM CPU
+raises IndexError and its engine core dies: a Tinker `compute_logprobs` or the served-policy guard's probe
+next to other requests), or, when the counts happen to match, rows get other sequences' adapters (the shape
+of vLLM #51594). While prompt logprobs are computed (`_guard_prompt_logprobs` marks it) the logits LoRA adds
+nothing when no loaded adapter has lm_head weights (exact: lorarl trains decoder linears only) and refuses
+with a clear error when one does, instead of crashing or adding another sequence's delta.
 """
 
 from __future__ import annotations
@@ -37,14 +46,43 @@ def _grouped_lora_matmul(inputs: Any, weights: Any, indices: Any, dtype: Any) ->
     return out
 
 
+#: Set while the runner computes prompt logprobs (see the module docstring).
+_IN_PROMPT_LOGPROBS = [False]
+
+
+def _guard_prompt_logprobs(runner: Any) -> None:
+    """Marks the runner's prompt-logprob computation for the logits LoRA ops below; idempotent."""
+    if getattr(runner, "_lorarl_prompt_logprobs_guarded", False):
+        return
+    original = runner._get_prompt_logprobs_dict
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        _IN_PROMPT_LOGPROBS[0] = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _IN_PROMPT_LOGPROBS[0] = False
+
+    runner._get_prompt_logprobs_dict = guarded
+    runner._lorarl_prompt_logprobs_guarded = True
+
+
 def _bgmv_shrink(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
                  scaling: float = 1.0) -> None:
+    if _IN_PROMPT_LOGPROBS[0]:  # the logits LoRA of prompt rows: see the module docstring
+        output_tensor.zero_()
+        return
     outputs = _grouped_lora_matmul(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     output_tensor[:, : outputs.shape[1]] = scaling * outputs[:]
 
 
 def _bgmv_expand(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
                  add_inputs: bool = True) -> None:
+    if _IN_PROMPT_LOGPROBS[0]:
+        if bool(lora_b_weights.any()):
+            raise RuntimeError("prompt logprobs under an adapter with lm_head LoRA weights are not served on vLLM "
+                               "CPU: its logits LoRA cannot tell a request's prompt rows apart (vLLM #51594)")
+        return  # no loaded adapter adapts lm_head: its delta is exactly zero
     outputs = _grouped_lora_matmul(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     limit = 1 if outputs.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
     common_len = min(outputs.shape[1], output_tensor.shape[1])

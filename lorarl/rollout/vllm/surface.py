@@ -137,6 +137,7 @@ SURFACE: tuple[Symbol, ...] = (
     _s("vllm.lora.ops.torch_ops:lora_ops", platforms=frozenset({"cpu"})),
     _s("vllm.lora.punica_wrapper:punica_cpu", platforms=frozenset({"cpu"})),
     _s("vllm.lora.punica_wrapper.punica_cpu:PunicaWrapperCPU", platforms=frozenset({"cpu"})),
+    _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_prompt_logprobs_dict", platforms=frozenset({"cpu"})),
 )
 
 

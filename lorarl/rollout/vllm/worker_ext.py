@@ -39,6 +39,7 @@ from lorarl.rollout.vllm import compat
 from lorarl.rollout.vllm.cpu_fixes import _refresh_tied_lm_head, _repack_cpu_moe_experts, _rewind_cpu_generators
 from lorarl.rollout.vllm.cpu_lora_ops import (
     _cpu_punica_wrappers,
+    _guard_prompt_logprobs,
     _install_grouped_cpu_lora_ops,
     _is_cpu,
     _set_lean_lora,
@@ -173,6 +174,7 @@ class LorarlWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         if not getattr(runner, "_lorarl_cpu_fixes", False):
             _rewind_cpu_generators(runner)
+            _guard_prompt_logprobs(runner)
             runner._lorarl_cpu_fixes = True
         _install_grouped_cpu_lora_ops(grouped_lora)
         for wrapper in _cpu_punica_wrappers(runner):

@@ -139,6 +139,32 @@ def test_prompt_logprobs_are_the_policys_own(service: RolloutHarness, adapter, r
     service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="prompt-lp"))
 
 
+def test_prompt_logprobs_next_to_other_adapters_requests(service: RolloutHarness, model_dir, adapter, reference,
+                                                        fingerprint) -> None:
+    """A prompt-logprob request in the same engine steps as other adapters' and the base's requests: vLLM CPU's
+    logits LoRA indexed the prompt rows with the batch's per-sequence indices and its engine core died
+    (IndexError: the served-policy guard's probe in an async run); lorarl's CPU LoRA ops add the (zero)
+    lm_head delta exactly instead (lorarl/rollout/vllm/cpu_lora_ops.py)."""
+    load(service, "lp-mine", 1, adapter, ADAPTER, fingerprint)
+    load(service, "lp-other", 1, random_adapter(model_dir, seed=3), ADAPTER, fingerprint)
+    tokens, logprobs = reference["adapter"]
+    prompt = (*PROMPT, *tokens[:8])
+    busy = [service.stub.Generate.future(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=greedy(96),
+        policy=rollout_pb2.PolicySelector(job_id=job, version=1 if job else 0)), timeout=120)
+        for job in ("lp-other", "", "lp-other")]
+    time.sleep(0.2)  # the others are decoding when the prompt-logprob request arrives
+    reply = service.stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=prompt)],
+        sampling=common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=2, prompt_logprobs=True),
+        policy=rollout_pb2.PolicySelector(job_id="lp-mine", version=1)), timeout=120)
+    got = list(reply.results[0].prompt_logprobs)
+    torch.testing.assert_close(torch.tensor(got[len(PROMPT):]), torch.tensor(logprobs[:8]), atol=2e-4, rtol=0)
+    assert all(len(f.result().results[0].completions[0].token_ids) == 96 for f in busy)
+    for job in ("lp-mine", "lp-other"):
+        service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id=job))
+
+
 def test_several_jobs_side_by_side_on_one_base(service: RolloutHarness, model_dir, adapter, reference,
                                                 fingerprint) -> None:
     load(service, "one", 1, adapter, ADAPTER, fingerprint)
