@@ -200,19 +200,24 @@ def campaign(args: argparse.Namespace, out: Path) -> int:
         wall = time.monotonic() - started
         good = run.returncode == 0 and bool(kill.killed_at) and versions_rise(run, args.steps)
         ok += good
-        stderr = "\n".join(line for _, line in run.stderr)
-        renumbered = stderr.count(" continues as ")
+        trainer_log = where / "services" / "trainer.log"
+        renumbered = trainer_log.read_text().count(" continues as ") if trainer_log.exists() else 0
+        skipped = [int(b["sync/version"]) - int(a["sync/version"]) - 1 for a, b in itertools.pairwise(run.steps)]
         rows.append(f"| {i + 1} | {kill.at_step} + {kill.delay_s:.2f} s | {run.returncode} | {len(run.steps)} | "
                     f"{'yes' if versions_rise(run, args.steps) else 'NO'} | "
-                    f"{'-' if kill.next_step_s is None else f'{kill.next_step_s:.1f}'} | {renumbered} | {wall:.0f} |")
+                    f"{'-' if kill.back_s is None else f'{kill.back_s:.1f}'} | {renumbered} | {sum(skipped)} | "
+                    f"{wall:.0f} |")
         print(rows[-1], flush=True)
         if not good:
             print(run.text(), file=sys.stderr)
     body = [f"{ok} of {args.campaign} runs of `lorarl run examples/demo.yaml loop.steps={args.steps}` (async) ended "
             f"rc 0 with every step once and versions strictly rising, each through one SIGKILL of the trainer "
             f"(step drawn from 12..20, then 0-1 s into the next; seed {args.seed}); {os.cpu_count()} CPUs.", "",
-            "| run | killed after step | rc | steps | versions rise | kill to next step (s) | renumbered | wall (s) |",
-            "|---|---|---|---|---|---|---|---|", *rows]
+            "| run | killed after step | rc | steps | versions rise | kill to trainer back (s) | trainer renumbered "
+            "| version numbers skipped | wall (s) |",
+            "|---|---|---|---|---|---|---|---|---|", *rows, "",
+            "A restarted trainer resumes from the last resume point and, finding weight sync ahead of it, continues "
+            "its versions above weight sync's latest (\"renumbered\"): numbers are skipped, never reused."]
     print("\n".join(body))
     if args.write:
         from bench.results import write_results
