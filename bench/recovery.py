@@ -109,6 +109,8 @@ def run_with_faults(out: Path, kills: list[Kill], overrides: list[str], timeout_
                     command: str = "run") -> FaultRun:
     """`lorarl run examples/demo.yaml` with ``overrides``; SIGKILLs each target once the run has logged
     ``at_step`` steps (the next kill waits for the previous fault's recovery: a new step)."""
+    import psutil
+
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([*lorarl_command(), command, "examples/demo.yaml", f"output.dir={out}", *overrides],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -147,7 +149,7 @@ def run_with_faults(out: Path, kills: list[Kill], overrides: list[str], timeout_
                     kill.pid = target_pid(out, kill.target)
                     os.kill(kill.pid, signal.SIGKILL)
                     kill.killed_at = time.monotonic()
-                except (OSError, RuntimeError, KeyError, ValueError) as e:  # not up (yet): try at the next poll
+                except (OSError, RuntimeError, KeyError, ValueError, psutil.Error) as e:  # not up (yet): next poll
                     print(f"bench/recovery: could not kill {kill.target}: {e}", file=sys.stderr)
                     pending.insert(0, kill)
         if process.poll() is None:
