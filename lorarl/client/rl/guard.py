@@ -24,6 +24,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
+from lorarl.client.calls import ServiceCallError
 from lorarl.client.job.config import PolicyGuardSection
 from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2
 
@@ -62,9 +65,11 @@ class PolicyGuard:
     expected: dict[int, list[float]] = field(default_factory=dict)
     base: list[float] | None = None
     last: Verdict | None = None
+    unserved: str = ""  # why the replicas cannot score a probe (an engine without prompt logprobs): off, said once
 
     def due(self, version: int) -> bool:
-        return bool(self.settings.every) and version > 0 and version % self.settings.every == 0
+        return (bool(self.settings.every) and not self.unserved and version > 0
+                and version % self.settings.every == 0)
 
     async def expect(self, trainer: Any, job_id: str, version: int) -> None:
         """The trainer's own probe logprobs for ``version`` (call while it holds that version), and once the
@@ -93,7 +98,14 @@ class PolicyGuard:
         request.policy.CopyFrom(rollout_pb2.PolicySelector(job_id=job_id, version=version))
         verdicts = []
         for name, stub in replicas:
-            response = await stub.Generate(request)
+            try:
+                response = await stub.Generate(request)
+            except ServiceCallError as e:
+                if e.code != grpc.StatusCode.FAILED_PRECONDITION or "prompt_logprobs" not in e.details:
+                    raise
+                self.unserved = e.details
+                logger.warning("policy guard off: replica %s cannot score its probe (%s)", name, e.details)
+                return verdicts
             served = list(response.results[0].prompt_logprobs)[len(self.probe.prompt):]
             verdicts.append(Verdict(version, name, mean_abs(served, expected), mean_abs(served, self.base or expected)))
         if verdicts:

@@ -78,3 +78,19 @@ def test_every_k_th_version_and_none_when_off() -> None:
     assert [v for v in range(6) if guard.due(v)] == [2, 4]
     assert run(guard, [("r0", Replica([0.0, 0.0]))], version=3) == []  # not due: nothing scored, nothing asked
     assert not PolicyGuard(PolicyGuardSection(every=0), PROBE).due(2)
+
+
+def test_a_replica_that_serves_no_prompt_logprobs_turns_the_guard_off_once(caplog: pytest.LogCaptureFixture) -> None:
+    import grpc
+
+    from lorarl.client.calls import ServiceCallError
+
+    class HfReplica:
+        async def Generate(self, request):  # noqa: N802
+            raise ServiceCallError("rollout", "", "Generate", grpc.StatusCode.FAILED_PRECONDITION,
+                                   "sampling.prompt_logprobs: the HfEngine engine does not serve prompt logprobs")
+
+    guard = PolicyGuard(PolicyGuardSection(), PROBE)
+    with caplog.at_level(logging.WARNING):
+        assert run(guard, [("r0", HfReplica())]) == []
+    assert "policy guard off" in caplog.text and not guard.due(4)  # said once, then not asked again
