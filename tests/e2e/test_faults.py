@@ -83,6 +83,20 @@ def test_lorarl_run_finishes_through_a_sigkill_of_each_service(tmp_path: Path) -
     assert not leftover_processes(str(out)), "a service or its engine core outlived the run"
 
 
+def relaunch(stack, name: str, svc, port: int):
+    """The service again on its own port, as compose or Kubernetes would start it. The port was an ephemeral
+    number: in the seconds it was free, a connection elsewhere on the machine may have taken it as its local
+    port, so a bind that fails as in use is tried again a few times before the test fails."""
+    for attempt in range(5):
+        try:
+            return stack._launch(name, svc.section, svc.service, port=port)
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == 4:
+                raise
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
 def test_lorarl_train_rides_through_restarts_of_services_it_does_not_own(tmp_path: Path) -> None:
     out = tmp_path / "train"
     steps = 12
@@ -106,7 +120,7 @@ def test_lorarl_train_rides_through_restarts_of_services_it_does_not_own(tmp_pat
                 svc.process.wait(timeout=30)
                 time.sleep(3)
                 port = int(svc.address.rsplit(":", 1)[1])
-                stack.processes[name] = stack._launch(name, svc.section, svc.service, port=port)
+                stack.processes[name] = relaunch(stack, name, svc, port)
             output, _ = loop.communicate(timeout=600)
         finally:
             if loop.poll() is None:
