@@ -1,8 +1,13 @@
 """The mismatch alarm: the rollout-vs-trainer KL that grows while the learning rate stays flat.
 
-The trainer reports KL(rollout || trainer) every step (``train/rollout_kl_k3``, lorarl.trainer.rl.correction).
-Learning moves it a little either way; a KL that rises step after step at a constant learning rate is what a
-rollout serving the wrong weights looks like (a sync that never reached the serving layer: verl #7495 saw it
+The trainer reports KL(rollout || trainer) every step (``train/rollout_kl_k3``, lorarl.trainer.rl.correction),
+and the same KL over the tokens its own version sampled (``train/rollout_kl_k3_current``). The alarm reads the
+second: over stale tokens the KL also holds how far the policy moved since, which grows in a healthy async
+run whose learning speeds up (a 40-step agent job tripped the alarm on it); over current tokens it is the
+mismatch alone. A step with no current tokens (a trainer-bound async step) leaves the alarm as it was; the
+served-policy guard (lorarl.client.rl.guard) checks every version whatever the loop's shape.
+Learning moves the mismatch a little either way; one that rises step after step at a constant learning rate
+is what a rollout serving the wrong weights looks like (a sync that never reached the serving layer: verl #7495 saw it
 climb 36x while it read as staleness). The alarm fires on that shape, or on an absolute ceiling, and says
 which: a warning in the log and ``policy/mismatch_alarm`` in the metrics, or, with ``action: fail``, the
 end of the run.
@@ -19,7 +24,7 @@ from lorarl.client.job.config import MismatchAlarmSection
 
 logger = logging.getLogger(__name__)
 
-KL_KEY = "train/rollout_kl_k3"
+KL_KEY = "train/rollout_kl_k3_current"
 LR_KEY = "train/lr"
 #: Learning rates this close (relative) count as flat: a schedule's float noise is not a change.
 FLAT_LR = 1e-6

@@ -15,8 +15,12 @@ tokens, a row per sequence. With rho_t = pi_old(y_t) / mu(y_t), everything detac
 
 The monitor (every step, whatever is configured) estimates KL(mu || pi_old) from the rollout's samples:
 k1 = mean_t (log mu - log pi_old), k3 = mean_t (rho_t - 1 - log rho_t); and counts the tokens and sequences
-whose ratio is outside [1/C, C]. A rejected token leaves the loss and its denominator
-(lorarl.trainer.rl.step counts only kept tokens and sequences in a batch's totals).
+whose ratio is outside [1/C, C]. Over every token that KL also holds the policy's movement since a stale
+token's version; over the *current* tokens alone (sampled by the version the trainer holds) it is the
+rollout-vs-trainer mismatch and nothing else, which is what the loop's mismatch alarm reads
+(``rollout_kl_k3_current``, when a batch has such tokens; lorarl.client.rl.mismatch). A rejected token
+leaves the loss and its denominator (lorarl.trainer.rl.step counts only kept tokens and sequences in a
+batch's totals).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from lorarl.contract.training import ROLLOUT_IS_THRESHOLD, CorrectionSpec
 LOG_RATIO_BOUND = 20.0
 #: Token-weighted monitor metrics (means over the policy's tokens) and sequence-weighted ones.
 TOKEN_METRICS = ("rollout_kl_k1", "rollout_kl_k3", "rollout_token_past_fraction", "rollout_is_weight_mean",
-                 "rollout_masked_token_fraction")
+                 "rollout_masked_token_fraction", "rollout_current_token_fraction", "rollout_kl_k3_current_share")
 SEQUENCE_METRICS = ("rollout_seq_past_fraction", "rollout_masked_seq_fraction")
 
 
@@ -56,8 +60,9 @@ def _between(value: torch.Tensor, low: float | None, high: float) -> torch.Tenso
 
 
 def correct(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-            spec: CorrectionSpec) -> Correction:
-    """The weights, the kept tokens and the monitor's figures of one micro-batch."""
+            spec: CorrectionSpec, current: torch.Tensor | None = None) -> Correction:
+    """The weights, the kept tokens and the monitor's figures of one micro-batch. ``current``: 1 where a token
+    was sampled by the trainer's own version (None: every token was)."""
     mask = mask.float()
     log_rho = log_ratio(train_logp, rollout_logp, mask)
     rho = log_rho.exp()
@@ -97,16 +102,29 @@ def correct(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Te
     seq_rho = seq_log_rho.exp()
     seq_past = ((seq_rho > cap) | (seq_rho < 1.0 / cap)) & has_tokens
     masked_tokens = mask - keep
+    current = mask if current is None else current.float() * mask
     metrics = {
         "rollout_kl_k1": float((-log_rho).sum()) / n_tokens,
         "rollout_kl_k3": float(k3.sum()) / n_tokens,
         "rollout_token_past_fraction": float(token_past.sum()) / n_tokens,
         "rollout_is_weight_mean": float(weight.sum()) / n_tokens,
         "rollout_masked_token_fraction": float(masked_tokens.sum()) / n_tokens,
+        # per policy token, so they average like the rest; current_kl turns the two into the current tokens' KL
+        "rollout_current_token_fraction": float(current.sum()) / n_tokens,
+        "rollout_kl_k3_current_share": float((k3 * current).sum()) / n_tokens,
         "rollout_seq_past_fraction": float(seq_past.sum()) / n_seqs,
         "rollout_masked_seq_fraction": float(((keep.sum(-1) == 0) & has_tokens).sum()) / n_seqs,
     }
     return Correction(weight=weight.detach(), keep=keep.detach(), metrics=metrics)
+
+
+def current_kl(metrics: dict[str, float]) -> None:
+    """Replaces a batch's ``rollout_kl_k3_current_share`` by ``rollout_kl_k3_current``, the mean KL over the
+    tokens its trainer's own version sampled: absent when it has none (a trainer-bound async step)."""
+    share = metrics.pop("rollout_kl_k3_current_share", 0.0)
+    fraction = metrics.get("rollout_current_token_fraction", 0.0)
+    if fraction > 0:
+        metrics["rollout_kl_k3_current"] = share / fraction
 
 
 def kept_counts(keep: torch.Tensor, fresh: torch.Tensor | None) -> tuple[float, float]:

@@ -119,6 +119,7 @@ class LossInputs:
     entropy: torch.Tensor | None = None  # [B, T]
     fresh: torch.Tensor | None = None  # [B, T] 1 where a token is fresh enough to train (None: all); step.py's
     token_advantages: torch.Tensor | None = None  # [B, T] the caller's (token losses; cross_entropy: weights)
+    current: torch.Tensor | None = None  # [B, T] 1 where the trainer's own version sampled a token (None: all)
 
 
 def token_loss(inputs: LossInputs, settings: LossSpec) -> tuple[torch.Tensor, dict[str, float]]:
@@ -141,7 +142,7 @@ def token_loss(inputs: LossInputs, settings: LossSpec) -> tuple[torch.Tensor, di
     loss = aggregate(per_token, mask, "token-sum")
     # cross_entropy has no sampler's logprobs to compare with: its monitor reads 0
     monitor = dict.fromkeys((*TOKEN_METRICS, *SEQUENCE_METRICS), 0.0) if ratio is None else correct(
-        inputs.logp, inputs.behavior_logp, mask, settings.rollout_correction).metrics
+        inputs.logp, inputs.behavior_logp, mask, settings.rollout_correction, inputs.current).metrics
     metrics = {**monitor, "loss": float(loss.detach()), "pg_loss": float(loss.detach()), "tokens": float(mask.sum()),
                "clip_fraction": 0.0 if clipped_mask is None else float(aggregate(clipped_mask, mask, "token-mean")),
                "ratio_mean": 1.0 if ratio is None else float(aggregate(ratio.detach(), mask, "token-mean")),
@@ -165,7 +166,7 @@ def policy_loss(inputs: LossInputs, settings: LossSpec, norm_tokens: int = 0
     old = inputs.proximal_logp if inputs.proximal_logp is not None else inputs.behavior_logp
     # The trainer's policy before the step: the proximal logprobs, or (one update per batch) the current ones.
     correction = correct(inputs.proximal_logp if inputs.proximal_logp is not None else inputs.logp,
-                         inputs.behavior_logp, inputs.mask, settings.rollout_correction)
+                         inputs.behavior_logp, inputs.mask, settings.rollout_correction, inputs.current)
     mask = mask * correction.keep
     weight = torch.ones_like(inputs.logp)
     if inputs.proximal_logp is not None:

@@ -38,7 +38,7 @@ from torch import nn
 
 from lorarl.contract import staleness
 from lorarl.trainer.rl.batching import PackedBatch, compute_advantages, micro_batches, pack
-from lorarl.trainer.rl.correction import SEQUENCE_METRICS, TOKEN_METRICS, correct, kept_counts
+from lorarl.trainer.rl.correction import SEQUENCE_METRICS, TOKEN_METRICS, correct, current_kl, kept_counts
 from lorarl.trainer.rl.losses import AGGREGATION, LossInputs, LossSpec, policy_loss
 from lorarl.trainer.rl.trajectory import TrajectoryRecord
 
@@ -259,6 +259,7 @@ class RLStep:
         for _ in range(idle):
             self._idle_micro_step(settings, proximal_given=proximals is not None)
         metrics = self.reducer.reduce_metrics(sums)
+        current_kl(metrics)
         metrics.update(tokens=totals.tokens, loss_tokens=totals.loss_tokens, sequences=totals.sequences,
                        version=float(version), time_s=time.perf_counter() - start)
         return metrics
@@ -319,7 +320,7 @@ class RLStep:
             proximal = logp
         inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages, behavior_logp=batch.behavior_logp,
                             proximal_logp=proximal, ref_logp=ref, entropy=entropy, fresh=fresh,
-                            token_advantages=batch.token_advantages)
+                            token_advantages=batch.token_advantages, current=batch.token_versions == version)
         _, m = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
         return self._weighted(m, shares)
 
@@ -344,7 +345,8 @@ class RLStep:
             inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages,
                                 behavior_logp=batch.behavior_logp,
                                 proximal_logp=logp.detach() if reuse_proximal else proximal, ref_logp=ref,
-                                entropy=entropy, fresh=fresh, token_advantages=batch.token_advantages)
+                                entropy=entropy, fresh=fresh, token_advantages=batch.token_advantages,
+                                current=batch.token_versions == version)
             loss, metrics = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
             return loss * shares.loss, metrics
 

@@ -14,7 +14,8 @@ def feed(alarm: MismatchAlarm, kls: list[float], lrs: list[float] | None = None)
     """The ``policy/mismatch_alarm`` value of each step."""
     out = []
     for step, kl in enumerate(kls, 1):
-        metrics = {"step": float(step), "train/rollout_kl_k3": kl, "train/lr": (lrs or [1e-3] * len(kls))[step - 1]}
+        metrics = {"step": float(step), "train/rollout_kl_k3_current": kl,
+                   "train/lr": (lrs or [1e-3] * len(kls))[step - 1]}
         alarm.observe(metrics)
         out.append(metrics["policy/mismatch_alarm"])
     return out
@@ -47,3 +48,16 @@ def test_a_ceiling_fires_at_once_and_fail_ends_the_run() -> None:
 
 def test_window_zero_turns_the_growth_rule_off() -> None:
     assert feed(MismatchAlarm(MismatchAlarmSection(window=0)), [1e-3, 1e-2, 1e-1, 1.0]) == [0.0] * 4
+
+
+def test_steps_without_current_tokens_neither_fire_nor_break_the_run() -> None:
+    """The all-token KL (stale tokens hold the policy's own movement) rising 40x is no alarm; a step with no
+    current-token KL leaves the window as it was."""
+    alarm = MismatchAlarm(MismatchAlarmSection(window=3, growth=4.0))
+    fired = []
+    for step, kl in enumerate([1e-3, 4e-3, 1e-2, 2e-2, 4e-2], 1):
+        metrics = {"step": float(step), "train/rollout_kl_k3": kl, "train/lr": 1e-3}
+        alarm.observe(metrics)
+        fired.append(metrics["policy/mismatch_alarm"])
+    assert fired == [0.0] * 5
+    assert feed(alarm, [1e-3, 2e-3, 4e-3, 8e-3]) == [0, 0, 0, 1]

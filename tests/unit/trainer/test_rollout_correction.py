@@ -14,7 +14,7 @@ from lorarl.contract.errors import SpecError
 from lorarl.contract.training import CorrectionSpec, LossSpec, MegatronSpec, TrainingSpec
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.batching import micro_batches
-from lorarl.trainer.rl.correction import correct
+from lorarl.trainer.rl.correction import correct, current_kl
 from lorarl.trainer.rl.losses import LossInputs, policy_loss
 from tests.unit.trainer.engine_utils import count_calls, make_spec, synthetic_batch
 
@@ -213,3 +213,35 @@ def test_rejection_reads_each_micro_batch_once_before_the_step(dense_dir: Path) 
     assert passes[0] == len(micro_batches([r.num_tokens for r in batch], 30)) > 1
     assert metrics["rollout_masked_token_fraction"] == 0.0
     assert metrics["rollout_kl_k3"] == pytest.approx(0.0, abs=1e-6)  # the rollout's logprobs are the trainer's
+
+
+def test_the_current_tokens_kl_leaves_out_stale_tokens() -> None:
+    """Row 1 (rho 1.5 and 1) was sampled by the trainer's own version, row 0 by an older one: the current KL
+    is row 1's alone, and a batch with no current token reports none."""
+    current = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])  # the padding position counts nowhere
+    m = correct(TRAIN, ROLLOUT, MASK, CorrectionSpec(), current).metrics
+    assert m["rollout_current_token_fraction"] == pytest.approx(2 / 5)
+    current_kl(m)
+    assert m["rollout_kl_k3_current"] == pytest.approx((1.5 - 1 - math.log(1.5)) / 2, rel=1e-5)
+    assert "rollout_kl_k3_current_share" not in m
+    none = correct(TRAIN, ROLLOUT, MASK, CorrectionSpec(), torch.zeros_like(MASK)).metrics
+    current_kl(none)
+    assert none["rollout_current_token_fraction"] == 0.0 and "rollout_kl_k3_current" not in none
+
+
+def test_a_steps_current_kl_reads_only_the_tokens_of_the_trainers_version(dense_dir: Path) -> None:
+    """After one step (version 1), wild records sampled at version 0 move the step's KL but not its current
+    KL; a batch all of version 0 has no current KL."""
+    engine = TorchEngine.create(make_spec(dense_dir, micro_batch_tokens=30))
+    engine.train_step(synthetic_batch(9))
+    assert engine.version == 1
+    batch = on_policy(engine, seed=3, wild=3)
+    for i, record in enumerate(batch):
+        record.token_versions = [0 if i < 3 else 1] * len(record.completion_token_ids)
+    metrics = engine.train_step(batch)
+    assert metrics["rollout_kl_k3"] > 0.1
+    assert metrics["rollout_kl_k3_current"] == pytest.approx(0.0, abs=1e-6)
+    assert 0 < metrics["rollout_current_token_fraction"] < 1
+    for record in batch:
+        record.token_versions = [0] * len(record.completion_token_ids)
+    assert "rollout_kl_k3_current" not in engine.train_step(batch)
