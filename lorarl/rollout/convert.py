@@ -24,14 +24,14 @@ MODE_TO_PROTO = {Mode.ADAPTER: common_pb2.SYNC_MODE_ADAPTER, Mode.MERGED: common
 MODE_FROM_PROTO = {v: k for k, v in MODE_TO_PROTO.items()}
 
 
-def _top(top: list[dict[int, float]]) -> list[rollout_pb2.TopLogprobs]:
+def top_logprobs(top: list[dict[int, float]]) -> list[rollout_pb2.TopLogprobs]:
     return [rollout_pb2.TopLogprobs(token_ids=list(t), logprobs=list(t.values())) for t in top]
 
 
 def completion(c: Completion, prompt_tokens: int) -> rollout_pb2.Completion:
     out = rollout_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, token_versions=c.versions,
                                  finish_reason=FINISH_TO_PROTO[c.finish], text=c.text,
-                                 top_logprobs=_top(c.top_logprobs))
+                                 top_logprobs=top_logprobs(c.top_logprobs))
     for version, weights in c.fingerprints.items():
         out.policy_fingerprints[version] = weights
     if c.routes is not None:  # exactly the sequence's routed positions: all its tokens but the last
@@ -43,7 +43,7 @@ def stream_chunk(chunk: CompletionChunk) -> rollout_pb2.GenerateStreamResponse:
     finish = FINISH_TO_PROTO[chunk.finish] if chunk.finish is not None else common_pb2.FINISH_REASON_UNSPECIFIED
     return rollout_pb2.GenerateStreamResponse(index=chunk.index, token_ids=chunk.token_ids, logprobs=chunk.logprobs,
                                               token_versions=chunk.versions, finish_reason=finish,
-                                              top_logprobs=_top(chunk.top_logprobs))
+                                              top_logprobs=top_logprobs(chunk.top_logprobs))
 
 
 def capabilities(info: EngineInfo, settings: RolloutSettings, fingerprint: str) -> rollout_pb2.GetCapabilitiesResponse:

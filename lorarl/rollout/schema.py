@@ -133,6 +133,7 @@ class SegmentEvent:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish: Finish | None = None
     prompt_logprobs: list[float] | None = None  # when asked: one per prompt token, the first NaN
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with logprobs > 0: per prompt token
     routes: RoutedExperts | None = None  # on the last event, when the engine records routes (MoE)
 
 
@@ -182,6 +183,7 @@ class PromptResult:
     prompt_token_ids: list[int]
     completions: list[Completion]
     prompt_logprobs: list[float] | None = None  # when asked (Sampling.prompt_logprobs)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # ...with Sampling.logprobs > 0
 
 
 @dataclass(frozen=True)

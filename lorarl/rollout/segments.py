@@ -50,6 +50,7 @@ class Sequence:
     completion: Completion = field(default_factory=Completion)
     cancelled: bool = False
     prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -129,7 +130,8 @@ class SegmentRunner:
         for prompt, group in zip(request.prompts, per_prompt, strict=True):
             for s in group:
                 s.completion.text = self.decode(s.completion.token_ids)
-            results.append(PromptResult(list(prompt), [s.completion for s in group], group[0].prompt_logprobs))
+            results.append(PromptResult(list(prompt), [s.completion for s in group], group[0].prompt_logprobs,
+                                        group[0].prompt_top_logprobs))
         return results
 
     async def generate_stream(self, request: GenerateInput) -> AsyncIterator[CompletionChunk]:
@@ -197,6 +199,7 @@ class SegmentRunner:
                 async for event in events:
                     if event.prompt_logprobs is not None:
                         seq.prompt_logprobs = event.prompt_logprobs
+                        seq.prompt_top_logprobs = event.prompt_top_logprobs
                     if event.routes is not None:
                         seq.completion.add_routes(event.routes)
                     versions = [policy.version] * len(event.token_ids)

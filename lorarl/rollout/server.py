@@ -53,6 +53,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.GenerateResponse(results=[
             rollout_pb2.PromptCompletions(
                 prompt_token_ids=r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs or [],
+                prompt_top_logprobs=convert.top_logprobs(r.prompt_top_logprobs),
                 completions=[convert.completion(c, len(r.prompt_token_ids)) for c in r.completions])
             for r in results])
 

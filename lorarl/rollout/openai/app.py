@@ -101,10 +101,11 @@ def sampling_params(request: ChatBody | CompletionBody) -> tuple[common_pb2.Samp
     else:
         logprobs = request.logprobs or 0
         wanted = request.logprobs is not None
-        max_tokens = request.max_tokens
+        max_tokens = 1 if request.max_tokens == 0 else request.max_tokens  # echo's 0: one token, not returned
     params = common_pb2.SamplingParams(
         n=request.n, temperature=float(request.temperature), top_p=float(request.top_p),
-        top_k=request.top_k or 0, max_tokens=max_tokens or 0, stop=request.stops(), logprobs=logprobs)
+        top_k=request.top_k or 0, max_tokens=max_tokens or 0, stop=request.stops(), logprobs=logprobs,
+        prompt_logprobs=isinstance(request, CompletionBody) and request.echo and wanted)
     if request.seed is not None:
         params.seed = request.seed
     return params, wanted
@@ -179,6 +180,29 @@ def chat_logprobs(renderer: ChatRenderer, token_ids: list[int], logprobs: list[f
                                           "bytes": list(renderer.tokenizer.decode([t]).encode())}
                                          for t, lp in top.items()]})
     return {"content": content}
+
+
+def text_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[float | None],
+                  tops: Sequence[dict[int, float] | None], offset: int = 0) -> dict[str, Any]:
+    """The text completion's ``logprobs`` object (tokens, their logprobs, the top alternatives, where each
+    token starts in the text), from ``offset`` characters on."""
+    tokens = [tokenizer.decode([t]) for t in token_ids]
+    starts, at = [], offset
+    for token in tokens:
+        starts.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": list(logprobs),
+            "top_logprobs": [None if top is None else {tokenizer.decode([t]): lp for t, lp in top.items()}
+                             for top in tops],
+            "text_offset": starts}
+
+
+def echoed(tokenizer: Any, prompt_ids: list[int], result: Any) -> dict[str, Any]:
+    """The prompt's part of an echoed ``logprobs``: OpenAI's null for the first token (nothing predicts it)."""
+    rest = len(prompt_ids) - 1
+    logprobs = [None, *(result.prompt_logprobs or [None] * len(prompt_ids))[1:]]
+    tops = [None, *(result.prompt_top_logprobs[1:] if result.prompt_top_logprobs else [{}] * rest)]
+    return text_logprobs(tokenizer, prompt_ids, logprobs, tops)
 
 
 def refused(request: Request, status: int, message: str, param: str | None = None,
@@ -337,21 +361,27 @@ def create_app(endpoint: Endpoint) -> FastAPI:
             return StreamingResponse(stream_completion(endpoint, stream_input, request_id, str(model), stops),
                                      media_type="text/event-stream")
         results = await endpoint.core.generate(validation.generate_input(generate, endpoint.limits(), None))
+        tokenizer = endpoint.renderer.tokenizer
         choices = []
+        completion_tokens = 0
         for p, result in enumerate(results):  # OpenAI's order: prompt by prompt, n choices each
+            head = (prompts[p] if isinstance(prompts[p], str) else endpoint.renderer.decode(ids[p])) if parsed.echo \
+                else ""
             for j, c in enumerate(result.completions):
+                if parsed.max_tokens == 0:  # echo alone: the token generated to get there is not returned
+                    c.token_ids, c.logprobs, c.versions, c.top_logprobs, c.finish = [], [], [], [], Finish.LENGTH
+                completion_tokens += len(c.token_ids)
                 text, stopped = cut_at_stop(endpoint.renderer.decode(c.token_ids), stops)
                 logprobs = None
                 if with_logprobs:
-                    tokens = [endpoint.renderer.tokenizer.decode([t]) for t in c.token_ids]
-                    logprobs = {"tokens": tokens, "token_logprobs": c.logprobs,
-                                "top_logprobs": [{endpoint.renderer.tokenizer.decode([t]): lp for t, lp in top.items()}
-                                                 for top in c.top_logprobs],
-                                "text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]}
-                choices.append({"index": p * parsed.n + j, "text": text,
+                    tops = c.top_logprobs or [{} for _ in c.token_ids]
+                    logprobs = text_logprobs(tokenizer, c.token_ids, c.logprobs, tops, len(head))
+                    if parsed.echo:
+                        prompt_part = echoed(tokenizer, ids[p], result)
+                        logprobs = {key: prompt_part[key] + logprobs[key] for key in logprobs}
+                choices.append({"index": p * parsed.n + j, "text": head + text,
                                 "finish_reason": "length" if c.finish is Finish.LENGTH and not stopped else "stop",
                                 "logprobs": logprobs, "lorarl": {"token_ids": c.token_ids, "versions": c.versions}})
-        completion_tokens = sum(len(c.token_ids) for r in results for c in r.completions)
         prompt_tokens = sum(len(i) for i in ids)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -1,6 +1,8 @@
 """The top-level fields of the two completion requests, as pydantic schemas: types checked strictly (no
 "3" for 3), ranges where OpenAI has them, and nothing a caller sends left unread.
 
+``echo`` returns the prompt with its tokens' logprobs (vLLM's prompt logprobs), and ``max_tokens: 0`` with
+it only those: what lm-evaluation-harness's log-likelihood (multiple-choice) tasks send.
 A field the endpoint does not serve is refused with 400 naming it, unless its value changes nothing
 (``presence_penalty: 0``, an empty ``logit_bias``, ``best_of`` equal to ``n``): clients that send OpenAI's
 defaults explicitly keep working, and none gets output computed differently from what it asked for. A
@@ -60,15 +62,11 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt's logprobs, nothing generated
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        return _neutral("echo", value or None, None, "prompt logprobs are not returned yet")
 
     @field_validator("suffix")
     @classmethod
@@ -79,6 +77,10 @@ class CompletionBody(_Common):
     def _best_of_is_n(self) -> CompletionBody:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not served (only best_of == n: every sample is returned)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is served with echo (the prompt's logprobs) only")
+        if self.echo and self.stream:
+            raise ValueError("echo with stream is not served: send echo without stream")
         return self
 
     def prompts(self) -> list[str | list[int]]:

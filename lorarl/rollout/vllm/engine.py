@@ -319,7 +319,7 @@ class VllmEngine:
             n=1, temperature=s.temperature, top_p=s.top_p, top_k=0 if s.top_k in (0, -1) else s.top_k,
             max_tokens=s.max_tokens, stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None,
             seed=s.seed, logprobs=s.logprobs, ignore_eos=s.ignore_eos, detokenize=bool(s.stop),
-            prompt_logprobs=0 if s.prompt_logprobs else None,
+            prompt_logprobs=s.logprobs if s.prompt_logprobs else None,
             output_kind=RequestOutputKind.DELTA if spec.stream else RequestOutputKind.FINAL_ONLY,
             skip_clone=True,  # made fresh for this one request: vLLM need not deep-copy it again
         )
@@ -357,10 +357,10 @@ class VllmEngine:
                 token_ids = list(completion.token_ids)
                 logprobs, top = _logprobs(token_ids, completion.logprobs, top_n)
                 finish = _FINISH.get(completion.finish_reason, Finish.ABORT) if finished else None
-                prompt = _prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)
+                prompt, prompt_top = _prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, top_n)
                 routes = await self._routes.take(queue.request_id) if finished and self._routes is not None else None
                 yield SegmentEvent(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, finish=finish,
-                                   prompt_logprobs=prompt, routes=routes)
+                                   prompt_logprobs=prompt, prompt_top_logprobs=prompt_top, routes=routes)
         finally:
             self._live -= 1
             if not finished and self._llm is not None and not self._llm.errored:  # consumer gone
@@ -498,6 +498,11 @@ class VllmEngine:
         await compat.set_weight_version(self._llm, label)
 
 
+def _top(entry: Any, top_n: int) -> dict[int, float]:
+    """The top-n alternatives of one position's vLLM logprobs (which also hold the chosen token, ranked)."""
+    return {int(t): float(lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n}
+
+
 def _logprobs(token_ids: list[int], entries: Any, top_n: int) -> tuple[list[float], list[dict[int, float]]]:
     """The sampled tokens' logprobs and, when asked for, the top-n alternatives at each position."""
     if not entries:
@@ -505,17 +510,17 @@ def _logprobs(token_ids: list[int], entries: Any, top_n: int) -> tuple[list[floa
     sampled = [float(entry[tok].logprob) for tok, entry in zip(token_ids, entries, strict=True)]
     if top_n <= 0:
         return sampled, []
-    top = [{int(t): float(lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n}
-           for entry in entries]
-    return sampled, top
+    return sampled, [_top(entry, top_n) for entry in entries]
 
 
-def _prompt_logprobs(prompt_ids: Any, entries: Any) -> list[float] | None:
-    """vLLM's prompt logprobs (None first: nothing predicts it) as one float per prompt token, NaN first."""
+def _prompt_logprobs(prompt_ids: Any, entries: Any, top_n: int) -> tuple[list[float] | None, list[dict[int, float]]]:
+    """vLLM's prompt logprobs (None first: nothing predicts it) as one float per prompt token, NaN first, and
+    with ``top_n`` > 0 the top alternatives at each prompt position (the first empty)."""
     if not entries:
-        return None
-    return [float("nan") if entry is None else float(entry[tok].logprob)
-            for tok, entry in zip(prompt_ids, entries, strict=True)]
+        return None, []
+    sampled = [float("nan") if entry is None else float(entry[tok].logprob)
+               for tok, entry in zip(prompt_ids, entries, strict=True)]
+    return sampled, [{} if entry is None else _top(entry, top_n) for entry in entries] if top_n > 0 else []
 
 
 def _engine_dead() -> UnavailableError:

@@ -192,8 +192,10 @@ def test_fields_are_refused_or_served_as_openai_clients_expect(served, client, c
                 client.chat.completions.create(model="base", messages=QUESTION, **kwargs)
         with pytest.raises(openai.BadRequestError, match="best_of=2 is not served"):
             client.completions.create(model="base", prompt="12+34=", best_of=2, max_tokens=2)
-        with pytest.raises(openai.BadRequestError, match="echo is not served"):
-            client.completions.create(model="base", prompt="12+34=", echo=True, max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="max_tokens: 0 generates nothing"):
+            client.completions.create(model="base", prompt="12+34=", max_tokens=0)
+        with pytest.raises(openai.BadRequestError, match="echo with stream is not served"):
+            client.completions.create(model="base", prompt="12+34=", echo=True, max_tokens=2, stream=True)
     assert sum("refused POST /v1/chat/completions: 400" in r.getMessage() for r in caplog.records) == len(bad)
     reply = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", json={"model": "base", "prompt": "1",
                        "max_tokens": "3"}, headers={"Authorization": f"Bearer {TOKEN}"})
@@ -225,3 +227,38 @@ def test_stop_strings_are_cut_and_prompt_lists_are_served(client) -> None:
     ids = ChatRenderer(str(dense_model_dir())).tokenizer.encode("7*6=", add_special_tokens=True)
     as_ids = client.completions.create(model="base", prompt=[ids, ids], max_tokens=4, temperature=0)
     assert [c.text for c in as_ids.choices] == [many.choices[2].text] * 2
+
+
+def test_echo_returns_the_prompts_logprobs_as_the_engine_computes_them(served, client) -> None:
+    """echo (lm-eval's log-likelihood requests: echo, max_tokens 0 or 1, logprobs 1): the prompt's text and each
+    of its tokens' logprobs, as the engine computes them over gRPC, with the top alternative at each position;
+    the first token's is null as OpenAI's is."""
+    harness, _ = served
+    text = "12+34=46"
+    ids = ChatRenderer(str(dense_model_dir())).tokenizer.encode(text, add_special_tokens=True)
+    want = harness.stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=ids)],
+        sampling=common_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=1, logprobs=1, prompt_logprobs=True)))
+    (result,) = want.results
+    assert len(result.prompt_top_logprobs) == len(ids) and not result.prompt_top_logprobs[0].token_ids
+    assert all(len(top.token_ids) == 1 for top in result.prompt_top_logprobs[1:])
+
+    alone = client.completions.create(model="base", prompt=text, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    (choice,) = alone.choices
+    lp = choice.logprobs
+    assert choice.text == text and "".join(lp.tokens) == text and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(list(result.prompt_logprobs)[1:], abs=1e-5)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    for own, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert len(top) == 1 and max(top.values()) >= own - 1e-6  # the greedy token is at least as likely
+    assert alone.usage.completion_tokens == 0 and choice.lorarl["token_ids"] == []  # type: ignore[attr-defined]
+
+    more = client.completions.create(model="base", prompt=[ids], echo=True, max_tokens=2, logprobs=1, temperature=0)
+    (choice,) = more.choices
+    generated = engine_greedy(harness, ids, 2)
+    assert choice.text == text + ChatRenderer(str(dense_model_dir())).decode(list(generated.token_ids))
+    assert choice.logprobs.token_logprobs[len(ids):] == pytest.approx(list(generated.logprobs), abs=1e-5)
+    assert choice.logprobs.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    plain = client.completions.create(model="base", prompt=text, echo=True, max_tokens=2, temperature=0)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
