@@ -171,8 +171,8 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:
         body = await body_of(request)
-        generate, n, last_n = service.sample_request(body)
-        request_id = futures.submit(lambda: service.sample(generate, last_n))
+        generate, n, shape = service.sample_request(body)
+        request_id = futures.submit(lambda: service.sample(generate, shape))
         return future(request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(n)])
 
     # ------------------------------------------------------------ futures

@@ -57,6 +57,20 @@ class Saved:
     lora: dict[str, Any]
 
 
+#: The most top logprobs per token a sample returns (the rollout's bound, OpenAI's too).
+MAX_TOPK = 20
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    """What a sample's response holds beside the samples: the prompt tokens scored (the last n; None: all),
+    and how many top alternatives per prompt token and per sampled token (0: none)."""
+
+    last_n: int | None = None
+    topk_prompt: int = 0
+    topk_sample: int = 0
+
+
 @dataclass
 class Sampler:
     base_model: str
@@ -312,18 +326,23 @@ class TinkerService:
         return {"sampler_id": sampler_id, "base_model": s.base_model, **({"model_path": s.model_path}
                                                                          if s.model_path else {})}
 
-    def sample_request(self, body: dict[str, Any]) -> tuple[rollout_pb2.GenerateRequest, int, int | None]:
-        """The rollout request for an asample body (checked before its future exists), num_samples, and
-        prompt_logprobs_last_n (None: all)."""
+    def sample_request(self, body: dict[str, Any]) -> tuple[rollout_pb2.GenerateRequest, int, SampleShape]:
+        """The rollout request for an asample body (checked before its future exists), num_samples, and what
+        the response holds beside the samples."""
         sampler_id = str(body.get("sampling_session_id", ""))
         if sampler_id not in self.samplers:
             raise UserError(f"unknown sampling_session_id {sampler_id!r}")
         if self.rollout is None:
             raise UserError("this front has no rollout to sample from")
         sampler = self.samplers[sampler_id]
-        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if body.get(key):
-                raise UserError(f"{key}: not served (lorarl returns the sampled tokens' logprobs)")
+        if body.get("prompt_alt_tokens_k"):
+            raise UserError("prompt_alt_tokens_k: not served (lorarl returns logprobs, not alternative draws)")
+        topk = {}
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            value = body.get(key) or 0
+            if not isinstance(value, int) or not 0 <= value <= MAX_TOPK:
+                raise UserError(f"{key} must be an integer 0..{MAX_TOPK}, got {value!r}")
+            topk[key] = value
         if body.get("record_stability_info"):
             raise UserError("record_stability_info: not served (no StableReinforce records are kept)")
         if body.get("target_prompt_logprobs"):
@@ -345,7 +364,8 @@ class TinkerService:
                                            max_tokens=int(p.get("max_tokens") or 0))
         if p.get("seed") is not None:
             params.seed = int(p["seed"])
-        params.prompt_logprobs = bool(body.get("prompt_logprobs"))
+        params.prompt_logprobs = bool(body.get("prompt_logprobs")) or topk["topk_prompt_logprobs"] > 0
+        params.logprobs = max(topk.values())
         stop = p.get("stop")
         if isinstance(stop, str):
             params.stop.append(stop)
@@ -354,13 +374,21 @@ class TinkerService:
                 (params.stop_token_ids if isinstance(item, int) else params.stop).append(item)
         policy = rollout_pb2.PolicySelector(job_id=sampler.job_id, version=sampler.version)
         last_n = body.get("prompt_logprobs_last_n")
+        shape = SampleShape(None if last_n is None else int(last_n), topk["topk_prompt_logprobs"],
+                            topk["topk_sample_logprobs"])
         return rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=tokens)], sampling=params,
-                                           policy=policy), n, None if last_n is None else int(last_n)
+                                           policy=policy), n, shape
 
-    async def sample(self, request: rollout_pb2.GenerateRequest, last_n: int | None = None) -> bytes:
+    async def sample(self, request: rollout_pb2.GenerateRequest, shape: SampleShape | None = None) -> bytes:
+        shape = shape or SampleShape()
         reply = await self._call(self.rollout.Generate, request)
         (result,) = reply.results
         prompt = list(result.prompt_logprobs) if request.sampling.prompt_logprobs else None
-        if prompt is not None and last_n is not None:  # the SDK wants NaN before the last n
-            prompt = [math.nan] * max(0, len(prompt) - last_n) + prompt[max(0, len(prompt) - last_n):]
-        return wire.sample_response(result.completions, prompt)
+        tops: list[Any] | None = None
+        if prompt is not None:
+            tops = [None, *list(result.prompt_top_logprobs)[1:]] if result.prompt_top_logprobs else None
+            unscored = max(0, len(prompt) - shape.last_n) if shape.last_n is not None else 0
+            prompt = [math.nan] * unscored + prompt[unscored:]  # the SDK wants NaN before the last n
+            if tops is not None:
+                tops = [None] * unscored + tops[unscored:]
+        return wire.sample_response(result.completions, prompt, tops, shape.topk_prompt, shape.topk_sample)

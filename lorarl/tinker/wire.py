@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
@@ -130,14 +131,38 @@ def forward_backward_output(logprobs: Sequence[Sequence[float]], metrics: dict[s
                                     metrics=values).SerializeToString()
 
 
-def sample_response(completions: Sequence, prompt_logprobs: Sequence[float] | None) -> bytes:
-    """The rollout's completions (lorarl.v1.Completion) as a SampleResponse, with per-token logprobs."""
+#: The SDK's "no entry" in a top-k matrix (tinker.types.topk_logprobs.MASK_LOGPROB, with token id 0).
+MASK_LOGPROB = -99999.0
+
+
+def topk_logprobs(tops: Sequence[Any], k: int) -> pb.TopkLogprobs:
+    """Per position the k most likely (token, logprob), best first, as the SDK's [length, k] matrices; a
+    position with fewer (or None: nothing there) is padded with the SDK's sentinel."""
+    ids = np.zeros((len(tops), k), dtype="<i4")
+    logprobs = np.full((len(tops), k), MASK_LOGPROB, dtype="<f4")
+    for i, top in enumerate(tops):
+        pairs = [] if top is None else sorted(zip(top.token_ids, top.logprobs, strict=True), key=lambda p: -p[1])
+        for j, (token, logprob) in enumerate(pairs[:k]):
+            ids[i, j], logprobs[i, j] = token, logprob
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(tops))
+
+
+def sample_response(completions: Sequence, prompt_logprobs: Sequence[float] | None,
+                    prompt_tops: Sequence[Any] | None = None, topk_prompt: int = 0, topk_sample: int = 0) -> bytes:
+    """The rollout's completions (lorarl.v1.Completion) as a SampleResponse, with per-token logprobs; with
+    ``topk_sample`` each sampled token's top alternatives, with ``topk_prompt`` each prompt token's
+    (``prompt_tops``: lorarl.v1.TopLogprobs per prompt token, None where not scored)."""
     length = common_pb2.FINISH_REASON_LENGTH
     sequences = [pb.SampledSequence(
         stop_reason=pb.STOP_REASON_LENGTH if c.finish_reason == length else pb.STOP_REASON_STOP,
         tokens=np.asarray(list(c.token_ids), dtype="<i4").tobytes(),
         logprobs=np.asarray(list(c.logprobs), dtype="<f4").tobytes()) for c in completions]
+    if topk_sample:
+        for sequence, c in zip(sequences, completions, strict=True):
+            sequence.topk_sampled_logprobs.CopyFrom(topk_logprobs(list(c.top_logprobs), topk_sample))
     response = pb.SampleResponse(sequences=sequences)
     if prompt_logprobs is not None:
         response.prompt_logprobs = np.asarray(list(prompt_logprobs), dtype="<f4").tobytes()
+    if topk_prompt and prompt_tops is not None:
+        response.topk_prompt_logprobs.CopyFrom(topk_logprobs(prompt_tops, topk_prompt))
     return response.SerializeToString()

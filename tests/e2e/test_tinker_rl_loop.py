@@ -1,6 +1,7 @@
 """End to end: the demo job's services (real vLLM rollout, weight sync) and the Tinker front over them; the
 cookbook-style loop in examples/tinker/rl_loop.py, on the official `tinker` client only, learns the demo task;
-the same front samples with prompt logprobs (compute_logprobs) that agree with the trainer's."""
+the same front samples with prompt logprobs (compute_logprobs) that agree with the trainer's, and with the top
+alternatives of each prompt and sampled token."""
 
 from __future__ import annotations
 
@@ -44,4 +45,14 @@ def test_the_cookbook_style_loop_learns_through_the_tinker_front(tmp_path: Path)
                             loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64")})
         trained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         assert all(abs(a - b) < 1e-3 for a, b in zip(scored[1:], trained, strict=True)), (scored, trained)
+        greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
+        reply = sampler.sample(types.ModelInput.from_ints(tokens), 1, greedy, include_prompt_logprobs=True,
+                               topk_prompt_logprobs=2, topk_sample_logprobs=3).result()
+        tops = reply.topk_prompt_logprobs
+        assert tops[0] is None and len(tops) == len(tokens)
+        for own, top in zip(reply.prompt_logprobs[1:], tops[1:], strict=True):
+            assert len(top) == 2 and top[0][1] >= top[1][1] and top[0][1] >= own - 1e-5
+        (sequence,) = reply.sequences
+        assert [top[0][0] for top in sequence.topk_logprobs] == sequence.tokens  # greedy: the top token each time
+        assert all(len(top) == 3 for top in sequence.topk_logprobs)
         service.close("success")

@@ -1,8 +1,10 @@
-"""`lorarl run CONFIG [key=value ...]` and `lorarl train CONFIG --trainer A --rollout A --weightsync A`.
+"""`lorarl run CONFIG [CONFIG ...] [key=value ...]` and `lorarl train CONFIG --trainer A --weightsync A`.
 
 run:   starts the three services on loopback (own processes, free ports, a generated token), runs
        the job, and stops them on success, failure or Ctrl-C; resumes from the run directory's last
-       checkpoint when one exists.
+       checkpoint when one exists. Several job files: one stack for all of them (one base in the
+       trainer, one rollout serving every job's adapters), each job its own loop and output dir;
+       the key=value overrides apply to every job.
 train: the same loop against services already running (compose stack, other hosts); the token
        comes from --token-file (or $LORARL_AUTH_TOKEN_FILE), else $LORARL_AUTH_TOKEN.
 """
@@ -52,7 +54,7 @@ def add_parsers(subparsers: Any) -> None:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="job YAML file (see examples/)")
+    parser.add_argument("config", help="job YAML file (see examples/); `run` takes several, before the overrides")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. loop.steps=10")
     parser.add_argument("--dry-run", action="store_true", help="validate the config, print the plan, and exit")
     parser.add_argument("--fresh", action="store_true",
@@ -96,6 +98,49 @@ def load(args: argparse.Namespace):
         return None
 
 
+def job_files(args: argparse.Namespace) -> list[str]:
+    """The job files named before the overrides (an argument without '=' is a job file); the overrides stay in
+    ``args.overrides``."""
+    files = [args.config]
+    while args.overrides and "=" not in args.overrides[0]:
+        files.append(args.overrides.pop(0))
+    if any("=" not in item for item in args.overrides):
+        raise ConfigError("arguments", "name every job file before the key=value overrides")
+    return files
+
+
+def run_many(args: argparse.Namespace, files: list[str]) -> int:
+    """`lorarl run A.yaml B.yaml ...`: every job on one stack (lorarl.client.launch.many_jobs)."""
+    from lorarl.client.launch.many_jobs import run_jobs
+
+    cfgs = []
+    for path in files:
+        args.config = path
+        cfg = load(args)
+        if cfg is None:
+            return 2
+        if args.dry_run:
+            print(f"== {path} ({cfg.job_id})")
+            if code := dry_run(cfg):
+                return code
+        elif not inputs_ok(cfg):
+            return 2
+        cfgs.append(cfg)
+    try:
+        if args.dry_run:
+            from lorarl.client.launch.many_jobs import check_shareable
+
+            check_shareable(cfgs)
+            return 0
+        stop_on_sigterm()
+        return run_jobs(cfgs, files, list(args.overrides), args.fresh)
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return 2
+    except RUN_ENDING_ERRORS as e:
+        return report(e, Path(cfgs[0].output.dir))
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM (scancel, kubectl delete, a supervisor) stops the run as Ctrl-C does: services stopped, resumable."""
     import signal
@@ -127,6 +172,13 @@ def dry_run(cfg) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    try:
+        files = job_files(args)
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return 2
+    if len(files) > 1:
+        return run_many(args, files)
     cfg = load(args)
     if cfg is None:
         return 2

@@ -60,6 +60,8 @@ class DataConfig:
     test_path: str = setting("", doc="Held-out file, folder or cached hub name.")
     train_split: str = setting("train", doc="Split of a folder or hub dataset to train on (data.source=datasets).")
     test_split: str = setting("test", doc="Split of a folder or hub dataset to evaluate on (data.source=datasets).")
+    tasks: list[str] = setting(default_factory=list, doc="data.source=tasks: which of the shipped tasks ('add', "
+                                                         "'sort') to train and evaluate on (empty: all).")
     columns: dict[str, str] = setting(default_factory=dict, doc="Which columns hold the prompt and the answer, "
                                       "e.g. {prompt: question, answer: solution}; default prompt/answer "
                                       "(question/answer for gsm8k). Every column reaches the reward and the workflow.")
@@ -88,6 +90,13 @@ class DataConfig:
             raise ConfigError("source", f"expected one of {list(SOURCES)}, got {self.source!r}")
         if self.source != "tasks" and not (self.train_path and self.test_path):
             raise ConfigError("train_path", f"data.source={self.source} needs data.train_path and data.test_path")
+        if self.tasks:
+            from lorarl.assets.tasks import TASK_KINDS
+
+            if self.source != "tasks":
+                raise ConfigError("tasks", f"chooses among the shipped tasks (data.source=tasks), not {self.source}")
+            if unknown_tasks := sorted(set(self.tasks) - set(TASK_KINDS)):
+                raise ConfigError("tasks", f"unknown task {unknown_tasks[0]!r}; the shipped ones: {sorted(TASK_KINDS)}")
         unknown = set(self.columns) - {"prompt", "answer"}
         if unknown:
             raise ConfigError("columns", f"maps 'prompt' and 'answer' only, got {sorted(unknown)}")

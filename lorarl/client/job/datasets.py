@@ -15,7 +15,7 @@ import contextlib
 import json
 import random
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -142,13 +142,14 @@ def to_example(row: Mapping[str, Any], prompt_column: str, answer_column: str, k
 
 
 def load_examples(source: str, split: str, path: str = "", columns: Mapping[str, str] | None = None,
-                  dataset_split: str = "", limit: int | None = None) -> list[Example]:
-    """The examples of one split (``limit``: only the first few, as --dry-run reads them)."""
+                  dataset_split: str = "", limit: int | None = None, tasks: Sequence[str] = ()) -> list[Example]:
+    """The examples of one split (``limit``: only the first few, as --dry-run reads them; ``tasks``: only these
+    of the shipped tasks)."""
     key = f"data.{split}_path"
     if source == "tasks":
         from lorarl.assets.tasks import load_split
 
-        problems = load_split(split)[:limit]
+        problems = [p for p in load_split(split) if not tasks or p.task in tasks][:limit]
         return [Example(p.prompt, p.answer, {"prompt": p.prompt, "answer": p.answer}) for p in problems]
     if source not in SOURCES:
         raise ConfigError("data.source", f"expected one of {list(SOURCES)}, got {source!r}")

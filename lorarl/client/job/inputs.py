@@ -22,7 +22,7 @@ def job_examples(cfg: JobFileConfig, split: str, limit: int | None = None) -> li
     d = cfg.data
     path = job_path(cfg, d.train_path if split == "train" else d.test_path)
     return load_examples(d.source, split, path, d.columns, d.train_split if split == "train" else d.test_split,
-                         limit=limit)
+                         limit=limit, tasks=d.tasks)
 
 
 def job_reward(cfg: JobFileConfig) -> RewardFn:

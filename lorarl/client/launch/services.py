@@ -93,11 +93,12 @@ def pinned_threads(pins: dict[str, str]) -> dict[str, dict[str, str]]:
     return env
 
 
-def local_stack(cfg, out: Path):
-    """The services `lorarl run` starts for this job, not yet started (benchmarks start the same)."""
+def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = None):
+    """The services `lorarl run` starts for this job, not yet started (benchmarks start the same);
+    ``sections``: other services' settings than this job's own (several jobs on one stack)."""
     from lorarl.client.launch.local import LocalStack
 
-    sections = stack_sections(cfg, out)
+    sections = sections if sections is not None else stack_sections(cfg, out)
     pins = cpu_pins(cfg)
     if pins:
         sections["rollout"]["engine_cpus"] = pins["rollout_engine"]

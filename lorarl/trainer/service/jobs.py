@@ -245,6 +245,8 @@ class JobManager:
             job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits, spec.loss, routes,
                                                              FingerprintRule(action=spec.fingerprint_check)))
             self._jobs[job_id] = job
+            logger.info("job %s: created on base %s, resident once for %d job(s); its own adapter %.1f MiB",
+                        job_id, spec.base_model_path, base_jobs, adapter_bytes / 2**20)
             return job, False
         finally:
             self._creating.discard(job_id)

@@ -22,24 +22,21 @@ ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "lorarl" / "assets" / "models" / "qwen3-tiny"
 DOCS = 60  # of the shipped test set's additions: 60 generations, 240 log-likelihoods per model
 
-GENERATE = """task: lorarl_add_generate
-dataset_path: json
+#: What both tasks read: the local data file, its prompts as they are.
+DATA = """dataset_path: json
 dataset_kwargs: {{data_files: {{test: {data}}}}}
 test_split: test
-output_type: generate_until
 doc_to_text: "{{{{prompt}}}}"
+"""
+GENERATE = """task: lorarl_add_generate
+output_type: generate_until
 doc_to_target: "{{{{answer}}}}"
 generation_kwargs: {{until: ["<|im_end|>"], max_gen_toks: 8, do_sample: false, temperature: 0}}
 metric_list:
   - {{metric: exact_match, aggregation: mean, higher_is_better: true}}
 """
-
 CHOOSE = """task: lorarl_add_choice
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {data}}}}}
-test_split: test
 output_type: multiple_choice
-doc_to_text: "{{{{prompt}}}}"
 doc_to_choice: choices
 doc_to_target: label
 target_delimiter: ""
@@ -72,8 +69,8 @@ def task_dir(tmp: Path) -> Path:
                          "choices": choices, "label": label})
     data = tmp / "add.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp / "generate.yaml").write_text(GENERATE.format(data=data))
-    (tmp / "choose.yaml").write_text(CHOOSE.format(data=data))
+    (tmp / "generate.yaml").write_text((GENERATE + DATA).format(data=data))
+    (tmp / "choose.yaml").write_text((CHOOSE + DATA).format(data=data))
     return tmp
 
 

@@ -76,3 +76,16 @@ def test_outputs_decode_in_the_sdk() -> None:
     assert [s.stop_reason for s in sample.sequences] == ["length", "stop"]
     assert sample.sequences[1].logprobs == pytest.approx([-0.3])
     assert sample.prompt_logprobs[0] is None and sample.prompt_logprobs[1:] == pytest.approx([-1.5, -2.5])
+
+
+def test_top_logprobs_decode_in_the_sdk_best_first_with_its_sentinel() -> None:
+    """Per position the k best (token, logprob) best first; fewer than k padded, an unscored one None."""
+    tops = [None, rollout_pb2.TopLogprobs(token_ids=[7, 3], logprobs=[-2.0, -0.5]),
+            rollout_pb2.TopLogprobs(token_ids=[9], logprobs=[-0.1])]
+    completions = [rollout_pb2.Completion(token_ids=[3], logprobs=[-0.5], top_logprobs=[tops[1]],
+                                          finish_reason=common_pb2.FINISH_REASON_STOP)]
+    sample = deserialize_sample_response(wire.sample_response(completions, [math.nan, -0.5, -0.1], tops, 2, 1))
+    assert sample.topk_prompt_logprobs == [None, [(3, -0.5), (7, -2.0)], [(9, pytest.approx(-0.1))]]
+    assert sample.sequences[0].topk_logprobs == [[(3, -0.5)]]
+    plain = deserialize_sample_response(wire.sample_response(completions, [math.nan, -0.5, -0.1]))
+    assert plain.topk_prompt_logprobs is None and plain.sequences[0].topk_logprobs is None

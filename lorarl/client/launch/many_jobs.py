@@ -1,0 +1,137 @@
+"""`lorarl run A.yaml B.yaml ...`: several jobs on one local stack — one trainer holding the base once, one
+rollout serving every job's adapters, one weight sync.
+
+The jobs must agree on what the services are built from (the base model, its dtype, the engines, the device,
+the rollout's shape); the rollout is sized for all of them (adapter slots for every job's staleness window,
+the largest rank, every job's batch in one decode wave). Each job then runs as its own `lorarl train`
+process against the stack, its output lines prefixed with its job id: the loops share nothing but the
+services, so one job's failure or exit is its own, and each resumes from its own output dir like a single
+`lorarl run`. The supervisor restarts a service that dies, as for one job; the jobs ride it through.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lorarl.client.job.config import serving_length
+from lorarl.client.launch.local import lorarl_command
+from lorarl.client.launch.services import local_stack, stack_sections
+from lorarl.common.config import ConfigError
+from lorarl.contract import staleness
+
+#: What every job on one stack must agree on: the services are started once, from these.
+SHARED_KEYS = ("model.path", "model.dtype", "rollout.engine", "rollout.dtype", "rollout.tensor_parallel_size",
+               "rollout.replicas", "rollout.block_size", "rollout.enable_lora", "trainer.device", "trainer.engine",
+               "sync.collective", "launcher.kind")
+POLL_S = 0.5
+
+
+def _value(cfg: Any, dotted: str) -> Any:
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return str(Path(value).resolve()) if dotted == "model.path" else value
+
+
+def check_shareable(cfgs: Sequence[Any]) -> None:
+    """ConfigError naming the first setting the jobs disagree on, or what a shared stack cannot run."""
+    first = cfgs[0]
+    for cfg in cfgs:
+        if cfg.launcher.kind != "local" or cfg.placement.nodes > 1:
+            raise ConfigError("launcher.kind", f"job {cfg.job_id}: several jobs share a stack on this host only "
+                                               "(launcher.kind=local, placement.nodes=1)")
+        if cfg.sync.mode == "merged":
+            raise ConfigError("sync.mode", f"job {cfg.job_id}: a merged job's rollout serves its own weights in "
+                                           "place of the base, which other jobs cannot share; use sync.mode=adapter")
+        for key in SHARED_KEYS:
+            if _value(cfg, key) != _value(first, key):
+                raise ConfigError(key, f"jobs {first.job_id} and {cfg.job_id} differ ({_value(first, key)!r} vs "
+                                       f"{_value(cfg, key)!r}); jobs on one stack share the services built from it")
+    for seen, name in ((set(), "job_id"), (set(), "output.dir")):
+        for cfg in cfgs:
+            value = _value(cfg, name) if name == "job_id" else str(Path(cfg.output.dir).resolve())
+            if value in seen:
+                raise ConfigError(name, f"two jobs have {name} {value!r}; each job needs its own")
+            seen.add(value)
+
+
+def shared_sections(cfgs: Sequence[Any], out: Path) -> dict[str, dict[str, Any]]:
+    """The first job's service sections, with the rollout sized for every job."""
+    sections = stack_sections(cfgs[0], out)
+    rollout = sections["rollout"]
+    windows = [staleness.adapter_window(cfg.loop.max_staleness) for cfg in cfgs]
+    rollout["adapter_window"] = max(windows)
+    rollout["max_loras"] = sum(window + 1 for window in windows)
+    rollout["max_lora_rank"] = max(cfg.serving_lora_rank for cfg in cfgs)
+    rollout["kv_cache_gib"] = max(cfg.rollout.kv_cache_gib for cfg in cfgs)
+    rollout["max_num_seqs"] = sum(cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
+                                                                      * cfg.rollout.group_size
+                                                                      // cfg.rollout.replicas)) for cfg in cfgs)
+    if lengths := [length for cfg in cfgs if (length := serving_length(cfg))]:
+        rollout["max_model_len"] = max(lengths)
+    if any(cfg.rollout.openai for cfg in cfgs):
+        rollout["openai_port"] = 0
+    return sections
+
+
+def _relay(stream: Any, prefix: str) -> None:
+    for line in iter(stream.readline, ""):
+        print(f"{prefix}{line}", end="", flush=True)
+
+
+def run_jobs(cfgs: Sequence[Any], config_paths: Sequence[str], overrides: Sequence[str], fresh: bool) -> int:
+    """Starts the shared stack, runs every job against it, stops it; the worst exit code of the jobs."""
+    check_shareable(cfgs)
+    out = Path(cfgs[0].output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stack = local_stack(cfgs[0], out, sections=shared_sections(cfgs, out))
+    restarts = cfgs[0].recovery.restarts if cfgs[0].recovery.enabled else 0
+    children: list[tuple[str, subprocess.Popen[str]]] = []
+    try:
+        with stack:
+            print(f"lorarl: services up for {len(cfgs)} jobs (trainer {stack.address('trainer')}, rollout "
+                  f"{', '.join(stack.addresses('rollout'))}, weightsync {stack.address('weightsync')}); logs in "
+                  f"{out / 'services'}", flush=True)
+            stack.supervise(restarts)
+            for cfg, path in zip(cfgs, config_paths, strict=True):
+                command = [*lorarl_command(), "train", path, *overrides, "--trainer", stack.address("trainer"),
+                           "--weightsync", stack.address("weightsync"), "--token-file", str(stack.token_file),
+                           *(["--openai", ",".join(stack.openai_urls())] if cfg.rollout.openai else []),
+                           *(["--fresh"] if fresh else [])]
+                child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         bufsize=1)
+                threading.Thread(target=_relay, args=(child.stdout, f"[{cfg.job_id}] "), daemon=True).start()
+                children.append((cfg.job_id, child))
+            while any(child.poll() is None for _, child in children):
+                if stack.failure is not None:
+                    print(f"lorarl: stopping the jobs: {stack.failure}", file=sys.stderr, flush=True)
+                    _stop(children)
+                    return 1
+                time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        _stop(children)
+        print("lorarl: interrupted; jobs and services stopped. Run the same command again to resume.",
+              file=sys.stderr)
+        return 130
+    codes = {job: child.returncode for job, child in children}
+    print("lorarl: " + ", ".join(f"{job} exited {code}" for job, code in codes.items()), flush=True)
+    return max(codes.values(), default=0)
+
+
+def _stop(children: Sequence[tuple[str, subprocess.Popen[str]]]) -> None:
+    """SIGTERM each job (it stops resumable, as on Ctrl-C), then SIGKILL what outlives the bound."""
+    for _, child in children:
+        if child.poll() is None:
+            child.terminate()
+    for _, child in children:
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

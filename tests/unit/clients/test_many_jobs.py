@@ -1,0 +1,71 @@
+"""Several jobs on one stack (lorarl.client.launch.many_jobs): which jobs can share the services and how the
+rollout is sized for all of them; the shipped tasks chosen per job; `lorarl run A B` reading its job files
+before its overrides."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from lorarl.client.commands.run import job_files
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.inputs import job_examples
+from lorarl.client.launch.many_jobs import check_shareable, shared_sections
+from lorarl.client.launch.services import stack_sections
+from lorarl.common.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "examples" / "multitenant"
+
+
+def example(name: str, *overrides: str):
+    return load_job_config(str(EXAMPLE / f"{name}.yaml"), list(overrides))
+
+
+def test_the_examples_jobs_share_a_stack_sized_for_both(tmp_path: Path) -> None:
+    add, sort = example("add"), example("sort", "loop.max_staleness=1", "rollout.max_model_len=4096")
+    check_shareable([add, sort])
+    rollout = shared_sections([add, sort], tmp_path)["rollout"]
+    alone = stack_sections(add, tmp_path)["rollout"]
+    # adapter slots for each job's staleness window, the larger rank, both batches in one wave
+    assert rollout["max_loras"] == (3 + 2 + 1) + (1 + 2 + 1) and rollout["adapter_window"] == 5
+    assert rollout["max_lora_rank"] == 16 > alone["max_lora_rank"]
+    assert rollout["max_num_seqs"] == 2 * alone["max_num_seqs"]
+    assert rollout["max_model_len"] == 4096 > alone["max_model_len"]
+    assert {k: v for k, v in rollout.items() if k not in ("max_loras", "adapter_window", "max_lora_rank",
+                                                          "max_num_seqs", "max_model_len")} == \
+        {k: v for k, v in alone.items() if k not in ("max_loras", "adapter_window", "max_lora_rank", "max_num_seqs",
+                                                      "max_model_len")}
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("model.dtype=bfloat16", "model.dtype: jobs add and sort differ"),
+    ("rollout.engine=hf", "rollout.engine: jobs add and sort differ"),
+    ("sync.mode=merged", "a merged job's rollout serves its own weights"),
+    ("job_id=add", "two jobs have job_id 'add'"),
+    ("launcher.kind=ray", "on this host only"),
+])
+def test_jobs_that_cannot_share_are_refused_naming_the_setting(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_shareable([example("add"), example("sort", override)])
+
+
+def test_each_job_trains_and_evaluates_on_its_own_shipped_task() -> None:
+    for name in ("add", "sort"):
+        cfg = example(name)
+        for split in ("train", "test"):
+            examples = job_examples(cfg, split)
+            assert examples and all((e.prompt.startswith("sort ")) == (name == "sort") for e in examples)
+    with pytest.raises(ConfigError, match="unknown task 'mul'"):
+        example("add", "data.tasks=[mul]")
+    with pytest.raises(ConfigError, match=r"data\.source=tasks"):
+        example("add", "data.source=jsonl", "data.train_path=a.jsonl", "data.test_path=b.jsonl")
+
+
+def test_run_reads_its_job_files_before_the_overrides() -> None:
+    args = argparse.Namespace(config="a.yaml", overrides=["b.yaml", "c.yaml", "loop.steps=2", "x.y=1"])
+    assert job_files(args) == ["a.yaml", "b.yaml", "c.yaml"] and args.overrides == ["loop.steps=2", "x.y=1"]
+    with pytest.raises(ConfigError, match="before the key=value overrides"):
+        job_files(argparse.Namespace(config="a.yaml", overrides=["loop.steps=2", "b.yaml"]))
