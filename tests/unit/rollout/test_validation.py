@@ -49,6 +49,36 @@ def test_nonsense_is_refused_naming_the_field(req: rollout_pb2.GenerateRequest, 
     assert info.value.field == field
 
 
+@pytest.mark.parametrize(("at", "past", "field"), [
+    (dict(n=8), dict(n=9), "sampling.n"),
+    (dict(temperature=2.0), dict(temperature=2.01), "sampling.temperature"),
+    (dict(temperature=0.0), dict(temperature=-0.01), "sampling.temperature"),
+    (dict(top_p=1.0), dict(top_p=1.01), "sampling.top_p"),
+    (dict(top_k=264), dict(top_k=265), "sampling.top_k"),
+    (dict(top_k=-1), dict(top_k=-2), "sampling.top_k"),
+    (dict(max_tokens=61), dict(max_tokens=62), "sampling.max_tokens"),
+    (dict(stop=["s"] * 32), dict(stop=["s"] * 33), "sampling.stop"),
+    (dict(stop_token_ids=[263]), dict(stop_token_ids=[264]), "sampling.stop_token_ids[0]"),
+    (dict(logprobs=5), dict(logprobs=6), "sampling.logprobs"),
+    (dict(seed=2**63 - 1), dict(seed=2**63), "sampling.seed"),
+])
+def test_each_bound_is_served_at_and_refused_past(at: dict, past: dict, field: str) -> None:
+    """#29: the rollout's Generate bounds, one row each: the bound itself is served, one past it is refused
+    naming the field (a 3-token prompt; max_model_len 64, vocabulary 264, n 8, 5 logprobs)."""
+    generate_input(request(**at), LIMITS, None)
+    with pytest.raises(InvalidArgumentError) as info:
+        generate_input(request(**past), LIMITS, None)
+    assert info.value.field == field
+
+
+def test_the_longest_prompt_is_served_and_one_more_token_refused() -> None:
+    generate_input(request([rollout_pb2.Prompt(token_ids=[1] * 63)]), LIMITS, None)
+    with pytest.raises(InvalidArgumentError) as info:
+        generate_input(request([rollout_pb2.Prompt(token_ids=[1] * 64)]), LIMITS, None)
+    assert info.value.field == "prompts[0]"
+    generate_input(request([rollout_pb2.Prompt(token_ids=[263])]), LIMITS, None)
+
+
 def test_text_prompts_use_the_model_tokenizer_and_chat_template() -> None:
     renderer = PromptRenderer(dense_model_dir())
     chat = rollout_pb2.GenerateStreamRequest(prompt=rollout_pb2.Prompt(text="12+34=", apply_chat_template=True))
