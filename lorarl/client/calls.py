@@ -8,15 +8,19 @@ the status code (the recovery rule reads it) and prints as
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from lorarl.common.auth import resolve_token
 from lorarl.common.server_config import DEFAULT_TOKEN_ENV
 from lorarl.common.validation import quote
+
+if TYPE_CHECKING:
+    from lorarl.client.rl.stall import CallTracker
 
 #: The client's token file when --token-file is not given (a compose secret, a mounted file).
 TOKEN_FILE_ENV = "LORARL_AUTH_TOKEN_FILE"
@@ -60,8 +64,10 @@ class NamedStub:
     never this call) ends the call with DEADLINE_EXCEEDED naming service and method instead of holding the
     caller forever."""
 
-    def __init__(self, stub: Any, service: str, address: str = "", deadline_s: float | None = None) -> None:
+    def __init__(self, stub: Any, service: str, address: str = "", deadline_s: float | None = None,
+                 tracker: CallTracker | None = None) -> None:
         self._stub, self.service, self.address, self.deadline_s = stub, service, address, deadline_s
+        self.tracker = tracker  # the stall watchdog's record of calls in flight (lorarl.client.rl.stall)
 
     def _error(self, method: str, error: grpc.aio.AioRpcError) -> ServiceCallError:
         return ServiceCallError(self.service, self.address, method, error.code(), error.details() or "")
@@ -74,17 +80,26 @@ class NamedStub:
                 kwargs = {**deadline, **kwargs}
 
                 async def responses() -> AsyncIterator[Any]:
-                    try:
-                        async for response in call(*args, **kwargs):
-                            yield response
-                    except grpc.aio.AioRpcError as e:
-                        raise self._error(method, e) from None
+                    with self._tracked(method):
+                        try:
+                            async for response in call(*args, **kwargs):
+                                if self.tracker is not None:
+                                    self.tracker.progress()  # a stream that delivers is moving
+                                yield response
+                        except grpc.aio.AioRpcError as e:
+                            raise self._error(method, e) from None
                 return responses()
             return streaming
 
         async def unary(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return await call(*args, **{**deadline, **kwargs})
-            except grpc.aio.AioRpcError as e:
-                raise self._error(method, e) from None
+            with self._tracked(method):
+                try:
+                    return await call(*args, **{**deadline, **kwargs})
+                except grpc.aio.AioRpcError as e:
+                    raise self._error(method, e) from None
         return unary
+
+    def _tracked(self, method: str) -> contextlib.AbstractContextManager[None]:
+        if self.tracker is None:
+            return contextlib.nullcontext()
+        return self.tracker.call(self.service, self.address, method)

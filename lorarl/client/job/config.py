@@ -226,6 +226,16 @@ class MismatchAlarmSection:
 
 
 @dataclass
+class StallSection:
+    """`loop.stall`: what a run that stops moving does (lorarl.client.rl.stall)."""
+
+    after_s: float = setting(600.0, check=in_range(0.0), doc="Seconds without any call to a service ending before "
+                                                           "the run names the calls it waits on (0: off).")
+    action: Literal["warn", "fail"] = setting("warn", doc="'warn': log them, once per stall; 'fail': end the run "
+                                                          "with that message.")
+
+
+@dataclass
 class PolicyGuardSection:
     """`loop.policy_guard`: each served version's probe logprobs against the trainer's (lorarl.client.rl.guard)."""
 
@@ -252,6 +262,7 @@ class LoopSection:
         "(recovery.max_recoveries) or fails with, instead of waiting forever.")
     mismatch_alarm: MismatchAlarmSection = field(default_factory=MismatchAlarmSection)
     policy_guard: PolicyGuardSection = field(default_factory=PolicyGuardSection)
+    stall: StallSection = field(default_factory=StallSection)
 
 
 @dataclass

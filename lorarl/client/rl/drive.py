@@ -30,6 +30,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     from lorarl.client.rl.rollout_pool import RolloutPool
     from lorarl.client.rl.run_log import RunLog
     from lorarl.client.rl.session import JobSession
+    from lorarl.client.rl.stall import CallTracker, run_watched
     from lorarl.common.channel import aio_channel
     from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
@@ -42,6 +43,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     if not rollout_addresses and not weightsync_address:
         raise ConfigError("--rollout", "name the rollout replicas, or the weight-sync service to learn them from")
     deadline = cfg.loop.call_timeout_s or None  # every call's: a hung service ends in a named error, never a wait
+    tracker = CallTracker()  # the calls in flight, for the stall watchdog
     async with contextlib.AsyncExitStack() as stack:
         channels = {}  # service name -> channel, for the health checks after a fault (same TLS, same token)
 
@@ -55,18 +57,20 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
         async def connect_rollout(address: str) -> NamedStub:
             if address not in replicas:
                 ch = await stack.enter_async_context(aio_channel(address, token=token, tls=tls))
-                replicas[address] = NamedStub(rollout_pb2_grpc.RolloutServiceStub(ch), "rollout", address, deadline)
+                replicas[address] = NamedStub(rollout_pb2_grpc.RolloutServiceStub(ch), "rollout", address, deadline,
+                                              tracker)
             return replicas[address]
 
         trainer = NamedStub(trainer_pb2_grpc.TrainerServiceStub(await channel("trainer", trainer_address)),
-                            "trainer", trainer_address, deadline)
+                            "trainer", trainer_address, deadline, tracker)
         weightsync = None
         if weightsync_address:
             weightsync = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(
-                await channel("weightsync", weightsync_address)), "weightsync", weightsync_address, deadline)
+                await channel("weightsync", weightsync_address)), "weightsync", weightsync_address, deadline,
+                tracker)
         if rollout_addresses:  # a static fleet: every replica is waited for after a fault
             rollout = RolloutPool([NamedStub(rollout_pb2_grpc.RolloutServiceStub(await channel("rollout", a)),
-                                             "rollout", a, deadline) for a in rollout_addresses])
+                                             "rollout", a, deadline, tracker) for a in rollout_addresses])
         else:
             rollout = RolloutPool(discover=weightsync_fleet(weightsync, cfg.job_id), connect=connect_rollout)
         session = JobSession(cfg, trainer, out)
@@ -90,7 +94,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
                       weightsync=weightsync, recover=recover, on_rewind=log.rewind, workflow=workflow,
                       openai_urls=openai_urls, token=token)
         try:
-            await loop.run()
+            await run_watched(loop.run(), tracker, cfg.loop.stall)
         finally:
             log.close()
         exported = await trainer.Export(trainer_pb2.ExportRequest(job_id=cfg.job_id, mode=common_pb2.SYNC_MODE_ADAPTER,
