@@ -131,6 +131,8 @@ def run_many(args: argparse.Namespace, files: list[str]) -> int:
             from lorarl.client.launch.many_jobs import check_shareable
 
             check_shareable(cfgs)
+            print(f"jobs {', '.join(cfg.job_id for cfg in cfgs)} can share one stack (the base once in the "
+                  "trainer, one rollout sized for all)")
             return 0
         stop_on_sigterm()
         return run_jobs(cfgs, files, list(args.overrides), args.fresh)

@@ -69,3 +69,14 @@ def test_run_reads_its_job_files_before_the_overrides() -> None:
     assert job_files(args) == ["a.yaml", "b.yaml", "c.yaml"] and args.overrides == ["loop.steps=2", "x.y=1"]
     with pytest.raises(ConfigError, match="before the key=value overrides"):
         job_files(argparse.Namespace(config="a.yaml", overrides=["loop.steps=2", "b.yaml"]))
+
+
+def test_dry_run_checks_each_job_and_that_they_can_share(capsys: pytest.CaptureFixture[str]) -> None:
+    from lorarl.client.cli import main
+
+    files = [str(EXAMPLE / "add.yaml"), str(EXAMPLE / "sort.yaml")]
+    assert main(["run", *files, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("config OK") == 2 and "jobs add, sort can share one stack" in out
+    assert main(["run", *files, "--dry-run", "sync.mode=merged"]) == 2
+    assert "a merged job's rollout serves its own weights" in capsys.readouterr().err
