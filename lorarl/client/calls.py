@@ -35,7 +35,8 @@ HINTS = {
     grpc.StatusCode.INVALID_ARGUMENT: "fix the job config field the message names",
     grpc.StatusCode.FAILED_PRECONDITION: "the service's state does not allow this call; see the message",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the service is out of room (memory, jobs or buffer); see the message",
-    grpc.StatusCode.ALREADY_EXISTS: "delete the existing job or pick another job_id",
+    grpc.StatusCode.ALREADY_EXISTS: "what the call creates exists already (a job: delete it or pick another "
+                                    "job_id; a request: another with its id is in flight)",
     grpc.StatusCode.NOT_FOUND: "the service does not hold what the call names (was it restarted?)",
     grpc.StatusCode.INTERNAL: "a bug in the service: its log has the traceback",
     grpc.StatusCode.UNKNOWN: "a bug in the service: its log has the traceback",

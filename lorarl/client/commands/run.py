@@ -4,7 +4,8 @@ run:   starts the three services on loopback (own processes, free ports, a gener
        the job, and stops them on success, failure or Ctrl-C; resumes from the run directory's last
        checkpoint when one exists. Several job files: one stack for all of them (one base in the
        trainer, one rollout serving every job's adapters), each job its own loop and output dir;
-       the key=value overrides apply to every job.
+       the key=value overrides apply to every job. --attach RUN_DIR runs the job on the stack
+       that the `lorarl run` writing to RUN_DIR started (which keeps it up until this job ends).
 train: the same loop against services already running (compose stack, other hosts); the token
        comes from --token-file (or $LORARL_AUTH_TOKEN_FILE), else $LORARL_AUTH_TOKEN.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import sys
 import threading
@@ -21,6 +23,7 @@ from typing import Any
 
 from lorarl.client.calls import ServiceCallError, client_token
 from lorarl.client.job.inputs import inputs_ok
+from lorarl.client.launch.attach import wait_for_attached
 from lorarl.client.launch.local import ServiceFailedError
 from lorarl.client.launch.services import launch_stack
 from lorarl.client.rl.drive import drive
@@ -36,6 +39,8 @@ def add_parsers(subparsers: Any) -> None:
     run = subparsers.add_parser("run", help="start the services on loopback and run a job", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(run)
+    run.add_argument("--attach", metavar="RUN_DIR", help="run the job on the services of the `lorarl run` whose "
+                     "output dir is RUN_DIR, instead of starting its own (lorarl/client/launch/attach.py)")
     run.set_defaults(handler=run_command)
     train = subparsers.add_parser("train", help="run a job against services already running", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,6 +184,8 @@ def run_command(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"lorarl: bad config: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "attach", None):
+        return attach_run(args, files)
     if len(files) > 1:
         return run_many(args, files)
     cfg = load(args)
@@ -205,9 +212,12 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {', '.join(rollouts)}, "
                   f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
             stack.supervise(cfg.recovery.restarts if cfg.recovery.enabled else 0)
-            return asyncio.run(drive(cfg, stack.address("trainer"), None, stack.token, out,
+            code = asyncio.run(drive(cfg, stack.address("trainer"), None, stack.token, out,
                                      stack.address("weightsync"), fresh=args.fresh, give_up=stack.raise_if_failed,
                                      openai_urls=stack.openai_urls))
+            if hasattr(stack, "workdir"):  # a local stack: other runs may have attached to it
+                wait_for_attached(stack.workdir, stack.raise_if_failed)
+            return code
     except KeyboardInterrupt:
         print("lorarl: interrupted; services stopped. Run the same command again to resume.", file=sys.stderr)
         return 130
@@ -216,6 +226,34 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     except RUN_ENDING_ERRORS as e:
         return report(e, out, stack)
+
+
+def attach_run(args: argparse.Namespace, files: list[str]) -> int:
+    """`lorarl run JOB.yaml --attach RUN_DIR`: the job on another run's stack, under a lease that keeps it up."""
+    from lorarl.client.launch.attach import check_attachable, lease, services_dir, stack_addresses
+
+    if len(files) > 1:
+        print("lorarl: bad config: --attach runs one job file", file=sys.stderr)
+        return 2
+    cfg = load(args)
+    if cfg is None:
+        return 2
+    if args.dry_run:
+        return dry_run(cfg)
+    try:
+        addresses = stack_addresses(args.attach)
+        check_attachable(cfg, args.attach)
+        token = client_token(str(services_dir(args.attach) / "token"))
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return 2
+    if not inputs_ok(cfg):
+        return 2
+    cfg.sync.mode = "adapter"  # auto or adapter (merged is refused above): a merged version replaces the shared base
+    print(f"lorarl: attached to the services of {args.attach} (trainer {addresses['trainer']}, weightsync "
+          f"{addresses['weightsync']})", flush=True)
+    return drive_services(cfg, args, addresses["trainer"], [], token, addresses["weightsync"],
+                          openai_urls=list(addresses["openai"]), hold=lease(args.attach, cfg.job_id))
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -232,14 +270,22 @@ def train_command(args: argparse.Namespace) -> int:
         return 2
     if not inputs_ok(cfg):
         return 2
-    out = Path(cfg.output.dir)
     rollouts = [a.strip() for a in (args.rollout or "").split(",") if a.strip()]
+    openai_urls = [u.strip() for u in (args.openai or "").split(",") if u.strip()]
+    return drive_services(cfg, args, args.trainer, rollouts, token, args.weightsync, tls=tls, openai_urls=openai_urls)
+
+
+def drive_services(cfg, args: argparse.Namespace, trainer: str, rollouts: list[str], token: str | None,
+                   weightsync: str, tls: ClientTls | None = None, openai_urls: list[str] | None = None,
+                   hold: contextlib.AbstractContextManager | None = None) -> int:
+    """The job's loop against services already running (`train`, `run --attach`, inside ``hold``)."""
+    out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     stop_on_sigterm()  # a Kubernetes Job deleted, a Slurm job cancelled: stop as Ctrl-C does
     try:
-        openai_urls = [u.strip() for u in (args.openai or "").split(",") if u.strip()]
-        return asyncio.run(drive(cfg, args.trainer, rollouts, token, out, args.weightsync, fresh=args.fresh,
-                                 tls=tls, openai_urls=lambda: openai_urls))
+        with hold or contextlib.nullcontext():
+            return asyncio.run(drive(cfg, trainer, rollouts, token, out, weightsync, fresh=args.fresh, tls=tls,
+                                     openai_urls=lambda: list(openai_urls or [])))
     except KeyboardInterrupt:
         print("lorarl: interrupted. Run the same command again to resume.", file=sys.stderr)
         return 130

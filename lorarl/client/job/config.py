@@ -192,6 +192,9 @@ class RolloutSection:
     max_lora_rank: int = setting(0, doc=f"Largest adapter rank the engines serve, one of {VLLM_LORA_RANKS} (0: the "
                                         "smallest of them that holds trainer.lora.rank).")
     replicas: int = setting(1, check=in_range(1, 1024), doc="Rollout services (vLLM engines) in the job.")
+    max_loras: int = setting(0, check=in_range(0, 1024), doc="Adapters each replica holds at once, all jobs "
+                             "together (0: what this run's jobs need; more leaves room for jobs that `lorarl run "
+                             "--attach` adds later).")
     max_num_seqs: int = setting(0, check=in_range(0, 4096),
                                 doc="Sequences a vLLM engine decodes at once (0: a whole step's batch, >= 64).")
     openai: bool = setting(False, doc="Serve the OpenAI-compatible endpoint on every replica (rollout.openai_port), "

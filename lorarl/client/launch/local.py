@@ -14,6 +14,7 @@ no child outlives its service. The loop meanwhile waits the restart out (lorarl.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -160,6 +161,17 @@ class LocalStack(Stack):
                     self.processes[f"rollout-{i}"] = self._launch(f"rollout-{i}", replica, service="rollout")
                 continue
             self.processes[name] = self._launch(name, section)
+        self.write_addresses()
+
+    def write_addresses(self) -> None:
+        """The services' addresses in ``stack.json`` beside the token: what `lorarl run --attach` reads to run
+        another job on this stack."""
+        addresses = {"trainer": self.address("trainer") if "trainer" in self.processes else None,
+                     "weightsync": self.address("weightsync") if "weightsync" in self.processes else None,
+                     "rollout": self.addresses("rollout"), "openai": self.openai_urls(),
+                     # what a job that attaches must fit in: the rollout's LoRA rank and adapter slots
+                     **{key: self.sections.get("rollout", {}).get(key) for key in ("max_lora_rank", "max_loras")}}
+        (self.workdir / "stack.json").write_text(json.dumps(addresses, indent=1) + "\n")
 
     def _launch(self, name: str, section: dict[str, Any], service: str = "", port: int = 0) -> ServiceProcess:
         service = service or name

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.job.config import serving_length
+from lorarl.client.launch.attach import wait_for_attached
 from lorarl.client.launch.local import lorarl_command
 from lorarl.client.launch.services import local_stack, stack_sections
 from lorarl.common.config import ConfigError
@@ -67,7 +68,7 @@ def shared_sections(cfgs: Sequence[Any], out: Path) -> dict[str, dict[str, Any]]
     rollout = sections["rollout"]
     windows = [staleness.adapter_window(cfg.loop.max_staleness) for cfg in cfgs]
     rollout["adapter_window"] = max(windows)
-    rollout["max_loras"] = sum(window + 1 for window in windows)
+    rollout["max_loras"] = max(sum(window + 1 for window in windows), *(cfg.rollout.max_loras for cfg in cfgs))
     rollout["max_lora_rank"] = max(cfg.serving_lora_rank for cfg in cfgs)
     rollout["kv_cache_gib"] = max(cfg.rollout.kv_cache_gib for cfg in cfgs)
     rollout["max_num_seqs"] = sum(cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
@@ -100,7 +101,9 @@ def run_jobs(cfgs: Sequence[Any], config_paths: Sequence[str], overrides: Sequen
                   f"{out / 'services'}", flush=True)
             stack.supervise(restarts)
             for cfg, path in zip(cfgs, config_paths, strict=True):
-                command = [*lorarl_command(), "train", path, *overrides, "--trainer", stack.address("trainer"),
+                # adapters only (auto could pick merged, whose version replaces the base the other jobs share)
+                command = [*lorarl_command(), "train", path, *overrides, "sync.mode=adapter",
+                           "--trainer", stack.address("trainer"),
                            "--weightsync", stack.address("weightsync"), "--token-file", str(stack.token_file),
                            *(["--openai", ",".join(stack.openai_urls())] if cfg.rollout.openai else []),
                            *(["--fresh"] if fresh else [])]
@@ -114,6 +117,7 @@ def run_jobs(cfgs: Sequence[Any], config_paths: Sequence[str], overrides: Sequen
                     _stop(children)
                     return 1
                 time.sleep(POLL_S)
+            wait_for_attached(stack.workdir, stack.raise_if_failed)
     except KeyboardInterrupt:
         _stop(children)
         print("lorarl: interrupted; jobs and services stopped. Run the same command again to resume.",

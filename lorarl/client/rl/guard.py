@@ -94,7 +94,7 @@ class PolicyGuard:
         request = rollout_pb2.GenerateRequest(
             prompts=[rollout_pb2.Prompt(token_ids=sequence)],
             sampling=common_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=True),
-            request_id=f"policy-guard-v{version}")
+            request_id=f"{job_id}-policy-guard-v{version}")  # jobs on one rollout: ids of their own
         request.policy.CopyFrom(rollout_pb2.PolicySelector(job_id=job_id, version=version))
         verdicts = []
         for name, stub in replicas:

@@ -53,6 +53,7 @@ def test_a_replica_serving_the_trainers_version_passes_and_is_asked_pinned() -> 
     [request] = replica.requests
     assert list(request.prompts[0].token_ids) == [1, 2, 3, 4, 5] and request.sampling.prompt_logprobs
     assert (request.policy.job_id, request.policy.version) == ("job", 2)
+    assert request.request_id == "job-policy-guard-v2"  # jobs sharing a rollout: ids of their own
     assert guard.metrics() == {"policy/guard_version": 2.0, "policy/guard_abs_diff": pytest.approx(0.01, abs=1e-6),
                                "policy/guard_alarm": 0.0}
 

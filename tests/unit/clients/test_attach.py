@@ -1,0 +1,66 @@
+"""`lorarl run JOB --attach RUN_DIR` (lorarl.client.launch.attach): the owner's addresses read from its folder, the
+jobs that cannot share its services refused by name, and the leases that keep the owner's services up while an
+attached run is alive."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorarl.client.job.config import load_job_config
+from lorarl.client.launch.attach import attached_jobs, check_attachable, lease, stack_addresses, wait_for_attached
+from lorarl.client.launch.services import stack_sections
+from lorarl.common.config import ConfigError, to_dict
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "examples" / "multitenant"
+
+
+def owner_dir(tmp: Path, *overrides: str, rank: int = 16) -> Path:
+    """An owner's output dir as `lorarl run add.yaml` leaves it while running: its config and its stack."""
+    cfg = load_job_config(str(EXAMPLE / "add.yaml"), list(overrides))
+    (tmp / "services").mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(to_dict(cfg)))
+    (tmp / "services" / "stack.json").write_text(json.dumps({"trainer": "127.0.0.1:1", "weightsync": "127.0.0.1:2",
+                                                             "rollout": ["127.0.0.1:3"], "openai": [],
+                                                             "max_lora_rank": rank, "max_loras": 10}))
+    return tmp
+
+
+def test_a_job_that_can_share_attaches_and_others_are_refused_by_name(tmp_path: Path) -> None:
+    run_dir = owner_dir(tmp_path / "add")
+    assert stack_addresses(run_dir)["trainer"] == "127.0.0.1:1"
+    sort = load_job_config(str(EXAMPLE / "sort.yaml"), [])
+    check_attachable(sort, run_dir)
+    for overrides, message in ((["model.dtype=bfloat16"], "model.dtype: the stack in .* serves 'float32'"),
+                               (["sync.mode=merged"], "jobs share a stack in adapter mode only"),
+                               (["job_id=add"], "'add' is the owner's job")):
+        with pytest.raises(ConfigError, match=message):
+            check_attachable(load_job_config(str(EXAMPLE / "sort.yaml"), overrides), run_dir)
+    with pytest.raises(ConfigError, match=r"16 is above the rank the stack's rollout serves \(8\): start the owner "
+                                          r"with rollout\.max_lora_rank=16"):
+        check_attachable(sort, owner_dir(tmp_path / "small", rank=8))
+    with pytest.raises(ConfigError, match="no stack in"):
+        stack_addresses(tmp_path / "nowhere")
+
+
+def test_a_lease_holds_the_owner_while_its_process_lives(tmp_path: Path) -> None:
+    workdir = owner_dir(tmp_path / "add") / "services"
+    with lease(workdir.parent, "sort"):
+        assert attached_jobs(workdir) == ["sort"]
+    assert attached_jobs(workdir) == []
+    wait_for_attached(workdir)  # none: returns at once
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (workdir / "attached" / "ghost").write_text(gone.stdout.strip())  # a run that died without its cleanup
+    assert attached_jobs(workdir) == [] and not (workdir / "attached" / "ghost").exists()
+
+
+def test_the_owner_can_keep_adapter_slots_for_jobs_to_come(tmp_path: Path) -> None:
+    cfg = load_job_config(str(EXAMPLE / "add.yaml"), [])
+    assert stack_sections(cfg, tmp_path)["rollout"]["max_loras"] == 3 + 2 + 1
+    roomy = load_job_config(str(EXAMPLE / "add.yaml"), ["rollout.max_loras=12"])
+    assert stack_sections(roomy, tmp_path)["rollout"]["max_loras"] == 12
