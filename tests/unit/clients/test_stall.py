@@ -37,7 +37,7 @@ def test_a_stuck_call_is_named_and_fail_ends_the_run() -> None:
         return str(err.value), time.monotonic() - started
 
     message, elapsed = asyncio.run(calls(30.0, body))
-    assert elapsed < 3.0
+    assert elapsed < 10.0  # the call itself sleeps 30 s
     assert re.fullmatch(r"no progress for \d+ s; waiting on trainer at 127\.0\.0\.1:\d+: Call, in flight \d+ s "
                         r"\(loop\.stall\.after_s = 0\.4\)", message), message
 
@@ -55,11 +55,11 @@ def test_warn_logs_once_per_stall_and_the_run_goes_on(caplog: pytest.LogCaptureF
 def test_calls_that_keep_ending_are_progress() -> None:
     async def body(stub: NamedStub, tracker: CallTracker) -> None:
         async def work() -> None:
-            for _ in range(8):
-                await stub.Call(b"z")  # 0.15 s each: 1.2 s in all, never 0.5 s without one ending
-        await run_watched(work(), tracker, StallSection(after_s=0.5, action="fail"))
+            for _ in range(10):
+                await stub.Call(b"z")  # 0.3 s each: 3 s in all, never 1.5 s without one ending
+        await run_watched(work(), tracker, StallSection(after_s=1.5, action="fail"))
 
-    asyncio.run(calls(0.15, body))
+    asyncio.run(calls(0.3, body))
 
 
 def test_with_no_call_in_flight_it_says_the_loop_is_on_its_own_work() -> None:
