@@ -22,7 +22,7 @@ from typing import Any
 from lorarl.client.job.config import serving_length
 from lorarl.client.launch.attach import wait_for_attached
 from lorarl.client.launch.local import lorarl_command
-from lorarl.client.launch.services import local_stack, stack_sections
+from lorarl.client.launch.services import decode_wave, local_stack, stack_sections
 from lorarl.common.config import ConfigError
 from lorarl.contract import staleness
 
@@ -71,9 +71,7 @@ def shared_sections(cfgs: Sequence[Any], out: Path) -> dict[str, dict[str, Any]]
     rollout["max_loras"] = max(sum(window + 1 for window in windows), *(cfg.rollout.max_loras for cfg in cfgs))
     rollout["max_lora_rank"] = max(cfg.serving_lora_rank for cfg in cfgs)
     rollout["kv_cache_gib"] = max(cfg.rollout.kv_cache_gib for cfg in cfgs)
-    rollout["max_num_seqs"] = sum(cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
-                                                                      * cfg.rollout.group_size
-                                                                      // cfg.rollout.replicas)) for cfg in cfgs)
+    rollout["max_num_seqs"] = sum(decode_wave(cfg) for cfg in cfgs)
     if lengths := [length for cfg in cfgs if (length := serving_length(cfg))]:
         rollout["max_model_len"] = max(lengths)
     if any(cfg.rollout.openai for cfg in cfgs):

@@ -21,6 +21,13 @@ def rollout_lora(cfg) -> bool | None:
     return False if cfg.sync.mode == "merged" else None
 
 
+def decode_wave(cfg) -> int:
+    """rollout.max_num_seqs for this job: its own, else a step's whole batch (prompts x group) in one decode
+    wave on every replica (at least 64)."""
+    return cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step * cfg.rollout.group_size
+                                                 // cfg.rollout.replicas))
+
+
 def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     """Service config sections for a local stack serving this job."""
     window = staleness.adapter_window(cfg.loop.max_staleness)
@@ -50,10 +57,7 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                        if getattr(cfg.rollout, key) is not None},
                     **({"enable_lora": lora} if (lora := rollout_lora(cfg)) is not None else {}),
                     "receive_in_worker": cfg.rollout.receive_in_worker,
-                    # A step's whole batch (prompts x group) in one decode wave on every replica.
-                    "max_num_seqs": cfg.rollout.max_num_seqs or max(64, -(-cfg.loop.prompts_per_step
-                                                                      * cfg.rollout.group_size
-                                                                      // cfg.rollout.replicas)),
+                    "max_num_seqs": decode_wave(cfg),
                     "collective_backends": sorted({backend, "gloo"})},
     }
 
