@@ -18,7 +18,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from lorarl.common.errors import AlreadyExistsError, FailedPreconditionError, ResourceExhaustedError, ServiceError
+from lorarl.common.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    ServiceError,
+)
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.engine_api import GenerationEngine
 from lorarl.rollout.gate import SwitchGate
@@ -96,6 +102,9 @@ class SegmentRunner:
     @contextlib.contextmanager
     def _admit(self, request: GenerateInput, count: int) -> Iterator[None]:
         limit = self.settings.max_queued_requests
+        if count > limit:  # never fits, however long the caller waits: a request to split, not to retry
+            raise InvalidArgumentError("prompts", f"this request adds {count} sequences (prompts x n); this replica "
+                                       f"admits at most {limit} at once (rollout.max_queued_requests): split it")
         if self._admitted + count > limit:
             raise ResourceExhaustedError(f"{self._admitted} sequences in flight and this request adds {count}; "
                                          f"the limit is {limit} (rollout.max_queued_requests): retry later")

@@ -27,7 +27,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     from lorarl.client.rl.loop import RLLoop
     from lorarl.client.rl.preflight import rollout_warnings
     from lorarl.client.rl.recovery import wait_serving
-    from lorarl.client.rl.rollout_pool import RolloutPool
+    from lorarl.client.rl.rollout_pool import BUSY_WAIT_S, RolloutPool
     from lorarl.client.rl.run_log import RunLog
     from lorarl.client.rl.session import JobSession
     from lorarl.client.rl.stall import CallTracker, run_watched
@@ -43,6 +43,8 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     if not rollout_addresses and not weightsync_address:
         raise ConfigError("--rollout", "name the rollout replicas, or the weight-sync service to learn them from")
     deadline = cfg.loop.call_timeout_s or None  # every call's: a hung service ends in a named error, never a wait
+    # a busy replica (its room taken by other jobs' requests) is waited for as long as one call may take
+    busy_wait = cfg.loop.call_timeout_s or BUSY_WAIT_S
     tracker = CallTracker()  # the calls in flight, for the stall watchdog
     async with contextlib.AsyncExitStack() as stack:
         channels = {}  # service name -> channel, for the health checks after a fault (same TLS, same token)
@@ -70,9 +72,11 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
                 tracker)
         if rollout_addresses:  # a static fleet: every replica is waited for after a fault
             rollout = RolloutPool([NamedStub(rollout_pb2_grpc.RolloutServiceStub(await channel("rollout", a)),
-                                             "rollout", a, deadline, tracker) for a in rollout_addresses])
+                                             "rollout", a, deadline, tracker) for a in rollout_addresses],
+                                  busy_wait_s=busy_wait)
         else:
-            rollout = RolloutPool(discover=weightsync_fleet(weightsync, cfg.job_id), connect=connect_rollout)
+            rollout = RolloutPool(discover=weightsync_fleet(weightsync, cfg.job_id), connect=connect_rollout,
+                                  busy_wait_s=busy_wait)
         session = JobSession(cfg, trainer, out)
         state = await session.start(fresh=fresh)
         if not rollout_addresses:

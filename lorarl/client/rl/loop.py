@@ -154,8 +154,8 @@ class RLLoop:
 
     def _replicas(self) -> list[tuple[str, Any]]:
         """Every rollout replica the loop samples from, by name (the guard probes each)."""
-        live = getattr(self.rollout, "live", None)
-        return live() if callable(live) else [("rollout", self.rollout)]
+        each = getattr(self.rollout, "each_replica", None)
+        return each() if callable(each) else [("rollout", self.rollout)]
 
     # ------------------------------------------------------------------ rollout
 
@@ -311,7 +311,8 @@ class RLLoop:
             if usage and sorted(usage) != self._served_by:  # none since the last step (async): as before
                 self._served_by = sorted(usage)
                 logger.info("step %d: prompts served by %s", step, ", ".join(self._served_by))
-            metrics.update({"rollout/replicas": float(len(self._served_by)), "rollout/redone_prompts": float(redone)})
+            metrics.update({"rollout/replicas": float(len(self._served_by)), "rollout/redone_prompts": float(redone),
+                            "rollout/busy_waits": float(self.rollout.take_busy_waits())})
         self.state.history.append(metrics)
         try:
             self.mismatch.observe(metrics)

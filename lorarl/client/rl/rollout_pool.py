@@ -12,6 +12,11 @@ serves the job's active version; one that left is dropped. A replica whose call 
 gone (UNAVAILABLE, CANCELLED) is set aside for ``quarantine_s`` and its prompts are redone on the
 others in the same call; only when none is left does the error reach the loop (whose recovery waits
 for a replica). A static list (``lorarl train --rollout``) gets the same redo, without discovery.
+
+A replica that is busy (RESOURCE_EXHAUSTED: its admission limit, rollout.max_queued_requests, is taken by
+other requests, e.g. other jobs sharing the fleet) is asked again after a short, growing pause, for at most
+``busy_wait_s``; then its error reaches the loop. A request that can never fit is refused as
+INVALID_ARGUMENT by the replica, so this wait only ever waits for room that frees.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 REFRESH_S = 0.5
 QUARANTINE_S = 10.0
 WAIT_POLL_S = 0.5
+#: How long a request waits for a busy replica's room by default, and the pauses between its asks.
+BUSY_WAIT_S = 600.0
+BUSY_PAUSE_S = (0.05, 2.0)
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ class RolloutPool:
 
     def __init__(self, stubs: Sequence[object] = (), *, discover: Discover | None = None,
                  connect: Connect | None = None, refresh_s: float = REFRESH_S,
-                 quarantine_s: float = QUARANTINE_S) -> None:
+                 quarantine_s: float = QUARANTINE_S, busy_wait_s: float = BUSY_WAIT_S) -> None:
         if not stubs and discover is None:
             raise ValueError("a rollout pool needs at least one replica, or a way to discover them")
         if discover is not None and connect is None:
@@ -88,7 +96,8 @@ class RolloutPool:
         self.members: dict[str, object] = {getattr(s, "address", "") or f"replica-{i}": s for i, s in enumerate(stubs)}
         self.names: dict[str, str] = {a: a for a in self.members}  # address -> replica id, for messages
         self.discover, self.connect = discover, connect
-        self.refresh_s, self.quarantine_s = refresh_s, quarantine_s
+        self.refresh_s, self.quarantine_s, self.busy_wait_s = refresh_s, quarantine_s, busy_wait_s
+        self.busy_waits = 0  # asks repeated because a replica was busy, since take_usage()
         self.set_aside: dict[str, float] = {}  # address -> when its call failed
         self.usage: Counter[str] = Counter()  # prompts served per address since take_usage()
         self.redone = 0  # prompts redone on another replica since take_usage()
@@ -141,6 +150,11 @@ class RolloutPool:
             del self.set_aside[address]
         return [(a, s) for a, s in self.members.items() if a not in self.set_aside]
 
+    def each_replica(self) -> list[tuple[str, object]]:
+        """The live replicas, each called on its own (the policy guard probes every one), waiting for room as
+        the pool's own calls do."""
+        return [(address, _WaitsForRoom(self, stub)) for address, stub in self.live()]
+
     async def wait_members(self, timeout_s: float) -> None:
         """Returns once at least one replica can take prompts; RuntimeError naming the wait after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
@@ -154,6 +168,11 @@ class RolloutPool:
                                    "to weight sync with an address (rollout.weightsync_address), or none caught "
                                    "up to the job's active version")
             await asyncio.sleep(WAIT_POLL_S)
+
+    def take_busy_waits(self) -> int:
+        """Asks repeated because a replica was busy, since the last call."""
+        waits, self.busy_waits = self.busy_waits, 0
+        return waits
 
     def take_usage(self) -> tuple[dict[str, int], int]:
         """(prompts served per replica id, prompts redone elsewhere) since the last call."""
@@ -211,15 +230,41 @@ class RolloutPool:
         merged.results.extend(r for r in results if r is not None)
         return merged
 
-    @staticmethod
-    async def _one(stub, request: rollout_pb2.GenerateRequest, indices: list[int], tag: str,
+    async def _one(self, stub, request: rollout_pb2.GenerateRequest, indices: list[int], tag: str,
                    **kwargs) -> rollout_pb2.GenerateResponse:
-        if len(indices) == len(request.prompts) and tag == "r0":
-            return await stub.Generate(request, **kwargs)
-        part = rollout_pb2.GenerateRequest()
-        part.CopyFrom(request)
-        del part.prompts[:]
-        part.prompts.extend(request.prompts[i] for i in indices)
-        if request.request_id:
-            part.request_id = f"{request.request_id}-{tag}"
-        return await stub.Generate(part, **kwargs)
+        part = request
+        if not (len(indices) == len(request.prompts) and tag == "r0"):
+            part = rollout_pb2.GenerateRequest()
+            part.CopyFrom(request)
+            del part.prompts[:]
+            part.prompts.extend(request.prompts[i] for i in indices)
+            if request.request_id:
+                part.request_id = f"{request.request_id}-{tag}"
+        return await self._when_room(stub, part, **kwargs)
+
+    async def _when_room(self, stub, request: rollout_pb2.GenerateRequest, **kwargs) -> rollout_pb2.GenerateResponse:
+        """``stub.Generate(request)``, asked again while the replica is busy (for at most busy_wait_s)."""
+        deadline, pause = time.monotonic() + self.busy_wait_s, BUSY_PAUSE_S[0]
+        while True:
+            try:
+                return await stub.Generate(request, **kwargs)
+            except ServiceCallError as error:
+                if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + pause > deadline:
+                    raise
+                if pause == BUSY_PAUSE_S[0]:
+                    logger.info("rollout replica %s is busy (%s); request %s waits for room (at most %.0f s)",
+                                getattr(stub, "address", "") or "?", error.details, request.request_id or "-",
+                                self.busy_wait_s)
+                self.busy_waits += 1
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, BUSY_PAUSE_S[1])
+
+
+class _WaitsForRoom:
+    """One replica's stub whose ``Generate`` waits while the replica is busy (``RolloutPool._when_room``)."""
+
+    def __init__(self, pool: RolloutPool, stub: object) -> None:
+        self.pool, self.stub = pool, stub
+
+    async def Generate(self, request: rollout_pb2.GenerateRequest, **kwargs) -> rollout_pb2.GenerateResponse:  # noqa: N802
+        return await self.pool._when_room(self.stub, request, **kwargs)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
+import grpc
 import pytest
 
+from lorarl.client.calls import ServiceCallError
 from lorarl.client.rl.rollout_pool import RolloutPool, split_evenly
 from lorarl.v1 import rollout_pb2
 
@@ -145,3 +148,55 @@ def test_discovered_fleet_joins_once_caught_up_and_drops_leavers() -> None:
         return seen
 
     assert asyncio.run(scenario()) == [1, 1, 2, 1]
+
+
+class Busy(Replica):
+    """A replica whose admission limit is taken by other requests for its first ``busy_for`` asks."""
+
+    def __init__(self, name: str, busy_for: int) -> None:
+        super().__init__(name)
+        self.busy_for, self.asks = busy_for, 0
+
+    async def Generate(self, request, **kwargs):  # noqa: N802
+        self.asks += 1
+        if self.asks <= self.busy_for:
+            raise ServiceCallError("rollout", self.name, "Generate", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   "1000 sequences in flight and this request adds 128; the limit is 1024 "
+                                   "(rollout.max_queued_requests): retry later")
+        return await super().Generate(request, **kwargs)
+
+
+def test_a_busy_replica_is_asked_again_until_it_has_room_and_no_longer_than_busy_wait_s() -> None:
+    request = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="x")], request_id="job-b1")
+    request.sampling.n = 1
+    replica = Busy("shared", busy_for=3)
+    pool = RolloutPool([replica])
+    response = asyncio.run(pool.Generate(request))
+    assert response.results[0].completions[0].text == "shared:x" and replica.asks == 4
+    assert pool.take_busy_waits() == 3 and pool.take_busy_waits() == 0
+    # each replica on its own (the policy guard's probe) waits the same way
+    probed = RolloutPool([Busy("probed", busy_for=2)])
+    [(_, replica_alone)] = probed.each_replica()
+    assert asyncio.run(replica_alone.Generate(request)).results[0].completions[0].text == "probed:x"
+    assert probed.take_busy_waits() == 2
+    # a replica that stays busy: its error reaches the loop once busy_wait_s is spent
+    stuck = RolloutPool([Busy("stuck", busy_for=10**6)], busy_wait_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(ServiceCallError) as raised:
+        asyncio.run(stuck.Generate(request))
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - started < 2.0
+    # any other refusal is not waited on
+    refusing = Refusing("x")
+    with pytest.raises(ServiceCallError):
+        asyncio.run(RolloutPool([refusing]).Generate(request))
+    assert refusing.asks == 1
+
+
+class Refusing(Replica):
+    """A replica that refuses the request itself (one that can never fit)."""
+
+    asks = 0
+
+    async def Generate(self, request, **kwargs):  # noqa: N802
+        self.asks += 1
+        raise ServiceCallError("rollout", self.name, "Generate", grpc.StatusCode.INVALID_ARGUMENT, "split it")

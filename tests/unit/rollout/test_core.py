@@ -208,6 +208,9 @@ def test_queue_limit_and_duplicate_request_ids(files: ModelFiles) -> None:
             await core.generate(request(n=2, request_id="more"))
         with pytest.raises(AlreadyExistsError):
             await core.generate(request(n=1, request_id="big"))
+        # more than the limit in one request never fits: refused as a request to split, not to retry
+        with pytest.raises(InvalidArgumentError, match="split it"):
+            await core.generate(request(n=5, request_id="huge"))
         [small] = await core.generate(request(n=1, request_id="fits"))
         assert small.completions[0].finish is Finish.LENGTH
         assert await core.abort(["big"]) == 1
