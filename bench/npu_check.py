@@ -15,7 +15,7 @@ Prints one table row per mode and exits 1 if any check fails. `--device cpu` run
 CPU over gloo in fp32 (what CI's smoke test runs, so the script does not rot between hardware sessions).
 
     python bench/npu_check.py                                 # on the NPU node (ASCEND_RT_VISIBLE_DEVICES=0,1,2)
-    python bench/npu_check.py --device cpu --quick            # CPU: the tiny MoE for moe-merged-tp2
+    python bench/npu_check.py --device cpu --quick            # CPU smoke run: the tiny models' shapes
 
 Expected on a 910B (not run yet: no Ascend hardware has been lent): all three rows `ok`, versions equal to
 --steps, max |d logp| of a few hundredths in bf16 (the trainer and vLLM kernels differ in
@@ -198,16 +198,19 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown mode(s) {unknown}; one of {list(MODES)}")
         models = {}
-        if set(modes) - {MOE_MODE}:
+        smoke = args.quick and args.device == "cpu"  # CI's run of the script: the shipped tiny models' shapes
+        shapes = {"dense": "qwen3-tiny" if smoke else "qwen3-0.6b",
+                  "moe": "qwen3-moe-tiny" if smoke else "qwen3-30b-a3b"}
+        if set(modes) - {MOE_MODE}:  # the 0.6B layer shapes
             models["dense"] = tmp / "model"
-            build_random_model("qwen3-0.6b", models["dense"], num_layers=args.layers, dtype=dtype)
-        if MOE_MODE in modes:  # the 30B-A3B layer shapes; on CPU --quick, the shipped tiny MoE's
+            build_random_model(shapes["dense"], models["dense"], num_layers=args.layers, dtype=dtype)
+        if MOE_MODE in modes:  # the 30B-A3B layer shapes
             models["moe"] = tmp / "moe"
-            shape = "qwen3-moe-tiny" if args.quick and args.device == "cpu" else "qwen3-30b-a3b"
-            build_random_model(shape, models["moe"], num_layers=args.layers, num_experts=args.experts, dtype=dtype)
+            build_random_model(shapes["moe"], models["moe"], num_layers=args.layers, num_experts=args.experts,
+                               dtype=dtype)
         results = [run_mode(mode, models["moe" if mode == MOE_MODE else "dense"], args, tmp) for mode in modes]
-    print(f"## NPU check ({args.device}, Qwen3-0.6B / 30B-A3B shapes, {args.layers} layers, {args.steps} steps, "
-          f"tolerance {tolerance:g})")
+    print(f"## NPU check ({args.device}, {shapes['dense']} / {shapes['moe']} shapes, {args.layers} layers, "
+          f"{args.steps} steps, tolerance {tolerance:g})")
     print("| mode | version | tokens | max abs d logp | mean abs d logp | adapter effect | s | check |")
     print("| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |")
     for r in results:

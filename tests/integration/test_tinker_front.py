@@ -6,7 +6,6 @@ ComputeLogprobs, two concurrent clients sharing one resident base, and what is r
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import tinker
 import uvicorn
 from tinker import types
 
+from lorarl.common.ports import free_port
 from lorarl.common.server import start_server
 from lorarl.common.server_config import ServerConfig
 from lorarl.tinker.app import create_app
@@ -34,10 +34,6 @@ KEY = "tml-lorarl-test-key"
 BASE = "lorarl/tiny-dense"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LoopThread:

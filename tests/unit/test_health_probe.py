@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -11,6 +10,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lorarl.common.health_probe import main, probe
+from lorarl.common.ports import free_port
 
 SERVICE = "lorarl.v1.TrainerService"
 
@@ -28,10 +28,6 @@ def server() -> Iterator[tuple[str, health.HealthServicer]]:
         grpc_server.stop(0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serving_server_passes(server: tuple[str, health.HealthServicer]) -> None:

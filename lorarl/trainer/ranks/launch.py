@@ -23,16 +23,9 @@ from datetime import timedelta
 from typing import Any
 
 from lorarl.common.config import ConfigError
+from lorarl.common.ports import free_port
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import yaml
 
 from lorarl.client.launch.local import LocalStack, ServiceProcess, lorarl_command
+from lorarl.common.ports import free_port
 from tools.compose_check import IMAGE_ROOT, ROOT, environment, parse_command, secret_mounts, service_config
 
 _ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9_.:\[\]-]+):(?P<port>\d+)")
@@ -41,10 +41,6 @@ def duration_s(text: str | None, default: float) -> float:
     return sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(str(text)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def image_entrypoint(dockerfile: Path) -> list[str]:

@@ -4,7 +4,6 @@ float64 in any collective (HCCL has none)."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from lorarl.common.ports import free_port
 from lorarl.trainer.engines.distributed import DataParallelEngine, init_distributed, shard_by_group
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.losses import LossSpec
@@ -36,10 +36,6 @@ def spec_for(model_dir: Path, loss: LossSpec):
     return make_spec(model_dir, lr=1e-2, micro_batch_tokens=24, loss=loss)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,10 +24,6 @@ ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "weightsync-test-token"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def service_overrides(storage: Path, port: int = 0, host: str = "127.0.0.1", **settings: Any) -> list[str]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from lorarl.common.ports import free_port
 from lorarl.v1 import common_pb2
 from lorarl.weightsync.wire.collective import WeightTransferGroup
 from lorarl.weightsync.wire.payload import build_manifest, pack, unpack_bucket
@@ -15,10 +14,6 @@ from lorarl.weightsync.wire.payload import build_manifest, pack, unpack_bucket
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:

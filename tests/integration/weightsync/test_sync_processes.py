@@ -13,12 +13,13 @@ import pytest
 import torch
 import yaml
 
+from lorarl.common.ports import free_port
 from lorarl.common.ready import wait_for_ready_file
 from lorarl.v1 import common_pb2
 from lorarl.weightsync.client.publisher import WeightPublisher
 from tests.integration.test_service_processes import child_env, lorarl_command
 from tests.integration.weightsync.agent_main import tensors_digest
-from tests.integration.weightsync.harness import TOKEN, eventually, free_port, replica_processes, running_service
+from tests.integration.weightsync.harness import TOKEN, eventually, replica_processes, running_service
 from tests.integration.weightsync.tiny import FINGERPRINT, TinyTrainer, lora_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

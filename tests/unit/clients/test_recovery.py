@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 
 import grpc
@@ -25,6 +24,7 @@ from lorarl.client.rl.recovery import (
     wait_serving,
 )
 from lorarl.client.rl.run_log import RunLog
+from lorarl.common.ports import free_port
 from lorarl.common.server import start_server
 from lorarl.common.server_config import ServerConfig
 from lorarl.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc
@@ -35,10 +35,6 @@ def failure(service: str, code: grpc.StatusCode) -> ServiceCallError:
     return ServiceCallError(service, "127.0.0.1:1", "TrainStep", code, "details")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_restarts_are_waited_out_and_bad_requests_are_not() -> None:

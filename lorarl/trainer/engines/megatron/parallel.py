@@ -8,7 +8,6 @@ launcher: `init_parallel` then binds a free loopback port itself.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -61,12 +60,6 @@ class ParallelSettings:
             raise ValueError(f"megatron.expert_parallel_size={self.ep} needs a mixture-of-experts model")
         if num_experts and num_experts % self.ep:
             raise ValueError(f"megatron.expert_parallel_size={self.ep} must divide the experts ({num_experts})")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_parallel(settings: ParallelSettings, device: str = "cpu", seed: int = 0, *, rank: int = 0,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from lorarl.trainer.engines.megatron.parallel import free_port
+from lorarl.common.ports import free_port
 
 GRAD_PARAM = "decoder.layers.0.self_attention.linear_qkv.weight"
 
