@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The code this benchmark's figures depend on (bench/results.py: a run is stale once it changes): the
+#: whole system, which it runs as `lorarl run` does.
+MEASURES = ("lorarl",)
 HEADING = "## lorarl run: CPU pinning"
 PROCESSES = ("engine", "trainer", "rollout", "weightsync", "loop")
 

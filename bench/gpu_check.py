@@ -28,6 +28,9 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The code this benchmark's figures depend on (bench/results.py: a run is stale once it changes): the
+#: whole system, which it runs as `lorarl run` does.
+MEASURES = ("lorarl",)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

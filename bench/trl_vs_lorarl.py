@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The code this benchmark's figures depend on (bench/results.py: a run is stale once it changes): the
+#: whole system, which it runs as `lorarl run` does.
+MEASURES = ("lorarl",)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
