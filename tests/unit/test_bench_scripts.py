@@ -6,6 +6,7 @@ The runs themselves are minutes long and live in bench/; only the TRL config che
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py", "cpu_pinning.py", "memory_plan.py",
                                     "scaling.py", "gpu_check.py", "trl_at_shape.py", "head_logprobs.py",
                                     "npu_check.py", "receive_in_worker.py", "multitenant.py", "routing_replay.py",
-                                    "recovery.py"])
+                                    "recovery.py", "soak.py"])
 def test_command_line_parses(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -166,3 +167,29 @@ def test_the_npu_check_runs_on_cpu_and_fails_when_parity_breaks() -> None:
     assert measured.ok(1e-3) and not measured.ok(float(cells[3]) / 2)
     assert not ModeResult("adapter", version=2, tokens=64, max_diff=0, mean_diff=0, versions_ok=False,
                           effect=1).ok(1.0)
+
+
+def test_readme_figures_reads_a_runs_metrics_and_refuses_an_unknown_example(tmp_path: Path) -> None:
+    from bench.readme_figures import from_run_dir
+
+    rows = [{"step": 0, "eval/accuracy": 0.36, "time_s": 1.0}, {"step": 1, "rollout/reward_mean": 0.4},
+            {"step": 2, "rollout/reward_mean": 0.5}, {"step": 2, "eval/accuracy": 0.82, "time_s": 16.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figure = from_run_dir("demo", "lorarl run examples/demo.yaml", tmp_path, wall_s=40.0)
+    assert (figure.before, figure.after, figure.steps, figure.loop_s) == (0.36, 0.82, 2, 16.5)
+    assert figure.row() == "| demo | `lorarl run examples/demo.yaml` | 0.360 | 0.820 | +46.0 | 2 | 16.5 | 40 |"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "readme_figures.py"), "--only", "demo,nope",
+                           "--no-write"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and "nope" in done.stderr
+
+
+def test_soak_fits_a_slope_within_each_process_life_not_across_restarts() -> None:
+    from bench.soak import Sample, lifetime_slopes
+
+    # two lives, each flat after its warm-up, the second starting lower (a restart): flat, not a fall
+    lives = [Sample("trainer", 1, step, 500.0 + (50 if step < 10 else 0), 30, 8) for step in range(0, 100, 5)]
+    lives += [Sample("trainer", 2, step, 300.0 + (50 if step < 110 else 0), 30, 8) for step in range(100, 200, 5)]
+    assert lifetime_slopes(lives, "rss", warmup=10) == pytest.approx(0.0)
+    # a leak of 1 MiB every 10 steps in each life: 100 MiB per 1,000 steps
+    leaking = [Sample("rollout", 1 + step // 100, step, 400.0 + (step % 100) / 10, 40, 9) for step in range(0, 200, 5)]
+    assert lifetime_slopes(leaking, "rss", warmup=10) == pytest.approx(100.0)

@@ -258,6 +258,8 @@ class LoopSection:
     max_staleness: int = setting(1, check=in_range(0, 64))
     eval_every: int = setting(10, check=in_range(0), doc="Evaluate every K steps (0: only before and after).")
     checkpoint_every: int = setting(0, check=in_range(0), doc="Checkpoint every K steps (0: only at the end).")
+    keep_checkpoints: int = setting(0, check=in_range(0), doc="Step checkpoints kept on the trainer, the newest "
+                                    "(0: all); older ones are removed as each new one is saved.")
     time_limit_s: float = setting(0.0, check=in_range(0.0), doc="Stop after this much wall time (0: no limit).")
     call_timeout_s: float = setting(
         1800.0, check=in_range(0.0), doc="Deadline of every call the loop makes to a service (0: none): a service "

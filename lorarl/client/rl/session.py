@@ -116,5 +116,5 @@ class JobSession:
     async def save(self, state: LoopState, name: str) -> None:
         """Checkpoints the job as ``name`` and makes it the resume point."""
         saved = await self.trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(
-            job_id=self.cfg.job_id, path=f"{self.cfg.job_id}/{name}"))
+            job_id=self.cfg.job_id, path=f"{self.cfg.job_id}/{name}", keep_last=self.cfg.loop.keep_checkpoints))
         write_point(self.out, ResumePoint(state.step, state.cursor, saved.path, int(saved.version)))

@@ -29,6 +29,7 @@ from lorarl.trainer.service import convert
 from lorarl.trainer.service.config import TrainerServiceConfig, TrainerSettings
 from lorarl.trainer.service.job_metrics import JobsCollector
 from lorarl.trainer.service.jobs import Job, JobManager, resolve_under
+from lorarl.trainer.service.retention import prune_step_checkpoints
 from lorarl.trainer.service.tenancy import Tenants, check_own_paths
 from lorarl.trainer.service.validation import BufferFullError
 from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -180,7 +181,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         path = self._path(request.path, self.settings.checkpoint_dir, "path",
                           f"{request.job_id}/step-{job.engine.step:06d}", request.job_id, context)
         info = await self.jobs.save_checkpoint(request.job_id, path)
-        return trainer_pb2.SaveCheckpointResponse(path=str(info.path), version=info.version, step=info.step)
+        removed = prune_step_checkpoints(Path(info.path), request.keep_last) if request.keep_last else []
+        return trainer_pb2.SaveCheckpointResponse(path=str(info.path), version=info.version, step=info.step,
+                                                  removed=[str(r) for r in removed])
 
     async def LoadCheckpoint(self, request, context):
         self._scoped(context, request.job_id)

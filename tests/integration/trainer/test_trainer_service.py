@@ -195,6 +195,16 @@ def test_checkpoint_resume_and_export_over_grpc(tmp_path: Path, model_dir: Path)
         assert (Path(exported.path) / "adapter_model.safetensors").is_file()
         merged = await stub.Export(trainer_pb2.ExportRequest(job_id="job1", mode=common_pb2.SYNC_MODE_MERGED))
         assert (Path(merged.path) / "model.safetensors").is_file()
+        # retention: step checkpoints beyond the newest keep_last go as each new one is saved; others stay
+        resume = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(job_id="job1", path="job1/resume"))
+        removed = []
+        for step in (2, 3, 4):  # beside step-000001, saved above
+            saved = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(
+                job_id="job1", path=f"job1/step-{step:06d}", keep_last=2))
+            removed.append([Path(p).name for p in saved.removed])
+        assert removed == [[], ["step-000001"], ["step-000002"]]
+        on_disk = sorted(p.name for p in Path(saved.path).parent.iterdir())
+        assert on_disk == ["resume", "step-000003", "step-000004"] and Path(resume.path).is_dir(), on_disk
         await stub.DeleteJob(trainer_pb2.DeleteJobRequest(job_id="job1"))
         listed = await stub.ListJobs(trainer_pb2.ListJobsRequest())
         assert list(listed.jobs) == []
