@@ -434,7 +434,9 @@ class TrainingSpec:
     insists (a job whose engine or model cannot is refused), 'off' routes live and ignores recorded routes.
     ``fingerprint_check``: a trajectory whose fingerprint for a version is not the one the trainer published for
     it (the rollout served other weights under that version) is refused ('refuse'), accepted and counted
-    ('flag'), or not checked ('off').
+    ('flag'), or not checked ('off'). ``share``: the job's weight when jobs on one resident base take turns on it
+    (lorarl.trainer.service.fair_share): a job of share 2 gets twice the compute time of a job of share 1 while
+    both wait.
     """
 
     base_model_path: str
@@ -454,11 +456,14 @@ class TrainingSpec:
     init_adapter_path: str = ""
     routing_replay: RoutingReplay = "auto"
     fingerprint_check: FingerprintCheck = "refuse"
+    share: float = 1.0
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str) -> None:
             raise SpecError("", name, problem)
 
+        if not 0.001 <= self.share <= 1000:
+            fail("share", f"must be 0.001..1000 (a job's weight at a shared base), got {self.share}")
         if not self.base_model_path:
             fail("base_model_path", "is required (a local Hugging Face model directory)")
         if not _DEVICE.fullmatch(self.device):
@@ -512,7 +517,7 @@ class TrainingSpec:
             max_buffered_trajectories=self.limits.max_buffered_trajectories, megatron=self.megatron.to_proto(),
             memory=self.memory.to_proto(), layer_devices=self.layer_devices,
             init_adapter_path=self.init_adapter_path, routing_replay=self.routing_replay,
-            fingerprint_check=self.fingerprint_check)
+            fingerprint_check=self.fingerprint_check, share=self.share)
 
     @classmethod
     def from_proto(cls, cfg: trainer_pb2.JobConfig, default_device: str = "cpu",
@@ -530,7 +535,8 @@ class TrainingSpec:
             megatron=MegatronSpec.from_proto(cfg.megatron), memory=MemorySpec.from_proto(cfg.memory),
             layer_devices=cfg.layer_devices or 1, init_adapter_path=cfg.init_adapter_path,
             routing_replay=cfg.routing_replay or "auto",  # type: ignore[arg-type]  # checked on construction
-            fingerprint_check=cfg.fingerprint_check or "refuse")  # type: ignore[arg-type]
+            fingerprint_check=cfg.fingerprint_check or "refuse",  # type: ignore[arg-type]
+            share=cfg.share or 1.0)
 
 
 def loss_for_loop(loss: LossSpec, *, mode: str, max_staleness: int, max_tokens: int) -> LossSpec:

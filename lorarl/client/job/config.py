@@ -168,6 +168,8 @@ class TrainerSection:
         "refuse", doc="A trajectory whose tokens a rollout produced with other weights than the trainer published for "
                       "their version (their fingerprints differ): 'refuse' it, 'flag' it (accepted, counted in "
                       "lorarl_trainer_job_fingerprint_mismatches), or 'off'.")
+    share: float = setting(1.0, check=in_range(0.001, 1000.0), doc="This job's weight when jobs on one resident base "
+                           "take turns on it: share 2 gets twice the compute time of share 1 while both wait.")
 
 
 @dataclass
@@ -278,11 +280,16 @@ class RecoverySection:
                                       "(False: the first failed call ends the run).")
     resume_every: int = setting(1, check=in_range(1), doc="Save a resume point (adapter + optimiser state) every "
                                 "K steps: a fault redoes at most K steps.")
-    max_recoveries: int = setting(10, check=in_range(0, 1000), doc="Faults the run survives before it gives up.")
+    max_recoveries: int = setting(10, check=in_range(0, 1000), doc="Faults in a row the run survives before it gives "
+                                  "up (see healthy_steps).")
+    healthy_steps: int = setting(20, check=in_range(0), doc="Steps without a fault after a recovery that make the "
+                                 "run healthy again: the fault count and its growing pause start over (0: "
+                                 "max_recoveries counts every fault of the run).")
     wait_s: float = setting(300.0, check=in_range(1.0), doc="How long to wait for the services to answer again "
                             "after a fault.")
-    restarts: int = setting(5, check=in_range(0, 1000), doc="`lorarl run`: times each service is restarted "
-                            "after it exits (with backoff) before the run fails.")
+    restarts: int = setting(5, check=in_range(0, 1000), doc="`lorarl run`: times in a row each service is "
+                            "restarted after it exits (with backoff) before the run fails; a restarted service that "
+                            "stays up a minute starts its count again.")
 
 
 @dataclass
@@ -461,7 +468,7 @@ def training_spec(cfg: JobFileConfig, model_path: str) -> TrainingSpec:
             optimizer=t.optimizer, seed=t.seed, engine=t.engine, megatron=megatron, memory=t.memory,
             layer_devices=t.parallel.pipeline if t.engine == "torch" else 1, init_adapter_path=init,
             limits=LimitsSpec(max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS)),
-            routing_replay=t.routing_replay, fingerprint_check=t.fingerprint_check)
+            routing_replay=t.routing_replay, fingerprint_check=t.fingerprint_check, share=t.share)
     except SpecError as e:
         raise ConfigError(f"trainer.{e.path}", e.problem) from None
 

@@ -49,8 +49,9 @@ class ServiceProcess:
     log_path: Path
     service: str = ""
     section: dict[str, Any] = field(default_factory=dict)
-    restarts: int = 0
+    restarts: int = 0  # in a row: a process that stays up HEALTHY_UPTIME_S starts the count again
     info: dict[str, Any] = field(default_factory=dict)  # what its ready file said
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class ServiceFailedError(RuntimeError):
@@ -80,6 +81,10 @@ class Stack:
 
 
 RESTART_PAUSE_MIN_S, RESTART_PAUSE_MAX_S = 1.0, 30.0
+#: A restarted service that then stays up this long is healthy: its restart count (recovery.restarts, the
+#: restarts in a row a run survives) and pause start over. A crash loop still ends the run; a service killed
+#: now and then over days does not.
+HEALTHY_UPTIME_S = 60.0
 WATCH_INTERVAL_S = 0.25
 
 
@@ -242,6 +247,8 @@ class LocalStack(Stack):
         while not self._stopping.wait(WATCH_INTERVAL_S):
             for name, svc in list(self.processes.items()):
                 code = svc.process.poll()
+                if code is None and svc.restarts and time.monotonic() - svc.started_at >= HEALTHY_UPTIME_S:
+                    svc.restarts = 0
                 if code is None or self._stopping.is_set():
                     continue
                 died = time.monotonic()

@@ -138,7 +138,8 @@ class RLLoop:
         self.on_checkpoint = on_checkpoint
         self.recover, self.on_rewind = recover, on_rewind
         self._served_by: list[str] = []
-        self.budget = RecoveryBudget(cfg.recovery.max_recoveries, cfg.recovery.wait_s)
+        self.budget = RecoveryBudget(cfg.recovery.max_recoveries, cfg.recovery.wait_s,
+                                     healthy_steps=cfg.recovery.healthy_steps)
         self.mismatch = MismatchAlarm(cfg.loop.mismatch_alarm)
         self.guard = PolicyGuard(cfg.loop.policy_guard, self._probe())
         self.started = time.perf_counter()
@@ -314,6 +315,9 @@ class RLLoop:
             metrics.update({"rollout/replicas": float(len(self._served_by)), "rollout/redone_prompts": float(redone),
                             "rollout/busy_waits": float(self.rollout.take_busy_waits())})
         self.state.history.append(metrics)
+        if self.budget.progress(step):
+            logger.info("step %d: %d steps without a fault since the last recovery; the fault count starts again "
+                        "(recovery.healthy_steps)", step, self.budget.healthy_steps)
         try:
             self.mismatch.observe(metrics)
         finally:  # a step that ends the run is still written down
@@ -383,6 +387,7 @@ class RLLoop:
                     raise
                 error = again
         logger.warning("recovered: carrying on from step %d (version %d)", state.step, state.version)
+        self.budget.recovered(state.step)
         self.state = state
         self.stream = TrainStream(self.examples, self.cfg.data.seed, state.cursor)
         self._activating = None

@@ -45,11 +45,26 @@ def recoverable(error: BaseException) -> bool:
 
 @dataclass
 class RecoveryBudget:
-    """At most ``max_recoveries`` faults per run, each waited out with a growing pause."""
+    """At most ``max_recoveries`` faults in a row, each waited out with a growing pause. A run that then completes
+    ``healthy_steps`` steps without a fault starts again from zero (count and pause): a job that meets a service
+    restart every hour for days keeps going, one that keeps failing still stops."""
 
     max_recoveries: int
     wait_s: float
     used: int = 0
+    healthy_steps: int = 0  # 0: the count is for the whole run
+    recovered_at: int | None = None  # the step the last recovery carried on from
+
+    def recovered(self, step: int) -> None:
+        self.recovered_at = step
+
+    def progress(self, step: int) -> bool:
+        """A step completed; True when it makes the run healthy again (the budget starts over)."""
+        if not (self.used and self.healthy_steps and self.recovered_at is not None
+                and step - self.recovered_at >= self.healthy_steps):
+            return False
+        self.used, self.recovered_at = 0, None
+        return True
 
     def spend(self, error: BaseException) -> float:
         """Counts one fault; the seconds to pause before restoring. Raises once the budget is spent."""

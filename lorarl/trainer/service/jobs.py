@@ -9,12 +9,13 @@ health checks and other jobs' RPCs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from lorarl.contract.peft_files import read_peft_config
 from lorarl.trainer.engines.api import Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.service import fit
+from lorarl.trainer.service.fair_share import FairShare
 from lorarl.trainer.service.validation import (
     BufferFullError,
     FingerprintRule,
@@ -127,6 +129,7 @@ class JobManager:
         self.engine_factory = functools.partial(create_engine, bases=self.bases) \
             if engine_factory is create_engine else engine_factory
         self._jobs: dict[str, Job] = {}
+        self._shares: dict[tuple[Any, ...], FairShare] = {}  # per resident base: its jobs' turns
         self._creating: set[str] = set()
         self._arenas_capped = False
         # Engine work runs on these threads, at `compute_nice` when asked; None: asyncio's default pool.
@@ -253,9 +256,10 @@ class JobManager:
 
     async def delete(self, job_id: str) -> None:
         job = self.get(job_id)
-        async with job.lock:
+        async with self._turn(job):
             self._jobs.pop(job_id, None)
             await self._in_engine_thread(job.engine.close)  # a multi-rank engine is freed on every rank
+        self.share_of(job).forget(job_id)
 
     # ------------------------------------------------------------ data
 
@@ -276,8 +280,37 @@ class JobManager:
 
     # ------------------------------------------------------------ engine work
 
+    def share_of(self, job: Job) -> FairShare:
+        """The turns of the jobs on ``job``'s base: torch-engine jobs on one base share it (and its turns);
+        any other job has a base, and turns, of its own."""
+        spec = job.spec
+        key = (("base", str(Path(spec.base_model_path).resolve()), spec.dtype, spec.device, spec.layer_devices)
+               if spec.engine == "torch" and not spec.full_finetune else ("job", job.job_id))
+        return self._shares.setdefault(key, FairShare())
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, job: Job) -> AsyncIterator[None]:
+        """The job's own lock (its calls one at a time), then its turn at its base (weighted fair share).
+        On the way out the lock goes first and the turn one loop iteration later: the job's next call, woken
+        by the lock, is then already waiting for the base, so the share weighs every job that has work."""
+        await job.lock.acquire()
+        turn = self.share_of(job).turn(job.job_id, job.spec.share)
+        try:
+            await turn.__aenter__()
+        except BaseException:
+            job.lock.release()
+            raise
+        try:
+            yield
+        finally:
+            job.lock.release()
+            try:
+                await asyncio.sleep(0)
+            finally:
+                await turn.__aexit__(None, None, None)
+
     async def _run(self, job: Job, fn: Callable[..., T], *args: Any) -> T:
-        async with job.lock:
+        async with self._turn(job):
             return await self._in_engine_thread(fn, *args)
 
     async def _trained(self, job: Job, fn: Callable[..., Any], *args: Any) -> Any:
@@ -298,7 +331,7 @@ class JobManager:
         """One optimiser step on buffered (+ inline) trajectories; popped ones go back on failure."""
         job = self.get(job_id)
         extra = self._validated(job, inline, "trajectories")
-        async with job.lock:
+        async with self._turn(job):
             batch = job.buffer.pop_batch(max_trajectories)
             if not batch and not extra:
                 raise FailedPreconditionError(f"job {job_id!r} has no trajectories to train on; push some first")
@@ -317,7 +350,7 @@ class JobManager:
         batch = self._validated(job, records, "trajectories", loss)
         if not batch:
             raise InvalidArgumentError("trajectories", "is empty")
-        async with job.lock:
+        async with self._turn(job):
             if not (forward_only or logprobs):
                 return await self._trained(job, job.engine.forward_backward, batch, loss), []
             try:

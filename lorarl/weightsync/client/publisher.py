@@ -20,10 +20,13 @@ instead of being held whole in memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -47,6 +50,8 @@ from lorarl.weightsync.wire.payload import (
 )
 
 logger = logging.getLogger(__name__)
+#: How long one watch of a broadcast's round asks weight sync to hold its answer.
+ROUND_WATCH_S = 5.0
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 ADAPTER = common_pb2.SYNC_MODE_ADAPTER
@@ -142,6 +147,29 @@ class _Payload:
 
     def buckets(self) -> Iterator[PackedBucket]:
         return iter(self._kept) if self._kept is not None else pack(_pairs(self._source()), self._bucket_bytes)
+
+
+def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` on a daemon thread of its own, as a future of this loop. Unlike asyncio.to_thread, a call
+    given up on (a broadcast whose round failed) holds no executor slot and no shutdown: asyncio.run and the
+    service's exit would otherwise join it until its collective timeout."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(outcome: Any, failed: bool) -> None:
+        if not future.done():
+            (future.set_exception if failed else future.set_result)(outcome)
+
+    def run() -> None:
+        try:
+            outcome, failed = fn(*args), False
+        except BaseException as error:  # handed to the awaiting coroutine
+            outcome, failed = error, True
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome, failed)
+
+    threading.Thread(target=run, name=f"lorarl-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
 
 
 class WeightPublisher:
@@ -278,7 +306,7 @@ class WeightPublisher:
 
         async def broadcast() -> None:
             if result.receivers > 0:
-                await asyncio.to_thread(self._broadcast, accepted, sender_rank, payload)
+                await self._send_while_round_lives(accepted, sender_rank, payload)
                 result.timings["send_s"] = time.perf_counter() - t0
 
         async def upload() -> None:
@@ -296,6 +324,37 @@ class WeightPublisher:
                       else repr(uploaded))
             code = uploaded.code() if isinstance(uploaded, grpc.aio.AioRpcError) else None
             raise PublishError(f"upload of {accepted.job_id} v{accepted.version} failed: {detail}", code) from uploaded
+
+    async def _send_while_round_lives(self, accepted: common_pb2.WeightManifest, sender_rank: int,
+                                      payload: _Payload) -> int:
+        """The broadcast, given up as soon as weight sync fails its round: a receiver that died before it joined
+        the rendezvous would otherwise hold the sender for the whole collective timeout (120 s by default)
+        while weight sync already knows the version failed. The abandoned send thread ends at that timeout on
+        its own (a daemon thread: nothing waits for it, at exit either); its group is never used again."""
+        sending = in_daemon_thread(self._broadcast, accepted, sender_rank, payload)
+        watching = asyncio.ensure_future(self._round_failure(accepted.job_id, accepted.version))
+        try:
+            done, _ = await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+        if sending in done:
+            return sending.result()
+        failure = watching.result() if not watching.cancelled() else "failed"
+        raise RuntimeError(f"weight sync failed the round before every receiver joined: {failure}")
+
+    async def _round_failure(self, job_id: str, version: int) -> str:
+        """Returns the version's failure once weight sync settles it as failed; never returns while it lives or
+        activates (the send then ends by itself)."""
+        while True:
+            try:
+                outcome = await await_outcome(self.stub, job_id, version, ROUND_WATCH_S)
+            except grpc.aio.AioRpcError:  # weight sync unreachable: the send's own timeout stays the bound
+                await asyncio.sleep(ROUND_WATCH_S)
+                continue
+            if outcome.outcome == weightsync_pb2.ACTIVATION_OUTCOME_FAILED:
+                return outcome.error or "failed"
+            if outcome.outcome == weightsync_pb2.ACTIVATION_OUTCOME_ACTIVE:
+                await asyncio.Event().wait()  # active: the send is about to end; nothing to watch
 
     def _broadcast(self, accepted: common_pb2.WeightManifest, sender_rank: int, payload: _Payload) -> int:
         c = accepted.transport.collective

@@ -166,6 +166,40 @@ def test_replica_dying_mid_transfer_fails_the_version_after_the_grace_period(tmp
     asyncio.run(scenario())
 
 
+def test_a_receiver_that_dies_before_joining_fails_the_send_when_weight_sync_fails_the_round(tmp_path: Path) -> None:
+    """A replica dead before it joined the rendezvous (its stream still open when the round started): weight sync
+    fails the version after its grace, and the sender gives up then, not at the collective timeout (120 s here,
+    the default). Found by bench/soak.py: a rollout SIGKILLed as a version went out held the trainer 120 s."""
+    async def scenario() -> None:
+        trainer = TinyTrainer()
+        settings = {"disconnect_grace_s": 1.0, "collective_timeout_s": 120}
+        async with running_service(tmp_path / "ws", **settings) as (running, _), WeightPublisher(
+                running.address, token=TOKEN, bucket_bytes=8 << 10) as pub:
+            await register(pub, trainer, "job", ADAPTER)
+            with replica_processes() as launch:
+                doomed = launch(running.address, "doomed", tmp_path)
+                await doomed.wait_for("subscribed", timeout=120)
+                trainer.step(1)
+                assert (await pub.publish("job", 1, adapter=trainer.adapter())).activation.ok
+
+                doomed.process.send_signal(signal.SIGSTOP)  # alive to weight sync, deaf to the round
+                trainer.step(2)
+                started = time.monotonic()
+                task = asyncio.create_task(pub.publish("job", 2, adapter=trainer.adapter(), timeout_s=60))
+
+                async def published() -> bool:
+                    return (await pub.status("job")).jobs[0].latest_version == 2
+
+                await eventually(published, 30, "v2 published")
+                doomed.process.send_signal(signal.SIGKILL)
+                result = await asyncio.wait_for(task, 60)
+                assert time.monotonic() - started < 30, time.monotonic() - started
+                assert result.activation.outcome_name == "failed" and "doomed" in result.activation.failed_replicas
+                assert "weight sync failed the round" in result.send_error, result.send_error
+
+    asyncio.run(scenario())
+
+
 def test_rollout_replica_restart_gets_the_current_policy_before_serving(tmp_path: Path) -> None:
     async def scenario() -> None:
         trainer = TinyTrainer()

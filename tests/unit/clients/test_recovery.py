@@ -173,3 +173,28 @@ def test_the_loop_gives_up_when_the_budget_is_spent(monkeypatch) -> None:
     monkeypatch.setattr(recovery, "BACKOFF_MIN_S", 0.01)
     with pytest.raises(RecoveryExhaustedError, match=r"after 2 recoveries.*Generate failed with UNAVAILABLE"):
         flaky_loop(Flaky(fail_at=2, times=100), "sync", max_recoveries=2)
+
+
+def test_a_run_healthy_for_healthy_steps_starts_its_fault_count_and_pause_again() -> None:
+    from lorarl.client.rl.recovery import RecoveryBudget, RecoveryExhaustedError
+
+    budget = RecoveryBudget(max_recoveries=3, wait_s=1.0, healthy_steps=20)
+    pauses = [budget.spend(RuntimeError("x")) for _ in range(3)]
+    assert pauses == sorted(pauses) and pauses[0] < pauses[-1]  # a growing pause
+    budget.recovered(100)
+    assert not budget.progress(119) and budget.used == 3  # not yet healthy
+    assert budget.progress(120) and budget.used == 0
+    assert budget.spend(RuntimeError("y")) == pauses[0]  # the pause starts over too
+    # a fault every few steps still ends the run
+    budget.recovered(121)
+    for step in (122, 125):
+        assert not budget.progress(step)
+        budget.spend(RuntimeError("z"))
+        budget.recovered(step)
+    with pytest.raises(RecoveryExhaustedError):
+        budget.spend(RuntimeError("again"))
+    # healthy_steps 0: the count is for the whole run
+    whole = RecoveryBudget(max_recoveries=2, wait_s=1.0)
+    whole.spend(RuntimeError("a"))
+    whole.recovered(0)
+    assert not whole.progress(10_000) and whole.used == 1

@@ -112,3 +112,30 @@ def test_a_different_dtype_or_a_full_fine_tune_gets_a_base_of_its_own(dense_dir:
     for engine in (fp32, bf16, full):
         engine.close()
     assert len(bases) == 0
+
+
+def test_jobs_on_one_base_get_compute_turns_in_proportion_to_their_shares(dense_dir: Path) -> None:
+    """Two jobs on one base, share 3 and 1, each with calls always waiting: while both wait, the first takes
+    about three turns for each of the second's (JobManager's weighted fair share at the base)."""
+    import asyncio
+
+    from lorarl.trainer.service.jobs import JobManager
+
+    async def main() -> list[str]:
+        manager = JobManager()
+        for job_id, share in (("heavy", 3.0), ("light", 1.0)):
+            await manager.create(job_id, make_spec(dense_dir, lora=B_LORA, share=share))
+        batch = synthetic_batch(seed=1, groups=4, group_size=4)
+        done: list[str] = []
+
+        async def caller(job_id: str, calls: int) -> None:
+            for _ in range(calls):
+                await manager.compute_logprobs(job_id, batch, reference=False)
+                done.append(job_id)
+
+        await asyncio.gather(*(caller(job_id, 8) for job_id in ("heavy", "light") for _ in range(3)))
+        return done
+
+    done = asyncio.run(main())
+    first = done[:20]  # both have calls waiting throughout: about 15 of heavy's to 5 of light's
+    assert 13 <= first.count("heavy") <= 17, done

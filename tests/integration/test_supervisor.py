@@ -1,0 +1,48 @@
+"""`lorarl run`'s supervisor: a service that exits is restarted at most recovery.restarts times in a row, and
+one that then stays up HEALTHY_UPTIME_S starts that count again (a run that meets a restart now and then, for
+days, keeps its services; a crash loop still ends it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from lorarl.client.launch import local
+from lorarl.client.launch.local import LocalStack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_service_that_stays_up_starts_its_restart_count_again(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(local, "HEALTHY_UPTIME_S", 3.0)
+    monkeypatch.setattr(local, "RESTART_PAUSE_MIN_S", 0.1)
+    stack = LocalStack(tmp_path, {"weightsync": {"storage_dir": str(tmp_path / "store")}}, services=("weightsync",))
+    with stack:
+        stack.supervise(restarts=1)
+        for kill in range(2):  # two kills: with one restart allowed in a row, the second needs the reset
+            first = stack.processes["weightsync"]
+            os.kill(first.process.pid, signal.SIGKILL)
+            wait_until(lambda first=first: stack.processes["weightsync"] is not first or stack.failure is not None,
+                       120, f"restart {kill + 1}")
+            assert stack.failure is None, stack.failure
+            assert stack.processes["weightsync"].restarts == 1
+            wait_until(lambda: stack.processes["weightsync"].restarts == 0, 30, "the count starting again")
+        # without the uptime, a second exit in a row ends the run
+        monkeypatch.setattr(local, "HEALTHY_UPTIME_S", 3600.0)
+        first = stack.processes["weightsync"]
+        os.kill(first.process.pid, signal.SIGKILL)
+        wait_until(lambda: stack.processes["weightsync"] is not first, 120, "restart 3")
+        os.kill(stack.processes["weightsync"].process.pid, signal.SIGKILL)
+        wait_until(lambda: stack.failure is not None, 60, "the run failing")
+        assert "restarted 1 times" in str(stack.failure)
