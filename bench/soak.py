@@ -56,6 +56,8 @@ def sample(out: Path, step: int) -> list[Sample]:
             pid = target_pid(out, name)
             proc = psutil.Process(pid)
             with proc.oneshot():
+                if proc.status() == psutil.STATUS_ZOMBIE or not proc.memory_info().rss:
+                    continue  # killed and not yet reaped: not a sample of a living process
                 found.append(Sample(name, pid, step, proc.memory_info().rss / MIB, proc.num_fds(), proc.num_threads()))
     return found
 
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     kills = [Kill(TARGETS[i % len(TARGETS)], at) for i, at in
              enumerate(range(args.restart_every, args.steps, args.restart_every))]
     overrides = [f"loop.steps={args.steps}", f"loop.eval_every={max(args.steps // 4, 1)}", "data.eval_size=50",
-                 "loop.checkpoint_every=50", "loop.keep_checkpoints=3", f"recovery.restarts={len(kills) + 1}",
-                 "output.tensorboard=false", "output.progress=false"]
+                 "loop.checkpoint_every=50", "loop.keep_checkpoints=3", "output.tensorboard=false",
+                 "output.progress=false"]  # recovery.* at their defaults: they must carry a run through days
     result: list[FaultRun] = []
     runner = threading.Thread(target=lambda: result.append(run_with_faults(out, kills, overrides,
                                                                            timeout_s=args.steps * 10 + 600)))
