@@ -1,4 +1,5 @@
-"""One glibc malloc arena for a process whose threads take turns on big allocations (a trainer with several jobs).
+"""glibc malloc settings at run time: one arena for a process whose threads take turns on big allocations (a
+trainer with several jobs), and freed heap handed back to the system (a long-lived engine process).
 
 glibc gives each thread that allocates its own arena and keeps what a thread frees in that thread's
 arena, so a trainer whose jobs run on several engine threads holds one activation-sized high-water mark
@@ -33,3 +34,19 @@ def limit_malloc_arenas(count: int = 1) -> bool:
     if not ok:
         logger.debug("mallopt(M_ARENA_MAX, %d) refused", count)
     return ok
+
+
+def trim_malloc() -> bool:
+    """Hands the free memory of every glibc arena back to the system (``malloc_trim(0)``); True when some was.
+    A vLLM engine core that loads an adapter every step keeps the heap its freed blocks leave between live ones:
+    bench/soak.py saw its resident set creep ~0.3 MiB a step for hundreds of steps. Trimming after each load
+    keeps it flat at a cost of milliseconds, where a fixed $MALLOC_MMAP_THRESHOLD_ made every step 13% slower."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(malloc_trim(0))

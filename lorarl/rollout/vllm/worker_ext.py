@@ -321,7 +321,14 @@ class LorarlWorkerExtension:
         return True
 
     def lorarl_drop_adapter(self, lora_int_id: int) -> bool:
-        return _ADAPTERS.pop(lora_int_id, None) is not None
+        """Forgets an unloaded adapter's bytes, and hands the heap they and its LoRA tensors held back to the
+        system (lorarl.common.malloc_arenas.trim_malloc): the engine core's memory stays flat version after
+        version."""
+        from lorarl.common.malloc_arenas import trim_malloc
+
+        dropped = _ADAPTERS.pop(lora_int_id, None) is not None
+        trim_malloc()
+        return dropped
 
     def lorarl_put_weights(self, token: str, blob: bytes) -> int:
         """Adds one blob of merged weights to a staging area; returns the blobs staged so far."""
