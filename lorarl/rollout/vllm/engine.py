@@ -246,8 +246,6 @@ class VllmEngine:
             s.receive_in_worker == "auto" and not current_platform.is_cpu())
         if current_platform.is_cpu():
             await self._llm.collective_rpc("lorarl_install_cpu_fixes")
-            touched = sum(await self._llm.collective_rpc("lorarl_touch_kv_cache"))
-            logger.info("KV cache resident from the start: %.2f GiB", touched / 2**30)
         if current_platform.device_type == "npu":
             npu = (await self._llm.collective_rpc("lorarl_install_npu_fixes"))[0]
             logger.info("NPU worker: merged weights reload the %s way; %d expert weight loaders restored",

@@ -181,25 +181,6 @@ class LorarlWorkerExtension:
             _set_lean_lora(wrapper, lean_lora)
         return True
 
-    def lorarl_touch_kv_cache(self) -> int:
-        """Writes every page of this worker's KV cache once; returns its bytes. On CPU vLLM allocates the cache
-        untouched, so its pages become resident only as the block allocator first reaches them, over hours of
-        serving: the process grew by the whole cache in bench/soak.py (+1 GiB over 1,000 demo steps). Touched at
-        start, the process holds from the first minute what it will hold, and a machine without room for it
-        fails then, not hours later."""
-        def tensors(value: Any) -> Iterator[Any]:
-            if hasattr(value, "zero_"):
-                yield value
-            elif isinstance(value, list | tuple):
-                for item in value:
-                    yield from tensors(item)
-
-        touched = 0
-        for tensor in tensors(getattr(self.model_runner, "kv_caches", [])):  # type: ignore[attr-defined]
-            tensor.zero_()
-            touched += tensor.numel() * tensor.element_size()
-        return touched
-
     def lorarl_install_npu_fixes(self) -> dict[str, Any]:
         """At NPU worker start (lorarl/rollout/vllm/npu_fixes.py): expert parameters keep their loaders
         before the first reload. Returns the reload way this worker takes and how many loaders came back."""
