@@ -1,7 +1,7 @@
 """Hours, not minutes: the default (async) demo for --steps steps with one service SIGKILLed every --restart-every
 steps (trainer, rollout, vLLM engine core, weight sync in turn), every service process sampled as it runs.
 
-    python bench/soak.py                                   # 1,000 steps, a kill per 200 (about 6 minutes here)
+    python bench/soak.py                                   # 1,000 steps, a kill per 100 (about 6 minutes here)
     python bench/soak.py --quick                           # 60 steps, a kill per 20, nothing written
 
 Per service it reports resident memory, open files and threads over the run, and their slope per 1,000 steps
@@ -111,7 +111,7 @@ def disk(out: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--restart-every", type=int, default=200)
+    parser.add_argument("--restart-every", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=80, help="steps of each process's life left out of its fit "
                                                                "(the engine core fills its LoRA slots and heap in ~80)")
     parser.add_argument("--sample-s", type=float, default=2.0)

@@ -180,7 +180,7 @@ class MegatronConfig(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., expert_parallel_size: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "config", "version", "step", "buffered_trajectories", "base_model_fingerprint", "trainable_parameters", "total_parameters", "base_bytes", "base_jobs", "job_bytes", "trained_tokens", "tokens_per_second")
+    __slots__ = ("job_id", "config", "version", "step", "buffered_trajectories", "base_model_fingerprint", "trainable_parameters", "total_parameters", "base_bytes", "base_jobs", "job_bytes", "trained_tokens", "tokens_per_second", "base_turns", "base_wait_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,8 @@ class JobStatus(_message.Message):
     JOB_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BASE_TURNS_FIELD_NUMBER: _ClassVar[int]
+    BASE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     config: JobConfig
     version: int
@@ -207,7 +209,9 @@ class JobStatus(_message.Message):
     job_bytes: int
     trained_tokens: float
     tokens_per_second: float
-    def __init__(self, job_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., buffered_trajectories: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., trainable_parameters: _Optional[int] = ..., total_parameters: _Optional[int] = ..., base_bytes: _Optional[int] = ..., base_jobs: _Optional[int] = ..., job_bytes: _Optional[int] = ..., trained_tokens: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    base_turns: int
+    base_wait_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., buffered_trajectories: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., trainable_parameters: _Optional[int] = ..., total_parameters: _Optional[int] = ..., base_bytes: _Optional[int] = ..., base_jobs: _Optional[int] = ..., job_bytes: _Optional[int] = ..., trained_tokens: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., base_turns: _Optional[int] = ..., base_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
     __slots__ = ("job_id", "config", "attach")

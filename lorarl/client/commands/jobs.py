@@ -13,7 +13,8 @@ from lorarl.client.calls import client_token
 from lorarl.client.commands.run import add_token_file, client_tls
 from lorarl.common.config import ConfigError
 
-COLUMNS = ("job", "base", "rank", "version", "step", "buffered", "tokens/s", "job memory", "base memory (shared by)")
+COLUMNS = ("job", "base", "rank", "version", "step", "buffered", "tokens/s", "share", "waited s", "job memory",
+           "base memory (shared by)")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -31,13 +32,15 @@ def mib(n: int) -> str:
 def rows(jobs: list) -> list[dict[str, Any]]:
     return [{"job": j.job_id, "base": j.config.base_model_path, "rank": j.config.lora.rank, "version": j.version,
              "step": j.step, "buffered": j.buffered_trajectories, "trained_tokens": j.trained_tokens,
-             "tokens_per_second": round(j.tokens_per_second, 1), "job_bytes": j.job_bytes,
+             "tokens_per_second": round(j.tokens_per_second, 1), "share": j.config.share or 1.0,
+             "base_turns": j.base_turns, "base_wait_seconds": round(j.base_wait_seconds, 1), "job_bytes": j.job_bytes,
              "base_bytes": j.base_bytes, "base_jobs": j.base_jobs} for j in jobs]
 
 
 def table(found: list[dict[str, Any]]) -> list[str]:
     cells = [COLUMNS] + [(r["job"], r["base"], str(r["rank"]), str(r["version"]), str(r["step"]), str(r["buffered"]),
-                          f"{r['tokens_per_second']:,.1f}", mib(r["job_bytes"]),
+                          f"{r['tokens_per_second']:,.1f}", f"{r['share']:g}", f"{r['base_wait_seconds']:,.1f}",
+                          mib(r["job_bytes"]),
                           f"{mib(r['base_bytes'])} ({r['base_jobs']})") for r in found]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]

@@ -101,6 +101,13 @@ class PolicyGuard:
             try:
                 response = await stub.Generate(request)
             except ServiceCallError as e:
+                if e.code == grpc.StatusCode.NOT_FOUND:
+                    # it does not serve this version (yet): a replica that has not caught up after weight sync
+                    # restarted, when the version went live on no replicas. Nothing it serves is wrong; its
+                    # requests for the version fall back to the job's latest (lorarl.client.workflow.context)
+                    logger.info("policy guard: replica %s does not serve %s v%d; not probed (%s)", name, job_id,
+                                version, e.details)
+                    continue
                 if e.code != grpc.StatusCode.FAILED_PRECONDITION or "prompt_logprobs" not in e.details:
                     raise
                 self.unserved = e.details

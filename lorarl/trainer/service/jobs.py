@@ -78,6 +78,8 @@ class Job:
     #: The last pass's rollout-vs-trainer monitor (lorarl.trainer.rl.correction): KL k3, masked token fraction.
     rollout_kl_k3: float = 0.0
     rollout_masked_token_fraction: float = 0.0
+    #: The turns of the jobs on its base (JobManager.share_of): its own turns and waits are counted there.
+    turns: FairShare | None = None
 
     def count(self, metrics: Metrics, seconds: float) -> Metrics:
         self.trained_tokens += float(metrics.get("tokens", 0.0))
@@ -247,6 +249,7 @@ class JobManager:
             freeze_long_lived()  # the model lives as long as the job: keep full collections off it
             job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits, spec.loss, routes,
                                                              FingerprintRule(action=spec.fingerprint_check)))
+            job.turns = self.share_of(job)
             self._jobs[job_id] = job
             logger.info("job %s: created on base %s, resident once for %d job(s); its own adapter %.1f MiB",
                         job_id, spec.base_model_path, base_jobs, adapter_bytes / 2**20)

@@ -48,6 +48,8 @@ def job_status(job: Job) -> trainer_pb2.JobStatus:
         trainable_parameters=engine.trainable_parameters, total_parameters=engine.total_parameters,
         base_bytes=base_bytes, base_jobs=base_jobs, job_bytes=job_bytes, trained_tokens=job.trained_tokens,
         tokens_per_second=job.tokens_per_second,
+        base_turns=job.turns.turns.get(job.job_id, 0) if job.turns else 0,
+        base_wait_seconds=job.turns.waited.get(job.job_id, 0.0) if job.turns else 0.0,
     )
 
 

@@ -340,7 +340,7 @@ class WeightPublisher:
         if sending in done:
             return sending.result()
         failure = watching.result() if not watching.cancelled() else "failed"
-        raise RuntimeError(f"weight sync failed the round before every receiver joined: {failure}")
+        raise RuntimeError(f"weight sync failed the round while this send was under way: {failure}")
 
     async def _round_failure(self, job_id: str, version: int) -> str:
         """Returns the version's failure once weight sync settles it as failed; never returns while it lives or

@@ -283,6 +283,8 @@ def test_two_jobs_on_one_base_share_it_over_grpc(tmp_path: Path, model_dir: Path
         assert lines[0].split()[:3] == ["job", "base", "rank"] and len(lines) == 3
         assert lines[2].split()[:5] == ["two", str(model_dir), "8", "1", "1"] and lines[2].endswith("(2)")
         assert float(lines[2].split()[6].replace(",", "")) > 0 and lines[1].split()[6] == "0.0"  # tokens/s
+        assert lines[2].split()[7] == "1" and float(lines[2].split()[8]) >= 0  # share, seconds waited for turns
+        assert statuses["two"].base_turns >= 1 and statuses["one"].base_turns == 0
         await stub.DeleteJob(trainer_pb2.DeleteJobRequest(job_id="two"))
         left = await stub.GetJob(trainer_pb2.GetJobRequest(job_id="one"))
         assert left.job.base_jobs == 1 and left.job.base_bytes == one.job.base_bytes

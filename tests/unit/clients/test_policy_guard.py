@@ -95,3 +95,20 @@ def test_a_replica_that_serves_no_prompt_logprobs_turns_the_guard_off_once(caplo
     with caplog.at_level(logging.WARNING):
         assert run(guard, [("r0", HfReplica())]) == []
     assert "policy guard off" in caplog.text and not guard.due(4)  # said once, then not asked again
+
+
+def test_a_replica_that_does_not_serve_the_version_yet_is_not_probed_and_the_others_are() -> None:
+    """A version that went live while a replica was away (weight sync restarted; the replica has not caught up):
+    NOT_FOUND is no wrong weights, so that replica is left out of the check, not the run ended."""
+    import grpc
+
+    from lorarl.client.calls import ServiceCallError
+
+    class Behind:
+        async def Generate(self, request):  # noqa: N802
+            raise ServiceCallError("rollout", "", "Generate", grpc.StatusCode.NOT_FOUND,
+                                   "job v2 is not loaded (servable versions: [1])")
+
+    guard = PolicyGuard(PolicyGuardSection(), PROBE)
+    [verdict] = run(guard, [("behind", Behind()), ("r1", Replica(POLICY))])
+    assert verdict.replica == "r1" and guard.metrics()["policy/guard_alarm"] == 0.0
