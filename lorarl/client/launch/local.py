@@ -174,8 +174,8 @@ class LocalStack(Stack):
             launches.append((name, section, name, ports.get(name, 0)))
         spawned = [self._spawn(name, section, service, port) for name, section, service, port in launches]
         try:
-            for name, process in zip([launch[0] for launch in launches], spawned, strict=True):
-                self.processes[name] = self._await_ready(process)
+            for process in spawned:
+                self.processes[process.name] = self._await_ready(process)
         except BaseException:
             for process in spawned:
                 if process.name not in self.processes:

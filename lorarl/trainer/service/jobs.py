@@ -131,7 +131,7 @@ class JobManager:
         self.engine_factory = functools.partial(create_engine, bases=self.bases) \
             if engine_factory is create_engine else engine_factory
         self._jobs: dict[str, Job] = {}
-        self._shares: dict[tuple[Any, ...], FairShare] = {}  # per resident base: its jobs' turns
+        self._shares: dict[Any, FairShare] = {}  # per resident base (or job): its jobs' turns
         self._creating: set[str] = set()
         self._arenas_capped = False
         # Engine work runs on these threads, at `compute_nice` when asked; None: asyncio's default pool.
@@ -262,7 +262,7 @@ class JobManager:
         async with self._turn(job):
             self._jobs.pop(job_id, None)
             await self._in_engine_thread(job.engine.close)  # a multi-rank engine is freed on every rank
-        self.share_of(job).forget(job_id)
+        (job.turns or self.share_of(job)).forget(job_id)
 
     # ------------------------------------------------------------ data
 
@@ -284,11 +284,13 @@ class JobManager:
     # ------------------------------------------------------------ engine work
 
     def share_of(self, job: Job) -> FairShare:
-        """The turns of the jobs on ``job``'s base: torch-engine jobs on one base share it (and its turns);
-        any other job has a base, and turns, of its own."""
+        """The turns of the jobs on ``job``'s base: torch-engine jobs on one base (shared_base.BaseKey) share
+        it and its turns; any other job has a base, and turns, of its own. Looked up once, at creation
+        (``job.turns``)."""
+        from lorarl.trainer.engines.shared_base import BaseKey
+
         spec = job.spec
-        key = (("base", str(Path(spec.base_model_path).resolve()), spec.dtype, spec.device, spec.layer_devices)
-               if spec.engine == "torch" and not spec.full_finetune else ("job", job.job_id))
+        key = BaseKey.of(spec) if spec.engine == "torch" and not spec.full_finetune else job.job_id
         return self._shares.setdefault(key, FairShare())
 
     @contextlib.asynccontextmanager
@@ -297,7 +299,7 @@ class JobManager:
         On the way out the lock goes first and the turn one loop iteration later: the job's next call, woken
         by the lock, is then already waiting for the base, so the share weighs every job that has work."""
         await job.lock.acquire()
-        turn = self.share_of(job).turn(job.job_id, job.spec.share)
+        turn = (job.turns or self.share_of(job)).turn(job.job_id, job.spec.share)
         try:
             await turn.__aenter__()
         except BaseException:
