@@ -31,6 +31,7 @@ from lorarl.client.rl.guard import PolicyGuard, Probe
 from lorarl.client.rl.mismatch import MismatchAlarm
 from lorarl.client.rl.recovery import ActivationFailedError, RecoveryBudget, recoverable
 from lorarl.client.workflow import Episode, Workflow, load_workflow
+from lorarl.client.workflow.agent_http import AgentHttp
 from lorarl.client.workflow.coalesce import CoalescingRollout
 from lorarl.client.workflow.context import RolloutContext, SamplingDefaults
 from lorarl.contract import staleness, versions
@@ -118,6 +119,7 @@ class RLLoop:
         self.cfg, self.trainer, self.rollout = cfg, trainer, rollout
         self.sampler = CoalescingRollout(rollout)  # what episodes sample through
         self.openai_urls, self.token = openai_urls or (lambda: []), token
+        self.http = AgentHttp()  # every episode's agent calls share one connection pool
         d = cfg.data
         self._owns_reward = not isinstance(reward, Reward)
         self.reward = reward if isinstance(reward, Reward) else Reward(reward, d.reward_errors, d.reward,
@@ -170,7 +172,7 @@ class RLLoop:
         return RolloutContext(self.sampler, self.cfg.job_id, version, self.renderer, self.reward, sampling,
                               1 if evaluating else r.group_size, seed=seed, request_id=request_id,
                               evaluating=evaluating, batch=batch, openai_url=self._openai_url(episode),
-                              token=self.token)
+                              token=self.token, http=self.http)
 
     def _openai_url(self, episode: int) -> str:
         """The endpoint an episode's agent talks to: one replica for its whole life (sessions live there)."""
@@ -346,6 +348,7 @@ class RLLoop:
         try:
             return await self._run()
         finally:
+            await self.http.aclose()
             if self._owns_reward:
                 self.reward.close()
 

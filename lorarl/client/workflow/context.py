@@ -22,6 +22,7 @@ import grpc
 from lorarl.client.calls import ServiceCallError
 from lorarl.client.job.datasets import Example
 from lorarl.client.job.rewards import Reward
+from lorarl.client.workflow.agent_http import AgentHttp
 from lorarl.client.workflow.api import Episode, EpisodeContext, Sampled
 from lorarl.client.workflow.coalesce import CoalescingRollout
 from lorarl.client.workflow.sessions import session_episodes
@@ -47,12 +48,14 @@ class RolloutContext(EpisodeContext):
 
     def __init__(self, rollout: Any, job_id: str, version: int, renderer: ChatRenderer, reward: Reward,
                  sampling: SamplingDefaults, group_size: int, *, seed: int, request_id: str,
-                 evaluating: bool = False, batch: str = "", openai_url: str = "", token: str | None = None) -> None:
+                 evaluating: bool = False, batch: str = "", openai_url: str = "", token: str | None = None,
+                 http: AgentHttp | None = None) -> None:
         self.rollout, self.job_id, self.version = rollout, job_id, version
         self.renderer, self.reward, self.sampling = renderer, reward, sampling
         self.group_size, self.evaluating = group_size, evaluating
         self.seed, self.request_id, self.batch = seed, request_id, batch
         self.openai_url, self.token = openai_url, token
+        self.http = http or AgentHttp()  # the loop passes its own, shared by all its episodes
         self._nonce = uuid.uuid4().hex[:8]
         self.calls = 0  # samples asked for; each gets its own seed and request id
         self.unpinned = 0  # samples served by a later version than the pinned one
@@ -124,24 +127,23 @@ class RolloutContext(EpisodeContext):
         import openai
 
         headers = {"X-Session-Id": self.session_id, **kwargs.pop("default_headers", {})}
+        kwargs.setdefault("http_client", self.http.client())
         return openai.AsyncOpenAI(base_url=self.openai_url, api_key=self.token or "none", default_headers=headers,
                                   **kwargs)
 
     async def session_episodes(self, forget: bool = True) -> list[Episode]:
         """What the agent sampled in this episode's session, as trajectories (the environment's tokens masked);
         ``forget``: the replica drops the session once read."""
-        import httpx
-
         url = f"{self.openai_url}/sessions/{self.session_id}"
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        async with httpx.AsyncClient(timeout=60) as http:
-            reply = await http.get(url, headers=headers)
-            if reply.status_code == 404:
-                return []
-            reply.raise_for_status()
-            turns = reply.json()["turns"]
-            if forget:
-                await http.delete(url, headers=headers)
+        http = self.http.client()
+        reply = await http.get(url, headers=headers, timeout=60)
+        if reply.status_code == 404:
+            return []
+        reply.raise_for_status()
+        turns = reply.json()["turns"]
+        if forget:
+            await http.delete(url, headers=headers, timeout=60)
         return session_episodes(turns)
 
     def render(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
