@@ -16,6 +16,7 @@ from typing import Any, Literal
 from lorarl.client.job.datasets import SOURCES
 from lorarl.client.job.rewards import REWARD_ERRORS
 from lorarl.common.config import ConfigError, all_of, in_range, multiple_of, setting
+from lorarl.contract import staleness
 from lorarl.contract.errors import SpecError
 from lorarl.contract.lora import (
     ALL_LINEAR,
@@ -406,6 +407,11 @@ class JobFileConfig:
                                   f"{self.rollout.replicas} x {self.rollout.tensor_parallel_size}) but "
                                   f"placement has {self.placement.nodes} x {self.placement.devices_per_node} = {have}")
 
+
+    @property
+    def serving_max_loras(self) -> int:
+        """Adapters each replica holds: as set, but never fewer than the job's window of versions in flight + 1."""
+        return max(self.rollout.max_loras, staleness.adapter_window(self.loop.max_staleness) + 1)
 
     @property
     def serving_lora_rank(self) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.job.config import records_routes
+from lorarl.client.job.process_memory import ProcessPlan, process_plans
 from lorarl.client.job.step_time import IMBALANCE, StepTime, estimate
 from lorarl.contract.routes import bytes_per_token as routes_bytes_per_token
 from lorarl.trainer.engines.memory import StepMemory, needs_checkpointing, stage_sizes, step_memory
@@ -368,6 +369,7 @@ def print_plan(cfg) -> int:
     print(f"weight sync: {mode}; per version {human_bytes(n['lora'] * ADAPTER_BYTES)} (adapter, fp32) vs "
           f"{human_bytes(base_bytes)} (merged)")
     print(f"rollout LoRA: {rollout_lora}")
+    _print_processes(cfg)
     if n["experts"]:
         print(f"routing replay (R3): {routing_replay_line(cfg, shape, n['experts'], trainer.sequence_tokens)}")
     if sequences < 1:
@@ -391,6 +393,34 @@ def print_plan(cfg) -> int:
         if device_memory:
             return _check_fit(trainer, rollout_base + kv, device_memory)
     return 0
+
+
+def service_plans(cfg) -> list[ProcessPlan] | None:
+    """Each service process's planned peak resident memory (lorarl.client.job.process_memory); None where it is
+    not planned (a run on accelerators, or without vLLM)."""
+    if cfg.trainer.device.split(":", 1)[0] != "cpu" or cfg.rollout.engine != "vllm" or cfg.placement.devices_per_node:
+        return None
+    shape = model_shape(cfg)
+    n = count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)
+    trainer = trainer_memory(cfg, shape, n, None)
+    mode, rollout_lora = sync_choice(cfg, shape, is_moe=bool(n["experts"]))
+    serving = count(shape, cfg.serving_lora_rank, cfg.trainer.lora.expert_mode)["lora"]
+    return process_plans(cfg, shape, n, serving, trainer.total, n["base"] * (2 if cfg.model.dtype == "bfloat16" else 4),
+                         cfg.rollout.kv_cache_gib * GIB, lora_on=rollout_lora.startswith("on"),
+                         merged=mode.startswith("merged"))
+
+
+def _print_processes(cfg) -> None:
+    plans = service_plans(cfg)
+    if plans is None:
+        print("processes: host memory per process is planned for CPU runs with vLLM only (the device plan above "
+              "holds the accelerators; host memory of a GPU or NPU run was not measured)")
+        return
+    print(f"processes (peak resident memory, as `lorarl run` starts them; {human_bytes(sum(p.total for p in plans))} "
+          "together if every peak met):")
+    for plan in plans:
+        parts = " + ".join(f"{k} {human_bytes(v)}" for k, v in plan.parts.items())
+        print(f"  {plan.name}: {human_bytes(plan.total)} ({parts})")
 
 
 def _print_step_time(t: StepTime, cfg) -> None:

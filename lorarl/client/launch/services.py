@@ -47,7 +47,7 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     "dtype": cfg.rollout.dtype or cfg.model.dtype,
                     **({"record_routes": True} if records_routes(cfg) else {}),
                     "kv_cache_gib": cfg.rollout.kv_cache_gib, "max_lora_rank": cfg.serving_lora_rank,
-                    "max_loras": max(cfg.rollout.max_loras, window + 1), "adapter_window": window,
+                    "max_loras": cfg.serving_max_loras, "adapter_window": window,
                     "replica_id": "rollout-0",
                     "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
                     **({"openai_port": 0} if cfg.rollout.openai else {}),

@@ -1,0 +1,202 @@
+"""The memory plan against the real service processes (#29 item 3): `lorarl run`'s own stack, at real shapes.
+
+Per setting, a random-init model with real layer shapes (Qwen3-0.6B or Qwen3-1.7B, 2-4 layers, the full
+151,936-token vocabulary, fp32; lorarl.assets.models.build_random_model) runs the demo job through
+bench/lorarl_job.py (the three services started as `lorarl run` starts them, vLLM on CPU, rank-32 LoRA),
+two steps, sync or async, with completions of 512-4,096 tokens (a random policy rarely samples EOS, so they run
+to max_tokens). Every service process and its children are sampled every 0.25 s (resident set over time) and
+each one's peak (VmHWM, so no peak falls between samples) is set beside what `lorarl run --dry-run` plans for
+it (lorarl.client.job.plan.service_plans). A row passes within ±20%.
+
+    .venv/bin/python bench/service_memory.py            # five settings, ~25 minutes on 2 cores
+    .venv/bin/python bench/service_memory.py --settings 0.6b:2:512:4x4:sync --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The whole system: it runs `lorarl run`'s stack (bench/results.py's stale check).
+MEASURES = ("lorarl",)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+HEADING = "## Service processes: memory plan vs measured"
+GIB = 1 << 30
+TOLERANCE = 0.20
+#: shape:layers:completion:prompts x group:mode
+FULL = ["0.6b:2:512:4x4:sync", "0.6b:2:512:4x4:async", "0.6b:4:4096:1x2:sync", "1.7b:2:512:2x4:sync",
+        "1.7b:2:2048:1x2:async"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    shape: str
+    layers: int
+    completion: int
+    prompts: int
+    group: int
+    mode: str
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        shape, layers, completion, batch, mode = text.split(":")
+        prompts, group = (int(v) for v in batch.split("x"))
+        return cls(f"qwen3-{shape}", int(layers), int(completion), prompts, group, mode)
+
+    def __str__(self) -> str:
+        return (f"{self.shape} x {self.layers}, {self.completion} tokens, {self.prompts} x {self.group}, "
+                f"{self.mode}")
+
+
+def peak_gib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+class Sampler:
+    """Resident set of every service process and its children, every ``period_s``, until stopped."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self.period_s, self.stack = period_s, None
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        started = time.monotonic()
+        while not self._stop.wait(self.period_s):
+            if self.stack is None:
+                continue
+            for name, svc in list(self.stack.processes.items()):
+                try:
+                    for key, pid in named_processes(name, svc.process.pid):
+                        self.samples.setdefault(key, []).append(
+                            (time.monotonic() - started, psutil.Process(pid).memory_info().rss / GIB))
+                except psutil.Error:
+                    pass
+
+
+def named_processes(service: str, pid: int) -> list[tuple[str, int]]:
+    """(the plan's name, pid) for a service's process and its vLLM engine core; other children (a compiler
+    vLLM runs once, multiprocessing's resource tracker) are not planned."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    own = f"{service}-0" if service == "rollout" else service
+    found = [(own, pid)]
+    for child in parent.children(recursive=True):
+        if child.name().startswith("VLLM::EngineCor"):
+            found.append((f"{own} engine core", child.pid))
+    return found
+
+
+def run_setting(setting: Setting, tmp: Path) -> list[tuple[str, float, float, float]]:
+    """(process, planned GiB, measured peak GiB, last sampled GiB) per process of one run."""
+    import torch
+
+    import lorarl.client.launch.services as services
+    from bench.lorarl_job import run_job
+    from lorarl.assets.models import build_random_model
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.job.plan import service_plans
+
+    model = tmp / f"{setting.shape}-{setting.layers}"
+    if not model.exists():
+        build_random_model(setting.shape, model, num_layers=setting.layers, dtype=torch.float32)
+    out = tmp / f"run-{setting.shape}-{setting.layers}-{setting.completion}-{setting.mode}"
+    cfg = load_job_config(str(ROOT / "examples/demo.yaml"), [
+        f"model.path={model}", f"loop.mode={setting.mode}", "loop.steps=2",
+        f"loop.prompts_per_step={setting.prompts}", "loop.eval_every=0", "data.eval_size=1",
+        f"rollout.group_size={setting.group}", f"rollout.max_tokens={setting.completion}",
+        "rollout.eval_max_tokens=1", "rollout.kv_cache_gib=2", "trainer.lora.rank=32", "trainer.lora.alpha=64",
+        "rollout.max_lora_rank=32", f"output.dir={out}", "output.tensorboard=false", "output.progress=false"])
+    planned = {p.name: p.total / GIB for p in service_plans(cfg) or []}
+    sampler = Sampler()
+    made = services.local_stack
+
+    def watched(*args, **kwargs):
+        sampler.stack = made(*args, **kwargs)
+        return sampler.stack
+
+    peaks: dict[str, float] = {}
+
+    def read_peaks(stack) -> None:
+        for name, svc in stack.processes.items():
+            for key, pid in named_processes(name, svc.process.pid):
+                peaks[key] = max(peaks.get(key, 0.0), peak_gib(pid))
+
+    services.local_stack = watched
+    sampler.start()
+    try:
+        run_job(cfg, out, before_stop=read_peaks)
+    finally:
+        sampler.stop()
+        services.local_stack = made
+    rows = []
+    for name, plan in planned.items():
+        series = sampler.samples.get(name, [(0.0, float("nan"))])
+        rows.append((name, plan, peaks.get(name, float("nan")), series[-1][1]))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", default=",".join(FULL), help="comma-separated shape:layers:completion:"
+                        "prompts x group:mode, e.g. 0.6b:2:512:4x4:sync")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    args = parser.parse_args()
+    settings = [Setting.parse(s) for s in args.settings.split(",")]
+    lines = ["| setting | process | plan GiB | measured peak GiB | plan/measured | within ±20% |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
+    worst, failed = 0.0, 0
+    with tempfile.TemporaryDirectory(prefix="lorarl-service-memory-") as tmp:
+        for setting in settings:
+            for name, plan, peak, _ in run_setting(setting, Path(tmp)):
+                ratio = plan / peak if peak == peak and peak else float("nan")
+                ok = abs(ratio - 1) <= TOLERANCE
+                failed += not ok
+                worst = max(worst, abs(ratio - 1)) if ratio == ratio else worst
+                line = f"| {setting} | {name} | {plan:.2f} | {peak:.2f} | {ratio:.2f} | {'yes' if ok else 'NO'} |"
+                print(line, flush=True)
+                lines.append(line)
+    verdict = (f"every row within ±{TOLERANCE:.0%}: {'PASS' if not failed else 'FAIL'} "
+               f"(worst {worst:+.0%} off{f'; {failed} row(s) outside' if failed else ''})")
+    print(verdict)
+    if not args.no_write:
+        from bench.results import write_results
+
+        title = (f"### {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, fp32, rank 32, "
+                 f"{len(settings)} settings")
+        notes = ["", verdict, "",
+                 "Per row: `lorarl run`'s stack (bench/lorarl_job.py) runs two steps of the demo job on a random-init",
+                 "model with the named shape; 'measured peak' is the process's VmHWM read before the services stop;",
+                 "'plan' is what `lorarl run --dry-run` prints for that process (lorarl/client/job/process_memory.py).",
+                 "glibc's default allocator, as the services start: a trainer keeps some of a step's freed memory",
+                 "in its heap (see the trainer table below for the same steps with a 1 MiB mmap threshold)."]
+        write_results(HEADING, title, [*lines, *notes])
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
