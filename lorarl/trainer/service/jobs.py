@@ -134,14 +134,25 @@ class JobManager:
         self._shares: dict[Any, FairShare] = {}  # per resident base (or job): its jobs' turns
         self._creating: set[str] = set()
         self._arenas_capped = False
-        # Engine work runs on these threads, at `compute_nice` when asked; None: asyncio's default pool.
-        self._compute = ThreadPoolExecutor(max_jobs, "engine", lower_thread_priority, (compute_nice,)) \
-            if compute_nice else None
+        self._compute_nice = compute_nice
+        self._threads: dict[str, ThreadPoolExecutor] = {}
 
-    async def _in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._compute is None:
-            return await asyncio.to_thread(fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self._compute, functools.partial(fn, *args))
+    async def _in_engine_thread(self, job_id: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the job's own engine thread (at `compute_nice` when asked). One thread per job, not a
+        pool: glibc keeps what a thread frees in that thread's arena, so a job whose calls wandered over a pool's
+        threads held a step-sized high-water mark in each (the Qwen3-0.6B-shaped async job: 6.1 GiB peak against
+        5.0 GiB in sync; bench/service_memory.py)."""
+        thread = self._threads.get(job_id)
+        if thread is None:
+            nice = self._compute_nice
+            thread = self._threads[job_id] = ThreadPoolExecutor(
+                1, f"engine-{job_id}", lower_thread_priority if nice else None, (nice,) if nice else ())
+        return await asyncio.get_running_loop().run_in_executor(thread, functools.partial(fn, *args))
+
+    def _release_thread(self, job_id: str) -> None:
+        thread = self._threads.pop(job_id, None)
+        if thread is not None:
+            thread.shutdown(wait=False)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -225,25 +236,25 @@ class JobManager:
             self._arenas_capped = limit_malloc_arenas()
         try:
             if spec.engine == "torch" and not self._base_resident(spec):  # Megatron shards its own: not here
-                await self._in_engine_thread(fit.check_base_fits, spec.base_model_path, spec.dtype, spec.device,
-                                             self.free_bytes, spec.layer_devices)
+                await self._in_engine_thread(job_id, fit.check_base_fits, spec.base_model_path, spec.dtype,
+                                             spec.device, self.free_bytes, spec.layer_devices)
             try:
-                engine = await self._in_engine_thread(self.engine_factory, spec)
+                engine = await self._in_engine_thread(job_id, self.engine_factory, spec)
             except (ValueError, OSError) as e:
                 raise InvalidArgumentError("config", f"cannot build the job's engine: {e}") from None
             try:
                 _, base_jobs, adapter_bytes = engine.memory()
                 fit.check_job_fits(adapter_bytes, base_jobs, spec.device, self.free_bytes)
             except ResourceExhaustedError:
-                await self._in_engine_thread(engine.close)
+                await self._in_engine_thread(job_id, engine.close)
                 raise
             try:
-                await self._in_engine_thread(engine.warm_up)
+                await self._in_engine_thread(job_id, engine.warm_up)
             except Exception:  # the job still trains; its first step just pays the set-up itself
                 logger.warning("job %s: engine warm-up failed", job_id, exc_info=True)
             routes = RouteRule(getattr(engine, "route_shape", None), ignore=spec.routing_replay == "off")
             if spec.routing_replay == "on" and routes.shape is None:
-                await self._in_engine_thread(engine.close)
+                await self._in_engine_thread(job_id, engine.close)
                 raise FailedPreconditionError(f"routing_replay 'on': {spec.base_model_path} has no MoE router the "
                                               f"{spec.engine} engine replays (use 'auto' or 'off')")
             freeze_long_lived()  # the model lives as long as the job: keep full collections off it
@@ -256,12 +267,15 @@ class JobManager:
             return job, False
         finally:
             self._creating.discard(job_id)
+            if job_id not in self._jobs:  # refused or failed: its thread goes with it
+                self._release_thread(job_id)
 
     async def delete(self, job_id: str) -> None:
         job = self.get(job_id)
         async with self._turn(job):
             self._jobs.pop(job_id, None)
-            await self._in_engine_thread(job.engine.close)  # a multi-rank engine is freed on every rank
+            await self._in_engine_thread(job_id, job.engine.close)  # a multi-rank engine is freed on every rank
+        self._release_thread(job_id)
         (job.turns or self.share_of(job)).forget(job_id)
 
     # ------------------------------------------------------------ data
@@ -316,7 +330,7 @@ class JobManager:
 
     async def _run(self, job: Job, fn: Callable[..., T], *args: Any) -> T:
         async with self._turn(job):
-            return await self._in_engine_thread(fn, *args)
+            return await self._in_engine_thread(job.job_id, fn, *args)
 
     async def _trained(self, job: Job, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the engine thread, its seconds there (not in the executor's queue) counted on the job
@@ -327,7 +341,7 @@ class JobManager:
             out = fn(*args)
             return out, time.perf_counter() - started
 
-        out, seconds = await self._in_engine_thread(timed)
+        out, seconds = await self._in_engine_thread(job.job_id, timed)
         job.count(out[0] if isinstance(out, tuple) else out, seconds)
         return out
 
@@ -360,7 +374,8 @@ class JobManager:
                 return await self._trained(job, job.engine.forward_backward, batch, loss), []
             try:
                 if forward_only:  # no training pass: not counted
-                    return await self._in_engine_thread(job.engine.forward_with_logprobs, batch, loss, True)
+                    return await self._in_engine_thread(job_id, job.engine.forward_with_logprobs, batch, loss,
+                                                        True)
                 return await self._trained(job, job.engine.forward_with_logprobs, batch, loss, False)
             except NotImplementedError as e:
                 raise FailedPreconditionError(str(e)) from None
@@ -437,7 +452,8 @@ class JobManager:
                         f"job {job_id!r} is at version 0 (the base model every replica already serves); "
                         "train a step before publishing")
                 if job_id not in publisher.jobs or job.sync_unchecked:
-                    catalog = await self._in_engine_thread(lambda: catalog_from_tensors(engine.iter_base_tensors()))
+                    catalog = await self._in_engine_thread(
+                        job_id, lambda: catalog_from_tensors(engine.iter_base_tensors()))
                     registration = await publisher.register_job(
                         job_id, base_model_fingerprint=engine.base_model_fingerprint, lora=job.spec.lora.to_proto(),
                         catalog=catalog, mode=mode, start_version=versions.previous(engine.version))
@@ -447,7 +463,7 @@ class JobManager:
                         logger.info("job %s: version %d continues as %d, above weight sync's latest",
                                     job_id, engine.version, versions.next_version(registration.latest_version),
                                     extra={"job_id": job_id})
-                        await self._in_engine_thread(engine.renumber,
+                        await self._in_engine_thread(job_id, engine.renumber,
                                                      versions.next_version(registration.latest_version))
                     job.sync_unchecked = False
                 version = engine.version

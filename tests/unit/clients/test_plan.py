@@ -309,3 +309,51 @@ def test_the_plan_says_what_one_more_job_on_the_base_costs(capsys) -> None:
     assert code == 0 and "resident once for every job on it" in line and "each more job like this one adds" in line
     code, out = dry_run(capsys, ROOT / "examples/models/qwen3-30b-a3b-megatron.yaml")
     assert code == 0 and "trainer, shared:" not in out  # the megatron engine keeps a base per job
+
+
+def test_the_plan_names_every_service_process_of_a_cpu_run(capsys) -> None:
+    """#29 item 3: `--dry-run` plans each process `lorarl run` starts (bench/service_memory.py measures them)."""
+    from lorarl.client.job.plan import service_plans
+    from lorarl.client.job.process_memory import TRAINER_RUNTIME_BYTES
+
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml")
+    assert code == 0
+    cfg = load_job_config(str(ROOT / "examples/demo.yaml"), [])
+    plans = {p.name: p for p in service_plans(cfg)}
+    assert list(plans) == ["trainer", "rollout-0", "rollout-0 engine core", "weightsync"]
+    for name, plan in plans.items():
+        assert f"  {name}: {human_bytes(plan.total)} (" in out
+    assert plans["trainer"].parts["runtime"] == TRAINER_RUNTIME_BYTES
+    # the engine core's KV cache is the job's, its LoRA slots the replica's adapters at the serving rank
+    core = plans["rollout-0 engine core"].parts
+    assert core["KV cache"] == cfg.rollout.kv_cache_gib * (1 << 30) and core["LoRA slots"] > 0
+    assert stack_sections(cfg, Path("/tmp/x"))["rollout"]["max_loras"] == cfg.serving_max_loras
+    # a merged job's trainer packs the merged weights and its engine core receives them (no LoRA slots)
+    merged = {p.name: p.parts for p in service_plans(load_job_config(str(ROOT / "examples/demo.yaml"),
+                                                                      ["sync.mode=merged"]))}
+    assert "merged payload" in merged["trainer"] and "received bucket" in merged["rollout-0 engine core"]
+    assert "LoRA slots" not in merged["rollout-0 engine core"]
+    # two replicas at TP 2: a frontend per replica, an engine process per worker
+    wide = service_plans(load_job_config(str(ROOT / "examples/demo.yaml"), [
+        "rollout.replicas=2", "rollout.tensor_parallel_size=2"]))
+    assert [p.name for p in wide].count("rollout-1 engine core (worker 1)") == 1
+
+
+def test_vllm_on_cpu_holds_a_tied_vocabulary_three_times_and_an_untied_one_four() -> None:
+    from lorarl.client.job.process_memory import engine_core_weights, lora_slot_bytes, vocab_bytes
+
+    tied = dict(KNOWN_SHAPES["qwen3-0.6b"])
+    untied = {**tied, "tie_word_embeddings": False}
+    vocab = vocab_bytes(tied, "float32")
+    assert vocab == 151936 * 1024 * 4
+    layers = count(tied, 8)["base"] * 4 - vocab
+    assert engine_core_weights(tied, count(tied, 8), "float32", 1) == layers + 3 * vocab
+    assert engine_core_weights(untied, count(untied, 8), "float32", 1) == layers + 4 * vocab
+    assert engine_core_weights(tied, count(tied, 8), "float32", 2) == (layers + 3 * vocab) / 2
+    # per slot: the adapter at the serving rank, and vocabulary-wide A and B (measured in vLLM 0.32's CPU buffers)
+    assert lora_slot_bytes(tied, 1000, 32, 4, "float32") == 4 * (1000 * 4 + 2 * 151936 * 32 * 4)
+
+
+def test_an_accelerator_run_says_its_host_memory_is_not_planned(capsys) -> None:
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "trainer.device=cuda")
+    assert code == 0 and "processes: host memory per process is planned for CPU runs with vLLM only" in out

@@ -40,6 +40,9 @@ class RecordingEngine:
         self.calls.append(("train_step", threading.get_native_id(), priority()))
         return {"loss": 0.0}
 
+    def close(self) -> None:
+        self.calls.append(("close", threading.get_native_id(), priority()))
+
 
 def spec(path: Path) -> TrainingSpec:
     (path / "config.json").write_text("{}")
@@ -64,6 +67,31 @@ def test_engine_work_runs_on_threads_at_compute_nice_and_rpcs_keep_their_priorit
     assert loop_priority == base  # the event loop (the gRPC handlers) is untouched
     assert [c[0] for c in calls] == ["create", "warm_up", "train_step"]
     assert all(tid != loop_tid and nice == min(base + 3, 19) for _, tid, nice in calls), calls
+
+
+def test_each_jobs_engine_work_stays_on_one_thread_of_its_own(tmp_path: Path) -> None:
+    """glibc keeps a thread's freed memory in that thread's arena: a job whose calls wandered over a pool held a
+    step-sized high-water mark per thread. Calls overlapping on the loop still land on the job's one thread."""
+    calls: dict[str, list[tuple[str, int, int]]] = {"a": [], "b": []}
+    manager = JobManager(engine_factory=lambda s: RecordingEngine(calls[Path(s.base_model_path).name]))
+    record = TrajectoryRecord([1, 2], [3], [-1.0], [0], 1.0, "g")
+    for name in calls:
+        (tmp_path / name).mkdir()
+
+    async def scenario() -> None:
+        for name in calls:
+            await manager.create(name, spec(tmp_path / name))
+        for _ in range(3):
+            for name in calls:
+                manager.push(name, [record])
+            await asyncio.gather(*(manager.train_step(name, 0, []) for name in calls))
+        await manager.delete("a")
+
+    asyncio.run(scenario())
+    threads = {name: {tid for _, tid, _ in made} for name, made in calls.items()}
+    assert len(calls["a"]) == 6 and all(len(t) == 1 for t in threads.values()), calls
+    assert threads["a"] != threads["b"]  # jobs on different bases still compute side by side
+    assert list(manager._threads) == ["b"]  # a deleted job's thread goes with it
 
 
 def test_a_failed_warm_up_still_creates_the_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
