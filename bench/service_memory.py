@@ -6,9 +6,11 @@ bench/lorarl_job.py (the three services started as `lorarl run` starts them, vLL
 two steps, sync or async, with completions of 512-4,096 tokens (a random policy rarely samples EOS, so they run
 to max_tokens). Every service process and its children are sampled every 0.25 s (resident set over time) and
 each one's peak (VmHWM, so no peak falls between samples) is set beside what `lorarl run --dry-run` plans for
-it (lorarl.client.job.plan.service_plans). A row passes within ±20%.
+it (lorarl.client.job.plan.service_plans). A row passes within ±20%. The first setting runs a second time with
+glibc's own sliding mmap threshold instead of the trainer service's fixed 8 MiB, for the trainer's peak and step
+seconds side by side.
 
-    .venv/bin/python bench/service_memory.py            # five settings, ~25 minutes on 2 cores
+    .venv/bin/python bench/service_memory.py            # five settings + the allocator pair, ~30 min on 2 cores
     .venv/bin/python bench/service_memory.py --settings 0.6b:2:512:4x4:sync --no-write
 """
 
@@ -111,8 +113,14 @@ def named_processes(service: str, pid: int) -> list[tuple[str, int]]:
     return found
 
 
-def run_setting(setting: Setting, tmp: Path) -> list[tuple[str, float, float, float]]:
-    """(process, planned GiB, measured peak GiB, last sampled GiB) per process of one run."""
+@dataclass
+class Measured:
+    rows: list[tuple[str, float, float, float]]  # (process, planned GiB, measured peak GiB, last sampled GiB)
+    train_s: float  # the trainer's seconds in its steps, summed
+
+
+def run_setting(setting: Setting, tmp: Path, trainer_settings: dict | None = None, tag: str = "") -> Measured:
+    """One run of ``setting``; ``trainer_settings`` override the trainer service's section (the allocator)."""
     import torch
 
     import lorarl.client.launch.services as services
@@ -124,7 +132,7 @@ def run_setting(setting: Setting, tmp: Path) -> list[tuple[str, float, float, fl
     model = tmp / f"{setting.shape}-{setting.layers}"
     if not model.exists():
         build_random_model(setting.shape, model, num_layers=setting.layers, dtype=torch.float32)
-    out = tmp / f"run-{setting.shape}-{setting.layers}-{setting.completion}-{setting.mode}"
+    out = tmp / f"run-{setting.shape}-{setting.layers}-{setting.completion}-{setting.mode}{tag}"
     cfg = load_job_config(str(ROOT / "examples/demo.yaml"), [
         f"model.path={model}", f"loop.mode={setting.mode}", "loop.steps=2",
         f"loop.prompts_per_step={setting.prompts}", "loop.eval_every=0", "data.eval_size=1",
@@ -133,11 +141,16 @@ def run_setting(setting: Setting, tmp: Path) -> list[tuple[str, float, float, fl
         "rollout.max_lora_rank=32", f"output.dir={out}", "output.tensorboard=false", "output.progress=false"])
     planned = {p.name: p.total / GIB for p in service_plans(cfg) or []}
     sampler = Sampler()
-    made = services.local_stack
+    made, sections = services.local_stack, services.stack_sections
 
     def watched(*args, **kwargs):
         sampler.stack = made(*args, **kwargs)
         return sampler.stack
+
+    def with_trainer_settings(*args, **kwargs):
+        found = sections(*args, **kwargs)
+        found["trainer"].update(trainer_settings or {})
+        return found
 
     peaks: dict[str, float] = {}
 
@@ -146,18 +159,18 @@ def run_setting(setting: Setting, tmp: Path) -> list[tuple[str, float, float, fl
             for key, pid in named_processes(name, svc.process.pid):
                 peaks[key] = max(peaks.get(key, 0.0), peak_gib(pid))
 
-    services.local_stack = watched
+    services.local_stack, services.stack_sections = watched, with_trainer_settings
     sampler.start()
     try:
-        run_job(cfg, out, before_stop=read_peaks)
+        timing = run_job(cfg, out, before_stop=read_peaks)
     finally:
         sampler.stop()
-        services.local_stack = made
+        services.local_stack, services.stack_sections = made, sections
     rows = []
     for name, plan in planned.items():
         series = sampler.samples.get(name, [(0.0, float("nan"))])
         rows.append((name, plan, peaks.get(name, float("nan")), series[-1][1]))
-    return rows
+    return Measured(rows, sum(r.get("train/time_s", 0.0) for r in timing.steps))
 
 
 def main() -> int:
@@ -165,14 +178,25 @@ def main() -> int:
     parser.add_argument("--settings", default=",".join(FULL), help="comma-separated shape:layers:completion:"
                         "prompts x group:mode, e.g. 0.6b:2:512:4x4:sync")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    parser.add_argument("--no-allocator", dest="allocator", action="store_false",
+                        help="skip the first setting's second run with glibc's own mmap threshold")
     args = parser.parse_args()
     settings = [Setting.parse(s) for s in args.settings.split(",")]
     lines = ["| setting | process | plan GiB | measured peak GiB | plan/measured | within ±20% |",
              "| --- | --- | ---: | ---: | ---: | --- |"]
     worst, failed = 0.0, 0
+    allocator = ["| trainer allocator | trainer peak GiB | train s (2 steps) |", "| --- | ---: | ---: |"]
     with tempfile.TemporaryDirectory(prefix="lorarl-service-memory-") as tmp:
-        for setting in settings:
-            for name, plan, peak, _ in run_setting(setting, Path(tmp)):
+        for index, setting in enumerate(settings):
+            measured = run_setting(setting, Path(tmp))
+            if index == 0 and args.allocator:  # the service's default beside glibc's own, one run each
+                glibc = run_setting(setting, Path(tmp), {"malloc_mmap_threshold_mib": 0}, "-glibc")
+                for label, m in (("8 MiB mmap threshold (the default)", measured),
+                                 ("glibc's sliding threshold", glibc)):
+                    peak = next(p for n, _, p, _ in m.rows if n == "trainer")
+                    allocator.append(f"| {label} | {peak:.2f} | {m.train_s:.1f} |")
+                    print(allocator[-1], flush=True)
+            for name, plan, peak, _ in measured.rows:
                 ratio = plan / peak if peak == peak and peak else float("nan")
                 ok = abs(ratio - 1) <= TOLERANCE
                 failed += not ok
@@ -188,12 +212,13 @@ def main() -> int:
 
         title = (f"### {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, fp32, rank 32, "
                  f"{len(settings)} settings")
-        notes = ["", verdict, "",
+        pair = (["The first setting again with glibc's sliding mmap threshold (trainer.malloc_mmap_threshold_mib=0), "
+                 "side by side:", "", *allocator, ""] if args.allocator else [])
+        notes = ["", verdict, "", *pair,
                  "Per row: `lorarl run`'s stack (bench/lorarl_job.py) runs two steps of the demo job on a random-init",
                  "model with the named shape; 'measured peak' is the process's VmHWM read before the services stop;",
                  "'plan' is what `lorarl run --dry-run` prints for that process (lorarl/client/job/process_memory.py).",
-                 "glibc's default allocator, as the services start: a trainer keeps some of a step's freed memory",
-                 "in its heap (see the trainer table below for the same steps with a 1 MiB mmap threshold)."]
+                 "The trainer service fixes glibc's mmap threshold at 8 MiB (trainer.malloc_mmap_threshold_mib)."]
         write_results(HEADING, title, [*lines, *notes])
     return 0 if not failed else 1
 

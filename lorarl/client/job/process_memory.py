@@ -4,8 +4,10 @@ real process", not for a fresh engine built in-process).
 Per process, what it holds at its peak, from the same shapes the device plan uses:
 
 - trainer: its runtime (interpreter, torch, transformers, gRPC, the tokenizer) + the device plan's weights,
-  adapters, gradients, Adam and step (lorarl.trainer.engines.memory) + a merged job's packed payload;
-- rollout frontend (the `lorarl serve rollout` process): vLLM's runtime, the tokenizer and the request queues;
+  adapters, gradients, Adam and step (lorarl.trainer.engines.memory) + the trajectories it holds (one batch in
+  sync, up to max_staleness + 1 in async) + a merged job's packed payload;
+- rollout frontend (the `lorarl serve rollout` process): vLLM's runtime, the tokenizer and the requests in
+  flight (the same batches, as token lists);
 - rollout engine core (vLLM's own process): vLLM's runtime + the weights as vLLM on CPU lays them out + the KV
   cache + the LoRA slots. On CPU vLLM packs every linear weight for oneDNN and frees the original, but keeps
   both the original and a packed copy of each vocabulary matrix (the embedding is looked up, the LM head
@@ -25,13 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GIB = 1 << 30
-#: Resident bytes of each service process before it holds anything of the job (bench/service_memory.py measured
-#: them at 14e1a52 on the 2-core x86_64 machine: trainer 0.67 GiB once a job's model is loaded, less the
-#: weights; a vLLM process 0.75-0.80 GiB; weight sync 0.26 GiB).
+#: Resident bytes of each service process beyond what it holds of the job, measured on the 2-core x86_64 machine
+#: (2026-12-04, bench/service_memory.py's first runs): the trainer 0.67 GiB once a job's model is loaded, less the
+#: weights; the rollout frontend 0.80 GiB (vLLM imported, the tokenizer); the engine core 0.75 GiB after importing
+#: vLLM plus ~0.2 GiB of its working buffers once serving (the same at every shape measured); weight sync 0.26 GiB.
 TRAINER_RUNTIME_BYTES = int(0.67 * GIB)
 ROLLOUT_FRONTEND_BYTES = int(0.80 * GIB)
-ENGINE_CORE_RUNTIME_BYTES = int(0.75 * GIB)
+ENGINE_CORE_RUNTIME_BYTES = int(0.95 * GIB)
 WEIGHTSYNC_RUNTIME_BYTES = int(0.26 * GIB)
+#: A trajectory's token as the trainer and the rollout frontend hold it, in Python lists: a completion token's id
+#: (a 28-byte int + an 8-byte slot), its logprob (24 + 8), version and loss-mask slots (cached small objects,
+#: 8 each) = 84 bytes; a prompt token's id 36. (Only past ~10^5 tokens a step does this reach 10 MiB.)
+COMPLETION_TOKEN_BYTES, PROMPT_TOKEN_BYTES = 84, 36
 
 
 @dataclass(frozen=True)
@@ -81,13 +88,18 @@ def process_plans(cfg: Any, shape: dict[str, Any], n: dict[str, int], lora_at_se
 
     dtype = cfg.model.dtype
     r = cfg.rollout
-    trainer = {"runtime": TRAINER_RUNTIME_BYTES, "weights, adapters, Adam and step": trainer_total}
+    sequences = cfg.loop.prompts_per_step * r.group_size
+    step_bytes = sequences * (cfg.data.max_prompt_tokens * PROMPT_TOKEN_BYTES + r.max_tokens * COMPLETION_TOKEN_BYTES)
+    held = 1 if cfg.loop.mode == "sync" else 1 + cfg.loop.max_staleness  # batches generated ahead of training
+    trainer = {"runtime": TRAINER_RUNTIME_BYTES, "weights, adapters, Adam and step": trainer_total,
+               "trajectories": held * step_bytes}
     if merged:  # the publisher packs the merged weights (held up to 2 GiB, else re-packed while sending)
         trainer["merged payload"] = min(merged_bytes, 2 * GIB) + min(merged_bytes, DEFAULT_BUCKET_BYTES)
     plans = [ProcessPlan("trainer", trainer)]
     tp = r.tensor_parallel_size
     for replica in range(r.replicas):
-        plans.append(ProcessPlan(f"rollout-{replica}", {"runtime": ROLLOUT_FRONTEND_BYTES}))
+        plans.append(ProcessPlan(f"rollout-{replica}", {"runtime": ROLLOUT_FRONTEND_BYTES,
+                                                        "requests in flight": held * step_bytes / r.replicas}))
         for worker in range(tp):
             core = {"runtime": ENGINE_CORE_RUNTIME_BYTES,
                     "weights (vocabulary packed for oneDNN too)": engine_core_weights(shape, n, dtype, tp),

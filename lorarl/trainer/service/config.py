@@ -58,6 +58,11 @@ class TrainerSettings:
                                 doc="Niceness added to the threads that run engine work (steps, checkpoints, "
                                     "exports) but not to the gRPC ones: a CPU trainer sharing cores with "
                                     "generation yields them while its RPCs keep their priority.")
+    malloc_mmap_threshold_mib: int = setting(
+        8, check=in_range(0, 512),
+        doc="Host allocations this large (MiB) and larger get pages of their own, handed back when freed "
+            "(lorarl.common.malloc_arenas.fix_mmap_threshold): a CPU trainer's peak then holds its step, not also "
+            "the last step's freed heap. 0: glibc's own sliding threshold. $MALLOC_MMAP_THRESHOLD_, when set, wins.")
 
 
 @dataclass

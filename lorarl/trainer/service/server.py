@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import grpc
@@ -240,12 +241,23 @@ def job_metrics(servicer: TrainerServicer) -> RpcMetrics:
     return metrics
 
 
+def apply_allocator(threshold_mib: int, environ: Mapping[str, str] = os.environ) -> bool:
+    """The trainer's glibc mmap threshold, before anything big is allocated (every rank inherits it: followers
+    are started after); the operator's $MALLOC_MMAP_THRESHOLD_ wins. True when set here."""
+    if not threshold_mib or "MALLOC_MMAP_THRESHOLD_" in environ:
+        return False
+    from lorarl.common.malloc_arenas import fix_mmap_threshold
+
+    return fix_mmap_threshold(threshold_mib << 20)
+
+
 async def serve_forever(config: TrainerServiceConfig) -> None:
     """Runs the trainer service until SIGTERM/SIGINT; with several ranks (trainer.ranks, or torchrun) rank 0
     serves and the others follow it (lorarl.trainer.ranks.follower)."""
     from lorarl.trainer.ranks.launch import RankWorld
 
     settings, server = config.trainer, config.server
+    apply_allocator(settings.malloc_mmap_threshold_mib)
     world = RankWorld.discover(settings.ranks)
     if world.world_size == 1:
         servicer = TrainerServicer(settings, token=server_token(server.auth, host=server.host),
