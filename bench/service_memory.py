@@ -36,7 +36,7 @@ HEADING = "## Service processes: memory plan vs measured"
 GIB = 1 << 30
 TOLERANCE = 0.20
 #: shape:layers:completion:prompts x group:mode
-FULL = ["0.6b:2:512:4x4:sync", "0.6b:2:512:4x4:async", "0.6b:4:4096:1x2:sync", "1.7b:2:512:2x4:sync",
+FULL = ["0.6b:2:512:4x4:sync", "0.6b:4:4096:1x2:sync", "0.6b:2:512:4x4:async", "1.7b:2:512:2x4:sync",
         "1.7b:2:2048:1x2:async"]
 
 
