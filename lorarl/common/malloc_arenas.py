@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -20,13 +21,20 @@ M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 M_ARENA_MAX = -8
 
 
-def _mallopt(param: int, value: int) -> bool:
+def _libc(symbol: str) -> Any:
+    """glibc's ``symbol``, or None off glibc."""
     name = ctypes.util.find_library("c")
     if not name:
-        return False
+        return None
     try:
-        mallopt = ctypes.CDLL(name).mallopt
+        return getattr(ctypes.CDLL(name), symbol)
     except (OSError, AttributeError):
+        return None
+
+
+def _mallopt(param: int, value: int) -> bool:
+    mallopt = _libc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = bool(mallopt(param, value))
@@ -44,8 +52,8 @@ def fix_mmap_threshold(nbytes: int) -> bool:
     """Allocations of ``nbytes`` and more get pages of their own, handed back when freed (the runtime form of
     $MALLOC_MMAP_THRESHOLD_); True when glibc took it. glibc's default threshold grows up to 32 MiB as big blocks
     are freed, so a CPU trainer's step-sized tensors below that stay in the heap, and its peak carried the last
-    step's freed heap: at the Qwen3-0.6B shape 5.2 GiB against 4.4 with an 8 MiB threshold, steps 0-5% slower
-    (bench/service_memory.py; a 1 MiB threshold cost ~10%)."""
+    step's freed heap: at the Qwen3-0.6B shape 5.10 GiB against 4.41 with an 8 MiB threshold, for steps ~7% faster
+    (bench/service_memory.py, side by side; a 1 MiB threshold cost ~10%)."""
     return _mallopt(M_MMAP_THRESHOLD, nbytes)
 
 
@@ -54,12 +62,8 @@ def trim_malloc() -> bool:
     A vLLM engine core that loads an adapter every step keeps the heap its freed blocks leave between live ones:
     bench/soak.py saw its resident set creep ~0.3 MiB a step for hundreds of steps. Trimming after each load
     keeps it flat at a cost of milliseconds, where a fixed $MALLOC_MMAP_THRESHOLD_ made every step 13% slower."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        malloc_trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _libc("malloc_trim")
+    if malloc_trim is None:
         return False
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(malloc_trim(0))

@@ -21,7 +21,7 @@ from lorarl.client.job.config import records_routes
 from lorarl.client.job.process_memory import ProcessPlan, process_plans
 from lorarl.client.job.step_time import IMBALANCE, StepTime, estimate
 from lorarl.contract.routes import bytes_per_token as routes_bytes_per_token
-from lorarl.trainer.engines.memory import StepMemory, needs_checkpointing, stage_sizes, step_memory
+from lorarl.trainer.engines.memory import StepMemory, dtype_bytes, needs_checkpointing, stage_sizes, step_memory
 
 GIB = 1 << 30
 ADAPTER_BYTES = 4  # adapters and their Adam moments stay fp32 whatever the base dtype
@@ -208,11 +208,11 @@ def micro_batch_tokens(cfg) -> tuple[int, int]:
 def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: float | None) -> TrainerMemory:
     """Weights, adapters, Adam and the step's activations on one trainer device; ``free_bytes`` (the
     device's memory, None if unknown) decides ``activation_checkpointing: auto`` as the engine does."""
-    dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    width = dtype_bytes(cfg.model.dtype)
     par = cfg.trainer.parallel
     # Dense weights split by TP x PP, experts additionally by EP.
-    dense_bytes = (n["base"] - n["expert_params"]) * dtype_bytes
-    weights = dense_bytes / (par.tensor * par.pipeline) + n["expert_params"] * dtype_bytes / (
+    dense_bytes = (n["base"] - n["expert_params"]) * width
+    weights = dense_bytes / (par.tensor * par.pipeline) + n["expert_params"] * width / (
         par.tensor * par.pipeline * par.expert)
     adapters = ((n["lora"] - n["lora_experts"]) / (par.tensor * par.pipeline) + n["lora_experts"] / (
         par.tensor * par.pipeline * par.expert)) * ADAPTER_BYTES
@@ -226,7 +226,7 @@ def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: fl
         per_layer = (n["base"] - n["outside_layers"]) / total_layers
         sizes = stage_sizes(n["outside_layers"], [per_layer] * total_layers, par.pipeline)
         layers = max(sizes)
-        weights = max(n["outside_layers"] + sizes[0] * per_layer, layers * per_layer) * dtype_bytes
+        weights = max(n["outside_layers"] + sizes[0] * per_layer, layers * per_layer) * width
         adapters = n["lora"] * layers / total_layers * ADAPTER_BYTES
     rank, dtype, chunk = cfg.trainer.lora.rank, cfg.model.dtype, memory.logits_chunk_tokens
     with_grads, adam = 2 * adapters, 2 * adapters  # adapters and their gradients; two Adam moments
@@ -324,9 +324,9 @@ def print_plan(cfg) -> int:
         print(f"lorarl: bad config: model.path: {e}")
         return 2
     n = count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)
-    dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    width = dtype_bytes(cfg.model.dtype)
     par = cfg.trainer.parallel
-    base_bytes = n["base"] * dtype_bytes
+    base_bytes = n["base"] * width
     device_memory = cfg.placement.device_memory_gib * GIB if cfg.placement.devices_per_node else 0.0
     trainer = trainer_memory(cfg, shape, n, HEADROOM * device_memory if device_memory else None)
     rollout_base = base_bytes / cfg.rollout.tensor_parallel_size
@@ -369,7 +369,7 @@ def print_plan(cfg) -> int:
     print(f"weight sync: {mode}; per version {human_bytes(n['lora'] * ADAPTER_BYTES)} (adapter, fp32) vs "
           f"{human_bytes(base_bytes)} (merged)")
     print(f"rollout LoRA: {rollout_lora}")
-    _print_processes(cfg)
+    _print_processes(_service_plans(cfg, shape, n, trainer, mode, rollout_lora) if plans_processes(cfg) else None)
     if n["experts"]:
         print(f"routing replay (R3): {routing_replay_line(cfg, shape, n['experts'], trainer.sequence_tokens)}")
     if sequences < 1:
@@ -395,23 +395,32 @@ def print_plan(cfg) -> int:
     return 0
 
 
+def plans_processes(cfg) -> bool:
+    """Whether host memory per process is planned: CPU runs with vLLM (the only ones measured)."""
+    return cfg.trainer.device.split(":", 1)[0] == "cpu" and cfg.rollout.engine == "vllm" and \
+        not cfg.placement.devices_per_node
+
+
 def service_plans(cfg) -> list[ProcessPlan] | None:
-    """Each service process's planned peak resident memory (lorarl.client.job.process_memory); None where it is
-    not planned (a run on accelerators, or without vLLM)."""
-    if cfg.trainer.device.split(":", 1)[0] != "cpu" or cfg.rollout.engine != "vllm" or cfg.placement.devices_per_node:
+    """Each service process's planned peak resident memory (lorarl.client.job.process_memory), as `--dry-run`
+    prints it; None where it is not planned (plans_processes)."""
+    if not plans_processes(cfg):
         return None
     shape = model_shape(cfg)
     n = count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)
-    trainer = trainer_memory(cfg, shape, n, None)
     mode, rollout_lora = sync_choice(cfg, shape, is_moe=bool(n["experts"]))
+    return _service_plans(cfg, shape, n, trainer_memory(cfg, shape, n, None), mode, rollout_lora)
+
+
+def _service_plans(cfg, shape: dict[str, Any], n: dict[str, int], trainer: TrainerMemory, mode: str,
+                   rollout_lora: str) -> list[ProcessPlan]:
     serving = count(shape, cfg.serving_lora_rank, cfg.trainer.lora.expert_mode)["lora"]
-    return process_plans(cfg, shape, n, serving, trainer.total, n["base"] * (2 if cfg.model.dtype == "bfloat16" else 4),
+    return process_plans(cfg, shape, n, serving, trainer.total, n["base"] * dtype_bytes(cfg.model.dtype),
                          cfg.rollout.kv_cache_gib * GIB, lora_on=rollout_lora.startswith("on"),
                          merged=mode.startswith("merged"))
 
 
-def _print_processes(cfg) -> None:
-    plans = service_plans(cfg)
+def _print_processes(plans: list[ProcessPlan] | None) -> None:
     if plans is None:
         print("processes: host memory per process is planned for CPU runs with vLLM only (the device plan above "
               "holds the accelerators; host memory of a GPU or NPU run was not measured)")

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorarl.trainer.engines.memory import dtype_bytes
+
 GIB = 1 << 30
 #: Resident bytes of each service process beyond what it holds of the job, measured on the 2-core x86_64 machine
 #: (2026-12-04, bench/service_memory.py's first runs): the trainer 0.67 GiB once a job's model is loaded, less the
@@ -53,20 +55,17 @@ class ProcessPlan:
         return sum(self.parts.values())
 
 
-def _dtype_bytes(dtype: str) -> int:
-    return 2 if dtype in ("bfloat16", "float16") else 4
-
-
 def vocab_bytes(shape: dict[str, Any], dtype: str) -> int:
     """One vocabulary matrix (vocab x hidden) in the model's dtype."""
-    return shape["vocab_size"] * shape["hidden_size"] * _dtype_bytes(dtype)
+    return shape["vocab_size"] * shape["hidden_size"] * dtype_bytes(dtype)
 
 
 def engine_core_weights(shape: dict[str, Any], n: dict[str, int], dtype: str, tp: int) -> float:
-    """The weights of one vLLM worker on CPU: the layers once (packed), each vocabulary matrix twice."""
+    """The weights of one vLLM worker on CPU: the layers once (packed for oneDNN, the originals freed); the
+    embedding and the head each keep their weight and a packed copy, a tied head sharing the weight."""
     vocab = vocab_bytes(shape, dtype)
     matrices = 1 if shape.get("tie_word_embeddings") else 2
-    layers = n["base"] * _dtype_bytes(dtype) - matrices * vocab
+    layers = n["base"] * dtype_bytes(dtype) - matrices * vocab
     copies = 3 if matrices == 1 else 4  # tied: the weight, the embedding's and the head's packed copies
     return (layers + copies * vocab) / tp
 
@@ -74,7 +73,7 @@ def engine_core_weights(shape: dict[str, Any], n: dict[str, int], dtype: str, tp
 def lora_slot_bytes(shape: dict[str, Any], n_lora_at_rank: int, rank: int, slots: int, dtype: str) -> float:
     """vLLM's LoRA buffers: ``slots`` adapters at ``rank`` on every adapted linear, and per slot a
     vocabulary-wide A (embedding) and B (logits) of ``rank`` columns."""
-    b = _dtype_bytes(dtype)
+    b = dtype_bytes(dtype)
     return slots * (n_lora_at_rank * b + 2 * shape["vocab_size"] * rank * b)
 
 
@@ -84,6 +83,7 @@ def process_plans(cfg: Any, shape: dict[str, Any], n: dict[str, int], lora_at_se
     """Every process of the job's stack, largest parts first in each. ``trainer_total``: the device plan's
     trainer figure (weights, adapters, Adam, step); ``lora_at_serving_rank``: LoRA parameters at the rollout's
     ``max_lora_rank``; ``merged_bytes``: the merged weights a merged job publishes."""
+    from lorarl.weightsync.client.publisher import MATERIALIZE_LIMIT_BYTES
     from lorarl.weightsync.wire.payload import DEFAULT_BUCKET_BYTES
 
     dtype = cfg.model.dtype
@@ -93,8 +93,9 @@ def process_plans(cfg: Any, shape: dict[str, Any], n: dict[str, int], lora_at_se
     held = 1 if cfg.loop.mode == "sync" else 1 + cfg.loop.max_staleness  # batches generated ahead of training
     trainer = {"runtime": TRAINER_RUNTIME_BYTES, "weights, adapters, Adam and step": trainer_total,
                "trajectories": held * step_bytes}
-    if merged:  # the publisher packs the merged weights (held up to 2 GiB, else re-packed while sending)
-        trainer["merged payload"] = min(merged_bytes, 2 * GIB) + min(merged_bytes, DEFAULT_BUCKET_BYTES)
+    if merged:  # the publisher packs the merged weights (kept up to its limit, else re-packed while sending)
+        trainer["merged payload"] = (min(merged_bytes, MATERIALIZE_LIMIT_BYTES)
+                                     + min(merged_bytes, DEFAULT_BUCKET_BYTES))
     plans = [ProcessPlan("trainer", trainer)]
     tp = r.tensor_parallel_size
     for replica in range(r.replicas):

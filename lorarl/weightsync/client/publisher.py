@@ -52,6 +52,8 @@ from lorarl.weightsync.wire.payload import (
 logger = logging.getLogger(__name__)
 #: How long one watch of a broadcast's round asks weight sync to hold its answer.
 ROUND_WATCH_S = 5.0
+#: A merged payload up to this size is packed once and kept for sending; a bigger one is packed again while sent.
+MATERIALIZE_LIMIT_BYTES = 2 << 30
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 ADAPTER = common_pb2.SYNC_MODE_ADAPTER
@@ -182,7 +184,7 @@ class WeightPublisher:
     def __init__(self, target: str, *, token: str | None = None, tls: ClientTls | None = None,
                  host: str | None = None, collective: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: str = "cpu",
-                 materialize_limit_bytes: int = 2 << 30, rendezvous_timeout_s: float = 120.0) -> None:
+                 materialize_limit_bytes: int = MATERIALIZE_LIMIT_BYTES, rendezvous_timeout_s: float = 120.0) -> None:
         self.target, self.token = target, token
         self.host = host or local_address_towards(target)
         self.collective, self.bucket_bytes, self.chunk_bytes = collective, bucket_bytes, chunk_bytes
