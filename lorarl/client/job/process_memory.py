@@ -56,7 +56,7 @@ class ProcessPlan:
 
 
 def vocab_bytes(shape: dict[str, Any], dtype: str) -> int:
-    """One vocabulary matrix (vocab x hidden) in the model's dtype."""
+    """One vocabulary matrix (vocab x hidden) in ``dtype``."""
     return shape["vocab_size"] * shape["hidden_size"] * dtype_bytes(dtype)
 
 
@@ -86,8 +86,8 @@ def process_plans(cfg: Any, shape: dict[str, Any], n: dict[str, int], lora_at_se
     from lorarl.weightsync.client.publisher import MATERIALIZE_LIMIT_BYTES
     from lorarl.weightsync.wire.payload import DEFAULT_BUCKET_BYTES
 
-    dtype = cfg.model.dtype
     r = cfg.rollout
+    dtype = r.dtype or cfg.model.dtype  # the rollout engines' (lorarl.client.launch.services.stack_sections)
     sequences = cfg.loop.prompts_per_step * r.group_size
     step_bytes = sequences * (cfg.data.max_prompt_tokens * PROMPT_TOKEN_BYTES + r.max_tokens * COMPLETION_TOKEN_BYTES)
     held = 1 if cfg.loop.mode == "sync" else 1 + cfg.loop.max_staleness  # batches generated ahead of training

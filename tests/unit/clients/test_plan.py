@@ -333,7 +333,12 @@ def test_the_plan_names_every_service_process_of_a_cpu_run(capsys) -> None:
                                                                       ["sync.mode=merged"]))}
     assert "merged payload" in merged["trainer"] and "received bucket" in merged["rollout-0 engine core"]
     assert "LoRA slots" not in merged["rollout-0 engine core"]
-    # two replicas at TP 2: a frontend per replica, an engine process per worker
+    # the engine core holds the rollout's dtype, not the trainer's
+    bf16 = {p.name: p.parts for p in service_plans(load_job_config(str(ROOT / "examples/demo.yaml"),
+                                                                    ["rollout.dtype=bfloat16"]))}
+    key = "weights (vocabulary packed for oneDNN too)"
+    assert bf16["rollout-0 engine core"][key] == core[key] / 2
+        # two replicas at TP 2: a frontend per replica, an engine process per worker
     wide = service_plans(load_job_config(str(ROOT / "examples/demo.yaml"), [
         "rollout.replicas=2", "rollout.tensor_parallel_size=2"]))
     assert [p.name for p in wide].count("rollout-1 engine core (worker 1)") == 1
