@@ -60,13 +60,6 @@ class Setting:
                 f"{self.mode}")
 
 
-def peak_gib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
 class Sampler:
     """Resident set of every service process and its children, every ``period_s``, until stopped."""
 
@@ -125,6 +118,7 @@ def run_setting(setting: Setting, tmp: Path, trainer_settings: dict | None = Non
 
     import lorarl.client.launch.services as services
     from bench.lorarl_job import run_job
+    from bench.scaling import peak_rss_gib
     from lorarl.assets.models import build_random_model
     from lorarl.client.job.config import load_job_config
     from lorarl.client.job.plan import service_plans
@@ -157,7 +151,7 @@ def run_setting(setting: Setting, tmp: Path, trainer_settings: dict | None = Non
     def read_peaks(stack) -> None:
         for name, svc in stack.processes.items():
             for key, pid in named_processes(name, svc.process.pid):
-                peaks[key] = max(peaks.get(key, 0.0), peak_gib(pid))
+                peaks[key] = max(peaks.get(key, 0.0), peak_rss_gib(pid))
 
     services.local_stack, services.stack_sections = watched, with_trainer_settings
     sampler.start()
