@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,12 +15,31 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
+#: What the build reads: the wheel is built from a copy of these, never in the checkout. setuptools builds
+#: in the source tree's build/, so a build there could pack modules a checkout left in build/lib and race
+#: with anything else writing the tree (CI saw `[Errno 2] No such file or directory` mid-build once).
+SOURCES = ("pyproject.toml", "README.md", "requirements", "lorarl")
+
+
+def source_copy(into: Path) -> Path:
+    """The files a wheel is built from, copied without caches, build outputs or egg-info."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for name in SOURCES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, into / name, ignore=skip)
+        else:
+            shutil.copy2(src, into / name)
+    return into
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
     build = tmp_path_factory.mktemp("build")
+    source = source_copy(tmp_path_factory.mktemp("source"))
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
         capture_output=True, text=True, cwd=build, env={"PIP_NO_INDEX": "1", "PATH": "/usr/bin:/bin",
                                                         "HOME": str(build), "TMPDIR": str(build)})
     assert done.returncode == 0, done.stderr[-3000:]

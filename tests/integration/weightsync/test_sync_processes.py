@@ -107,7 +107,12 @@ def test_bad_bytes_on_one_replica_reject_the_version_everywhere(tmp_path: Path, 
                 result = await pub.publish("job", 2, adapter=trainer.adapter(), timeout_s=120)
                 outcome = result.activation
                 assert outcome.outcome_name == "failed" and outcome.failed_replicas == ("bad",)
-                assert symptom in outcome.error and result.send_error == ""
+                assert symptom in outcome.error
+                # The bytes all went out; whether the sender saw its send end before weight sync settled the
+                # round as failed is timing (a loaded CI machine saw the failure first): either no send error,
+                # or the round's own failure, never another.
+                assert result.send_error in ("", f"RuntimeError: weight sync failed the round while this send "
+                                                 f"was under way: {outcome.error}")
                 await good.wait_for("abort", job="job", version=2)
                 assert good.events("commit", version=2) == [] and bad.events("stage", version=2) == []
                 states = await replica_states(pub, "job")
