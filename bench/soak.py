@@ -7,9 +7,11 @@ steps (trainer, rollout, vLLM engine core, weight sync in turn), every service p
 Per service it reports resident memory, open files and threads over the run, and their slope per 1,000 steps
 fitted within each process's life after its warm-up (the first --warmup steps of that life: a restart resets
 the figures, which is not a trend); the run's disk use at the end (logs, checkpoints under
-loop.keep_checkpoints, metrics); and that metrics.jsonl holds every step once under strictly rising versions.
-Exit 1 if the run failed, a step is missing, or a slope is above --flat (a share of the service's mean per
-1,000 steps).
+loop.keep_checkpoints, metrics); each service log against its retention (output.service_log_mib, set to
+--log-mib here so that a run of minutes rotates what a run of days would: no file past the cap, no more copies
+than output.service_log_backups); and that metrics.jsonl holds every step once under strictly rising versions.
+Exit 1 if the run failed, a step is missing, a log outgrew its retention, or a slope is above --flat (a share of
+the service's mean per 1,000 steps).
 """
 
 from __future__ import annotations
@@ -102,10 +104,29 @@ def disk(out: Path) -> dict[str, float]:
         return sum(p.stat().st_size for p in paths if p.is_file()) / MIB
 
     checkpoints = out / "checkpoints"
-    return {"total": size(out.rglob("*")), "logs": size((out / "services").glob("*.log")),
+    return {"total": size(out.rglob("*")), "logs": size((out / "services").glob("*.log*")),
             "checkpoints": size(checkpoints.rglob("*")) if checkpoints.exists() else 0.0,
             "step checkpoints": float(len(list(checkpoints.glob("*/step-*")))) if checkpoints.exists() else 0.0,
             "metrics": size([out / "metrics.jsonl"]), "weightsync store": size((out / "weightsync").rglob("*"))}
+
+
+#: What a file may pass its cap by: the output of one check interval (log_files.CHECK_INTERVAL_S) and more.
+LOG_SLACK_BYTES = 256 << 10
+
+
+def service_logs(out: Path, cap_bytes: int, backups: int) -> tuple[list[str], bool]:
+    """Table rows of each service log (live file and its rotated copies) and whether all stay in retention."""
+    rows, ok = [], True
+    for log in sorted((out / "services").glob("*.log")):
+        copies = sorted(log.parent.glob(f"{log.name}.*"), key=lambda p: p.name)
+        copies = [c for c in copies if c.suffix.lstrip(".").isdigit()]
+        largest = max(p.stat().st_size for p in [log, *copies])
+        within = largest <= cap_bytes + LOG_SLACK_BYTES and len(copies) <= backups
+        ok &= within
+        total = sum(p.stat().st_size for p in [log, *copies])
+        rows.append(f"| {log.stem} | {log.stat().st_size / 1024:.0f} | {len(copies)} | {largest / 1024:.0f} | "
+                    f"{total / 1024:.0f} | {'yes' if within else 'NO'} |")
+    return rows, ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=2.0)
     parser.add_argument("--flat", type=float, default=0.05, help="largest RSS slope, as a share of the mean, per "
                                                                  "1,000 steps")
+    parser.add_argument("--log-mib", type=float, default=0.25, help="output.service_log_mib for the run (its "
+                                                                       "default, 64, is reached in days, not minutes)")
+    parser.add_argument("--log-backups", type=int, default=2, help="output.service_log_backups for the run")
     parser.add_argument("--out", default="runs/bench-soak")
     parser.add_argument("--quick", action="store_true", help="60 steps, a kill per 20, nothing written")
     parser.add_argument("--no-write", action="store_true")
@@ -131,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
              enumerate(range(args.restart_every, args.steps, args.restart_every))]
     overrides = [f"loop.steps={args.steps}", f"loop.eval_every={max(args.steps // 4, 1)}", "data.eval_size=50",
                  "loop.checkpoint_every=50", "loop.keep_checkpoints=3", "output.tensorboard=false",
-                 "output.progress=false"]  # recovery.* at their defaults: they must carry a run through days
+                 "output.progress=false", f"output.service_log_mib={args.log_mib}",
+                 f"output.service_log_backups={args.log_backups}"]  # recovery.* at defaults: they carry days
     result: list[FaultRun] = []
     runner = threading.Thread(target=lambda: result.append(run_with_faults(out, kills, overrides,
                                                                            timeout_s=args.steps * 10 + 600)))
@@ -166,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     with (out / "soak-samples.jsonl").open("w") as f:  # the raw series, for a look at any process's curve
         f.writelines(json.dumps(vars(s)) + "\n" for s in samples)
     used = disk(out)
+    cap = int(args.log_mib * MIB)
+    log_rows, logs_kept = service_logs(out, cap, args.log_backups)
+    ok &= logs_kept
     body = [f"`lorarl run examples/demo.yaml` (async) for {args.steps} steps, one SIGKILL every {args.restart_every} "
             f"steps ({', '.join(f'{k.target} at {k.at_step}' for k in kills)}); checkpoints every 50 steps, the "
             f"newest 3 kept; every service sampled every {args.sample_s:g} s ({len(samples)} samples), "
@@ -174,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
             "| process | lives | RSS MiB (min - max) | RSS slope MiB / 1k steps | verdict | open files | files slope "
             "| threads | threads slope |",
             "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |", *rows, "",
+            f"Service logs at the end, rotated at output.service_log_mib={args.log_mib:g} "
+            f"({cap / 1024:.0f} KiB), output.service_log_backups={args.log_backups} (KiB; within: no file past the "
+            f"cap by more than {LOG_SLACK_BYTES >> 10} KiB, no more copies than set):", "",
+            "| log | live KiB | copies | largest file KiB | all KiB | within |",
+            "| --- | ---: | ---: | ---: | ---: | --- |",
+            *log_rows, "",
             f"Disk at the end (MiB; the samples in {out.name}/soak-samples.jsonl): "
             + ", ".join(f"{k} {v:.1f}" if k != "step checkpoints" else f"{k} {v:.0f}" for k, v in used.items()) + ".",
             f"Slopes are fitted over each process's life after its first {args.warmup} steps and weighted by "

@@ -205,6 +205,7 @@ def semantic_problems(project: Mapping[str, Any], project_dir: Path) -> list[str
                      "and read it with server.auth.token_file (--token-file for the client)"
                      for key in environment(service) if key in TOKEN_VARIABLES]
         problems += _build_problems(where, service, project_dir)
+        problems += _logging_problems(where, service)
         try:
             args = parse_command(service.get("command") or [])
         except ValueError as exc:
@@ -220,6 +221,23 @@ def semantic_problems(project: Mapping[str, Any], project_dir: Path) -> list[str
         problems += _address_problems(f"services.{name}", name, service, services, configs)
     problems += _host_port_problems(services, configs)
     return problems
+
+
+#: Logging drivers that keep a container's output on the host, and so must be told when to rotate it.
+LOCAL_LOG_DRIVERS = ("json-file", "local")
+
+
+def _logging_problems(where: str, service: Mapping[str, Any]) -> list[str]:
+    """A service whose output Docker keeps on the host without a size cap fills the disk over days (Docker's
+    default json-file driver never rotates): the stack keeps each log as `lorarl run` keeps a service log."""
+    logging_ = service.get("logging") or {}
+    driver = logging_.get("driver", "json-file")
+    if driver not in LOCAL_LOG_DRIVERS:
+        return []  # syslog, journald, fluentd...: rotated where they deliver
+    if "max-size" not in (logging_.get("options") or {}):
+        return [f"{where}.logging: the {driver} driver keeps the container's output without a size cap; set "
+                "options.max-size (and max-file)"]
+    return []
 
 
 def host_networked(service: Mapping[str, Any]) -> bool:

@@ -46,3 +46,37 @@ def test_a_service_that_stays_up_starts_its_restart_count_again(tmp_path: Path, 
         os.kill(stack.processes["weightsync"].process.pid, signal.SIGKILL)
         wait_until(lambda: stack.failure is not None, 60, "the run failing")
         assert "restarted 1 times" in str(stack.failure)
+
+
+def test_a_service_log_is_kept_under_its_cap_while_the_service_writes(tmp_path: Path) -> None:
+    """A real weight sync service logs each call it rejects; with a 2 KiB cap and one copy, its log is rotated
+    while the process keeps appending to it: the live file starts again at zero (no hole where the old
+    content was), the newest line is kept, one copy and no more."""
+    import grpc
+
+    from lorarl.client.launch.log_files import LogRetention, backup_path
+    from lorarl.v1 import weightsync_pb2, weightsync_pb2_grpc
+
+    retention = LogRetention(max_bytes=2 << 10, backups=1)
+    stack = LocalStack(tmp_path, {"weightsync": {"storage_dir": str(tmp_path / "store")}}, services=("weightsync",),
+                       log_retention=retention)
+    stack.log_rotator.interval_s = 0.05
+    with stack:
+        log = stack.processes["weightsync"].log_path
+        with grpc.insecure_channel(stack.address("weightsync")) as channel:
+            stub = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
+            for call in range(60):  # no token: each is refused and logged ("rejected unauthenticated call")
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.GetSyncStatus(weightsync_pb2.GetSyncStatusRequest(job_id=f"call-{call}"), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                time.sleep(0.02)
+        wait_until(lambda: stack.log_rotator.rotations >= 3, 30, "three rotations")
+        rotations = stack.log_rotator.rotations
+        wait_until(lambda: "rejected unauthenticated call" in log.read_text(), 30, "a line after the rotation")
+        assert stack.processes["weightsync"].process.poll() is None
+    kept = [log, backup_path(log, 1)]
+    for path in kept:
+        data = path.read_bytes()
+        assert b"\0" not in data and len(data) <= retention.max_bytes + 4096, (path.name, len(data))
+    assert not backup_path(log, 2).exists()
+    assert rotations >= 3 and stack.log_rotator.generations[log] == stack.log_rotator.rotations

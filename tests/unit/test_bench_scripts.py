@@ -193,3 +193,23 @@ def test_soak_fits_a_slope_within_each_process_life_not_across_restarts() -> Non
     # a leak of 1 MiB every 10 steps in each life: 100 MiB per 1,000 steps
     leaking = [Sample("rollout", 1 + step // 100, step, 400.0 + (step % 100) / 10, 40, 9) for step in range(0, 200, 5)]
     assert lifetime_slopes(leaking, "rss", warmup=10) == pytest.approx(100.0)
+
+
+def test_soak_holds_each_service_log_to_its_retention(tmp_path: Path) -> None:
+    from bench.soak import LOG_SLACK_BYTES, service_logs
+
+    services = tmp_path / "services"
+    services.mkdir()
+    (services / "trainer.log").write_bytes(b"t" * 1000)
+    (services / "weightsync.log").write_bytes(b"w" * 10)
+    for copy in (1, 2):
+        (services / f"weightsync.log.{copy}").write_bytes(b"w" * 4000)
+    (services / "weightsync.log.ready.json").write_text("{}")  # not a rotated copy
+    rows, ok = service_logs(tmp_path, cap_bytes=4000, backups=2)
+    assert ok and rows == ["| trainer | 1 | 0 | 1 | 1 | yes |", "| weightsync | 0 | 2 | 4 | 8 | yes |"]
+    (services / "weightsync.log.3").write_bytes(b"w")  # a copy more than kept
+    assert service_logs(tmp_path, cap_bytes=4000, backups=2)[1] is False
+    (services / "weightsync.log.3").unlink()
+    (services / "trainer.log").write_bytes(b"t" * (4000 + LOG_SLACK_BYTES + 1))  # past the cap and its slack
+    rows, ok = service_logs(tmp_path, cap_bytes=4000, backups=2)
+    assert not ok and rows[0].endswith("| NO |")

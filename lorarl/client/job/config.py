@@ -305,6 +305,10 @@ class OutputSection:
     tensorboard: bool = setting(True, doc="Write TensorBoard event files (if tensorboard is installed).")
     wandb: bool = setting(False, doc="Log to Weights & Biases (if installed).")
     progress: bool = setting(True, doc="Show a progress line.")
+    service_log_mib: float = setting(64.0, check=in_range(0.0), doc="`lorarl run`: a service's log "
+                                     "(<dir>/services/NAME.log) is rotated when it reaches this size (0: never).")
+    service_log_backups: int = setting(2, check=in_range(0, 100), doc="Rotated copies of each service log kept "
+                                       "(NAME.log.1 newest); older output is dropped.")
 
 
 @dataclass

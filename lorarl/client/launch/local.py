@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from lorarl.client.calls import TOKEN_FILE_ENV
+from lorarl.client.launch.log_files import LogRetention, LogRotator
 from lorarl.common.ports import free_port
 from lorarl.common.ready import wait_for_ready_file
 from lorarl.common.server_config import DEFAULT_TOKEN_ENV
@@ -111,8 +112,17 @@ class LocalStack(Stack):
     restart_log: list[tuple[str, int, float]] = field(default_factory=list)
     #: The address every service binds and is reached at (a Ray node's own address under the Ray launcher).
     host: str = "127.0.0.1"
+    #: How much of each service's log (NAME.log in workdir) is kept (output.service_log_mib / _backups).
+    log_retention: LogRetention = field(default_factory=LogRetention)
+    log_rotator: LogRotator = field(init=False)
     _watcher: threading.Thread | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.log_rotator = LogRotator(self.log_paths, self.log_retention)
+
+    def log_paths(self) -> list[Path]:
+        return [svc.log_path for svc in list(self.processes.values())]
 
     def address(self, name: str) -> str:
         """A process's address; "rollout" names the first replica when there are several."""
@@ -182,6 +192,7 @@ class LocalStack(Stack):
                     _kill_group(process.process.pid)
             raise
         self.write_addresses()
+        self.log_rotator.start()
 
     def write_addresses(self) -> None:
         """The services' addresses in ``stack.json`` beside the token: what `lorarl run --attach` reads to run
@@ -287,6 +298,7 @@ class LocalStack(Stack):
     def stop(self) -> None:
         """SIGTERM everything (reverse start order), then SIGKILL whatever outlives the bound."""
         self._stopping.set()
+        self.log_rotator.stop()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=self.start_timeout_s + 5)
         for name in reversed(list(self.processes)):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.launch.local import ServiceFailedError, Stack
+from lorarl.client.launch.log_files import LogRetention, rotate_if_full
 from lorarl.client.launch.ray_host import ServiceHost
 from lorarl.common.config import ConfigError
 
@@ -151,6 +152,7 @@ class RayService:
     node_ip: str = ""
     pid: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    generation: int = 0  # the node log's rotations the stream has followed (log_files.read_since)
     offset: int = 0
     failure: str | None = None
 
@@ -175,6 +177,12 @@ class RayStack(Stack):
     @property
     def logs(self) -> Path:
         return self.out / "services"
+
+    @property
+    def log_retention(self) -> LogRetention:
+        from lorarl.client.launch.services import log_retention
+
+        return log_retention(self.cfg)
 
     def address(self, name: str) -> str:
         if name == "rollout" and name not in self.services:
@@ -227,7 +235,8 @@ class RayStack(Stack):
             actor = host.options(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=resources,
                 max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(group, index),
-            ).remote(name, service, section, self.token, str(workdir / name), self.threads_per_service)
+            ).remote(name, service, section, self.token, str(workdir / name), self.threads_per_service,
+                     log_retention=(self.log_retention.max_bytes, self.log_retention.backups))
             self.services[name] = RayService(name, service, actor)
             return self.services[name]
 
@@ -279,14 +288,14 @@ class RayStack(Stack):
         ray = self._ray
         for s in list(self.services.values()):
             try:
-                chunk, s.offset, failure, pid = ray.get(s.actor.poll.remote(s.offset), timeout=10)
+                chunk, s.generation, s.offset, failure, pid = ray.get(s.actor.poll.remote(s.generation, s.offset),
+                                                                      timeout=10)
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.RayError as e:  # the actor (or its node) is gone
                 chunk, failure, pid = b"", f"its Ray actor died ({type(e).__name__})", None
             if chunk:
-                with (self.logs / f"{s.name}.log").open("ab") as f:
-                    f.write(chunk)
+                self.append_log(s.name, chunk)
             if pid is not None and s.pid is not None and pid != s.pid:  # restarted
                 s.pid = pid
                 self._write_placement_quietly()
@@ -334,8 +343,14 @@ class RayStack(Stack):
         ray.shutdown()
 
     def poll_one_last(self, s: RayService) -> None:
-        chunk, s.offset, _, _ = self._ray.get(s.actor.poll.remote(s.offset), timeout=10)
+        chunk, s.generation, s.offset, _, _ = self._ray.get(s.actor.poll.remote(s.generation, s.offset), timeout=10)
         if chunk:
-            with (self.logs / f"{s.name}.log").open("ab") as f:
-                f.write(chunk)
+            self.append_log(s.name, chunk)
+
+    def append_log(self, name: str, chunk: bytes) -> None:
+        """The host's copy of a service log (<output.dir>/services/NAME.log), kept under the same retention."""
+        log = self.logs / f"{name}.log"
+        with log.open("ab") as f:
+            f.write(chunk)
+        rotate_if_full(log, self.log_retention)
 

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.launch.local import LocalStack
+from lorarl.client.launch.log_files import LogRetention, read_since
 
 LOG_CHUNK_BYTES = 1 << 20
 
 
 class ServiceHost:
     def __init__(self, name: str, service: str, section: dict[str, Any], token: str, workdir: str,
-                 threads: int = 1, env: dict[str, str] | None = None) -> None:
+                 threads: int = 1, env: dict[str, str] | None = None,
+                 log_retention: tuple[int, int] | None = None) -> None:
         import ray
 
         from lorarl.common.parent_watch import mark
@@ -30,7 +32,8 @@ class ServiceHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.host = ray.util.get_node_ip_address()
         self.stack = LocalStack(Path(workdir), {service: section}, token=token, services=(service,), host=self.host,
-                                threads_per_service=threads, process_env={service: dict(env or {})})
+                                threads_per_service=threads, process_env={service: dict(env or {})},
+                                log_retention=LogRetention(*log_retention) if log_retention else LogRetention())
 
     def start(self) -> dict[str, Any]:
         """Starts the service; where it serves and on which node (RuntimeError with its log tail if it did not)."""
@@ -43,17 +46,16 @@ class ServiceHost:
     def supervise(self, restarts: int) -> None:
         self.stack.supervise(restarts)
 
-    def poll(self, offset: int) -> tuple[bytes, int, str | None, int | None]:
-        """(log bytes from ``offset``, the next offset, why it failed for good or None, its current pid)."""
+    def poll(self, generation: int, offset: int) -> tuple[bytes, int, int, str | None, int | None]:
+        """(log bytes from where the driver stands, where it stands next: (generation, offset) across the log's
+        rotations (log_files.read_since), why it failed for good or None, its current pid)."""
         svc = self.stack.processes.get(self.service)
-        chunk = b""
         log = self.stack.workdir / f"{self.service}.log"
-        if log.exists():
-            with log.open("rb") as f:
-                f.seek(offset)
-                chunk = f.read(LOG_CHUNK_BYTES)
+        current = self.stack.log_rotator.generations.get(log, 0)
+        chunk, generation, offset = read_since(log, generation, offset, current,
+                                               self.stack.log_retention.backups, LOG_CHUNK_BYTES)
         failure = str(self.stack.failure) if self.stack.failure is not None else None
-        return chunk, offset + len(chunk), failure, svc.process.pid if svc is not None else None
+        return chunk, generation, offset, failure, svc.process.pid if svc is not None else None
 
     def stop(self) -> None:
         self.stack.stop()

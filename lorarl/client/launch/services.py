@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.job.config import records_routes, serving_length
+from lorarl.client.launch.log_files import LogRetention
 from lorarl.contract import staleness
 
 
@@ -110,7 +111,13 @@ def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = Non
     threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
     return LocalStack(out / "services", sections, threads_per_service=threads, rollout_replicas=cfg.rollout.replicas,
                       process_env={**visible_devices(cfg), **pinned_threads(pins)},
-                      server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {})
+                      server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {},
+                      log_retention=log_retention(cfg))
+
+
+def log_retention(cfg) -> LogRetention:
+    """How much of each service log the job keeps (output.service_log_mib, output.service_log_backups)."""
+    return LogRetention.from_mib(cfg.output.service_log_mib, cfg.output.service_log_backups)
 
 
 def launch_stack(cfg, out: Path):

@@ -364,3 +364,15 @@ def test_schema_is_the_vendored_compose_spec() -> None:
     schema = Path(DEPLOY / "schema" / "compose-spec.json").read_text()
     assert '"title": "Compose Specification"' in schema
     assert "compose-spec/compose-spec" in (DEPLOY / "README.md").read_text()
+
+
+def test_every_service_log_is_rotated(project: dict[str, Any]) -> None:
+    for name, service in project["services"].items():
+        assert service["logging"] == {"driver": "json-file", "options": {"max-size": "64m", "max-file": "3"}}, name
+
+
+def test_a_service_log_without_a_size_cap_is_reported(project: dict[str, Any]) -> None:
+    problems = problems_after(project, lambda p: p["services"]["trainer"].pop("logging"))
+    assert problems == ["services.trainer.logging: the json-file driver keeps the container's output without a "
+                        "size cap; set options.max-size (and max-file)"]
+    assert problems_after(project, lambda p: p["services"]["trainer"].update(logging={"driver": "journald"})) == []
