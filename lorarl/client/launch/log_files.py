@@ -138,3 +138,31 @@ class LogRotator:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         self._thread = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lorarl.client.launch.log_files FOLDER --max-bytes N --backups K``: keeps every ``*.log`` in
+    FOLDER under that retention until SIGTERM (a Slurm job's batch script runs it beside its services)."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--max-bytes", type=int, required=True)
+    parser.add_argument("--backups", type=int, default=2)
+    parser.add_argument("--interval-s", type=float, default=CHECK_INTERVAL_S)
+    args = parser.parse_args(argv)
+    if args.max_bytes < 0 or args.backups < 0 or args.interval_s <= 0:
+        parser.error("--max-bytes and --backups must be >= 0, --interval-s > 0")
+    rotator = LogRotator(lambda: sorted(args.folder.glob("*.log")), LogRetention(args.max_bytes, args.backups),
+                         args.interval_s)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    while not stopped.wait(args.interval_s):
+        rotator.check()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from lorarl.client.launch.log_files import MIB
 from lorarl.common.config import ConfigError
 
 WEIGHTSYNC_PORT, TRAINER_PORT, ROLLOUT_PORT = 50053, 50051, 50052
@@ -146,6 +147,10 @@ def sbatch_script(cfg, config_path: str, overrides: list[str], run_dir: Path, pa
         "  done",
         "}",
     ]
+    if cfg.output.service_log_mib > 0:  # each service log under output.service_log_mib, as `lorarl run` keeps it
+        lines += [" ".join(["python3", "-m", "lorarl.client.launch.log_files", '"$RUN/services"',
+                            f"--max-bytes={int(cfg.output.service_log_mib * MIB)}",
+                            f"--backups={cfg.output.service_log_backups}", "&"]), "PIDS+=($!)"]
     for group in (steps[:1], steps[1:2], steps[2:]):  # weight sync, then the trainer, then every replica at once
         for task in group:
             env = [f"{mask}={','.join(map(str, task.devices))}"] if mask and task.devices else []
@@ -166,7 +171,8 @@ def sbatch_script(cfg, config_path: str, overrides: list[str], run_dir: Path, pa
             else:
                 command = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist=${{NODES[{task.node}]}}",
                            *(["env", *env] if env else []), *serve]
-            lines.append(" ".join(_quote(c) for c in command) + f' > "$RUN/services/{task.name}.log" 2>&1 &')
+            # appended (>>): the rotator below copies and truncates a full log, and the next line lands at its start
+            lines.append(" ".join(_quote(c) for c in command) + f' >> "$RUN/services/{task.name}.log" 2>&1 &')
             lines.append("PIDS+=($!)")
         for task in group:
             lines.append(f'ready "${{NODES[{task.node}]}}:{task.port}" {task.name}')

@@ -43,7 +43,7 @@ def steps(script: str) -> dict[str, dict]:
     for line in script.splitlines():
         if not line.startswith("srun ") or "torchrun" in line:  # a trainer across nodes: its own test
             continue
-        words = shlex.split(line.split(" > ")[0].replace("${NODES[", "NODE").replace("]}", ""))
+        words = shlex.split(line.split(" >> ")[0].replace("${NODES[", "NODE").replace("]}", ""))
         node = int(next(w for w in words if w.startswith("--nodelist=")).removeprefix("--nodelist=NODE"))
         env = dict(w.split("=", 1) for w in words[words.index("env") + 1:words.index("lorarl")]) \
             if "env" in words else {}
@@ -92,6 +92,8 @@ def test_commands_match_the_config(tmp_path: Path) -> None:
     assert f'--trainer "${{NODES[0]}}:{ports["trainer"]}"' in train and "--rollout" not in train
     for name, step in found.items():
         assert f'ready "${{NODES[{step["node"]}]}}:{ports[name]}" {name}' in script
+    assert f'python3 -m lorarl.client.launch.log_files "$RUN/services" --max-bytes={64 << 20} --backups=2 &' \
+        in script  # the service logs under output.service_log_mib, as `lorarl run` keeps them
     subprocess.run(["bash", "-n", str(out / "lorarl.sbatch")], check=True)
 
 
@@ -120,8 +122,10 @@ exec "$@"
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_the_script_runs_the_job(tmp_path: Path) -> None:
+    cap = 8 << 10
     _, out = generate(tmp_path, "placement.nodes=3", "rollout.replicas=2", "loop.steps=4", "loop.eval_every=0",
-                      "data.eval_size=16", "output.progress=false", "output.tensorboard=false")
+                      "data.eval_size=16", "output.progress=false", "output.tensorboard=false",
+                      f"output.service_log_mib={cap / (1 << 20)}", "output.service_log_backups=50")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in STAND_INS.items():
@@ -131,7 +135,7 @@ def test_the_script_runs_the_job(tmp_path: Path) -> None:
            "SLURM_JOB_NODELIST": "node[1-3]"}
     result = subprocess.run(["bash", str(out / "lorarl.sbatch")], cwd=ROOT, capture_output=True, text=True,
                             env=env, timeout=800)
-    logs = {p.name: p.read_text() for p in (out / "services").glob("*.log")}
+    logs = {p.name: "".join(c.read_text() for c in with_copies(p)) for p in (out / "services").glob("*.log")}
     assert result.returncode == 0, (result.stderr[-3000:], {k: v[-1500:] for k, v in logs.items()})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(int(r.get("step", 0)) for r in rows) == 4
@@ -141,6 +145,17 @@ def test_the_script_runs_the_job(tmp_path: Path) -> None:
     for name in ("weightsync", "trainer", "rollout-0", "rollout-1"):  # each stopped cleanly with the script
         assert "received SIGTERM" in logs[f"{name}.log"] and "lorarl.common.server: stopped" in logs[f"{name}.log"]
     assert yaml.safe_load((out / "slurm" / "rollout.yaml").read_text())["server"]["port"] == ROLLOUT_PORT
+    # a rollout's vLLM start alone passes the 8 KiB cap: its log was rotated, with no hole where the service
+    # went on writing after a truncate (its output is appended)
+    rollout = with_copies(out / "services" / "rollout-0.log")
+    assert len(rollout) > 1, "the rollout's log was never rotated"
+    assert all(b"\0" not in path.read_bytes() for path in rollout)
+
+
+def with_copies(log: Path) -> list[Path]:
+    """A log's rotated copies, oldest first, then the log."""
+    copies = [c for c in log.parent.glob(f"{log.name}.*") if c.suffix[1:].isdigit()]
+    return [*sorted(copies, key=lambda c: -int(c.suffix[1:])), log]
 
 
 def test_a_trainer_across_nodes_is_one_torchrun_agent_per_node(tmp_path: Path) -> None:
