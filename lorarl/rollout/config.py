@@ -77,6 +77,11 @@ class RolloutSettings:
     max_queued_requests: int = setting(
         1024, check=in_range(1), doc="Sequences (prompts x n) admitted at once; beyond: RESOURCE_EXHAUSTED."
     )
+    max_job_tokens_in_flight: int = setting(
+        0, check=in_range(0), doc="Per job (the base model counts as one): tokens admitted at once, each sequence "
+        "counted as its prompt + max_tokens; beyond: RESOURCE_EXHAUSTED for that job only, so one job's flood "
+        "leaves the others room on a shared fleet (0: no per-job quota)."
+    )
     base_fingerprint: str | None = setting(
         None, doc="Identity of the base model; default: computed from model_path like the trainer does."
     )

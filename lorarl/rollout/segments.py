@@ -82,6 +82,7 @@ class SegmentRunner:
         self._live: dict[str, Segment] = {}
         self._requests: dict[str, list[Sequence]] = {}
         self._admitted = 0
+        self._job_tokens: dict[str, int] = {}  # tokens admitted per job (rollout.max_job_tokens_in_flight)
         self.client_paused = False
         self._background: set[asyncio.Task[None]] = set()
 
@@ -108,14 +109,36 @@ class SegmentRunner:
         if self._admitted + count > limit:
             raise ResourceExhaustedError(f"{self._admitted} sequences in flight and this request adds {count}; "
                                          f"the limit is {limit} (rollout.max_queued_requests): retry later")
+        job, tokens = request.policy.job_id, request_tokens(request)
+        quota = self.settings.max_job_tokens_in_flight
+        if quota:
+            held = self._job_tokens.get(job, 0)
+            whose = f"job {job!r}" if job else "the base model"
+            if tokens > quota:
+                raise InvalidArgumentError("prompts", f"this request holds {tokens} tokens (prompt + max_tokens, x n); "
+                                           f"{whose} may hold at most {quota} at once on this replica "
+                                           "(rollout.max_job_tokens_in_flight): split it")
+            if held + tokens > quota:
+                raise ResourceExhaustedError(
+                    f"{whose} has {held} tokens in flight (prompt + max_tokens, x n) and this request adds {tokens}; "
+                    f"each job may hold {quota} (rollout.max_job_tokens_in_flight), so that the other jobs on this "
+                    "replica keep their room: retry later")
         if request.request_id in self._requests:
             raise AlreadyExistsError(f"request {request.request_id!r} is already in flight")
         self._admitted += count
+        self._job_tokens[job] = self._job_tokens.get(job, 0) + tokens
         try:
             yield
         finally:
             self._admitted -= count
+            self._job_tokens[job] -= tokens
+            if not self._job_tokens[job]:
+                del self._job_tokens[job]
             self._requests.pop(request.request_id, None)
+
+    def job_tokens(self, job_id: str) -> int:
+        """Tokens the job's admitted requests hold (prompt + max_tokens per sequence)."""
+        return self._job_tokens.get(job_id, 0)
 
     def _sequences(self, request: GenerateInput, emit: Callable[[CompletionChunk], None] | None,
                    prompt_index: int, prompt: tuple[int, ...]) -> list[Sequence]:
@@ -282,6 +305,11 @@ class SegmentRunner:
             segment.interrupted = True
         await self.engine.abort([s.engine_id for s in victims])
         return victims
+
+
+def request_tokens(request: GenerateInput) -> int:
+    """What a request may hold at most: each sequence's prompt and its max_tokens, n sequences per prompt."""
+    return sum(len(prompt) + request.sampling.max_tokens for prompt in request.prompts) * request.sampling.n
 
 
 def _ignore(_chunk: CompletionChunk) -> None:

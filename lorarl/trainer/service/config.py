@@ -42,6 +42,10 @@ class TrainerSettings:
     model_roots: list[str] = setting(default_factory=list,
                                      doc="If set, base models must lie under one of these directories.")
     max_jobs: int = setting(4, check=in_range(1, 1024), doc="Jobs held at once.")
+    max_job_tokens_in_flight: int = setting(
+        0, check=in_range(0), doc="Per job: tokens (prompt + completion) of its training and logprob calls "
+        "accepted and not yet answered, queued or running; beyond: RESOURCE_EXHAUSTED for that job, so a job "
+        "that floods calls holds neither the trainer's memory nor its queue (0: no per-job quota).")
     weightsync_address: str = setting("", doc="host:port of the weight-sync service, for PublishWeights.")
     sender_host: str = setting("", doc="Address rollout replicas reach this trainer at for collective transfers "
                                        "(empty: the local address of the route to the weight-sync service).")

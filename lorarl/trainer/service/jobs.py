@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +80,8 @@ class Job:
     rollout_masked_token_fraction: float = 0.0
     #: The turns of the jobs on its base (JobManager.share_of): its own turns and waits are counted there.
     turns: FairShare | None = None
+    #: Tokens of its calls accepted and not yet answered (trainer.max_job_tokens_in_flight).
+    tokens_in_flight: int = 0
 
     def count(self, metrics: Metrics, seconds: float) -> Metrics:
         self.trained_tokens += float(metrics.get("tokens", 0.0))
@@ -119,9 +121,10 @@ class JobManager:
 
     def __init__(self, *, max_jobs: int = 4, model_roots: Sequence[str] = (),
                  engine_factory: EngineFactory = create_engine, compute_nice: int = 0,
-                 free_bytes: fit.FreeBytes | None = None) -> None:
+                 free_bytes: fit.FreeBytes | None = None, max_job_tokens_in_flight: int = 0) -> None:
         """``free_bytes``: bytes free on a device now (default: the device's own count, the host's on CPU)."""
         self.max_jobs = max_jobs
+        self.max_job_tokens_in_flight = max_job_tokens_in_flight
         self.model_roots = [Path(r) for r in model_roots]
         # Torch-engine jobs on one base share its one resident copy (lorarl.trainer.engines.shared_base).
         from lorarl.trainer.engines.shared_base import BaseRegistry
@@ -328,6 +331,26 @@ class JobManager:
             finally:
                 await turn.__aexit__(None, None, None)
 
+    @contextlib.contextmanager
+    def _holding(self, job: Job, records: Sequence[TrajectoryRecord]) -> Iterator[None]:
+        """The call's tokens counted on its job while it waits and runs; RESOURCE_EXHAUSTED first when they would
+        take the job past trainer.max_job_tokens_in_flight (a call past it alone: INVALID_ARGUMENT, to split)."""
+        tokens = sum(r.num_tokens for r in records)
+        quota = self.max_job_tokens_in_flight
+        if quota and tokens > quota:
+            raise InvalidArgumentError("trajectories", f"this call holds {tokens} tokens; a job may have at most "
+                                       f"{quota} in flight on this trainer (trainer.max_job_tokens_in_flight): "
+                                       "split it")
+        if quota and job.tokens_in_flight + tokens > quota:
+            raise ResourceExhaustedError(
+                f"job {job.job_id!r} has {job.tokens_in_flight} tokens in calls not yet answered and this call adds "
+                f"{tokens}; each job may have {quota} (trainer.max_job_tokens_in_flight): retry once its calls end")
+        job.tokens_in_flight += tokens
+        try:
+            yield
+        finally:
+            job.tokens_in_flight -= tokens
+
     async def _run(self, job: Job, fn: Callable[..., T], *args: Any) -> T:
         async with self._turn(job):
             return await self._in_engine_thread(job.job_id, fn, *args)
@@ -350,15 +373,16 @@ class JobManager:
         """One optimiser step on buffered (+ inline) trajectories; popped ones go back on failure."""
         job = self.get(job_id)
         extra = self._validated(job, inline, "trajectories")
-        async with self._turn(job):
-            batch = job.buffer.pop_batch(max_trajectories)
-            if not batch and not extra:
-                raise FailedPreconditionError(f"job {job_id!r} has no trajectories to train on; push some first")
-            try:
-                metrics = await self._trained(job, job.engine.train_step, batch + extra)
-            except BaseException:
-                job.buffer.restore(batch)
-                raise
+        with self._holding(job, extra):
+            async with self._turn(job):
+                batch = job.buffer.pop_batch(max_trajectories)
+                if not batch and not extra:
+                    raise FailedPreconditionError(f"job {job_id!r} has no trajectories to train on; push some first")
+                try:
+                    metrics = await self._trained(job, job.engine.train_step, batch + extra)
+                except BaseException:
+                    job.buffer.restore(batch)
+                    raise
         return metrics, job.engine.version, job.engine.step
 
     async def forward_backward(self, job_id: str, records: Sequence[TrajectoryRecord], loss=None, *,
@@ -369,16 +393,17 @@ class JobManager:
         batch = self._validated(job, records, "trajectories", loss)
         if not batch:
             raise InvalidArgumentError("trajectories", "is empty")
-        async with self._turn(job):
-            if not (forward_only or logprobs):
-                return await self._trained(job, job.engine.forward_backward, batch, loss), []
-            try:
-                if forward_only:  # no training pass: not counted
-                    return await self._in_engine_thread(job_id, job.engine.forward_with_logprobs, batch, loss,
-                                                        True)
-                return await self._trained(job, job.engine.forward_with_logprobs, batch, loss, False)
-            except NotImplementedError as e:
-                raise FailedPreconditionError(str(e)) from None
+        with self._holding(job, batch):
+            async with self._turn(job):
+                if not (forward_only or logprobs):
+                    return await self._trained(job, job.engine.forward_backward, batch, loss), []
+                try:
+                    if forward_only:  # no training pass: not counted
+                        return await self._in_engine_thread(job_id, job.engine.forward_with_logprobs, batch, loss,
+                                                            True)
+                    return await self._trained(job, job.engine.forward_with_logprobs, batch, loss, False)
+                except NotImplementedError as e:
+                    raise FailedPreconditionError(str(e)) from None
 
     async def optim_step(self, job_id: str, lr: float | None) -> tuple[Metrics, int, int]:
         job = self.get(job_id)
@@ -406,7 +431,8 @@ class JobManager:
         # reward) is not read, so it cannot be malformed either.
         ids_only = [TrajectoryRecord(r.prompt_token_ids, r.completion_token_ids, [0.0] * len(r.completion_token_ids),
                                      [0] * len(r.completion_token_ids), 0.0) for r in records]
-        return await self._run(job, job.engine.compute_logprobs, ids_only, reference)
+        with self._holding(job, ids_only):
+            return await self._run(job, job.engine.compute_logprobs, ids_only, reference)
 
     async def save_checkpoint(self, job_id: str, path: Path, data_cursor: Any = None):
         job = self.get(job_id)

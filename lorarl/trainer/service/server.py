@@ -72,7 +72,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                  peer_tls: ClientTls | None = None) -> None:
         self.settings, self.peer_tls = settings, peer_tls
         self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots,
-                                       compute_nice=settings.compute_nice)
+                                       compute_nice=settings.compute_nice,
+                                       max_job_tokens_in_flight=settings.max_job_tokens_in_flight)
         self.token = token
         self.tenants = Tenants.from_settings(settings.tenants)
         if self.tenants.tenants and not settings.model_roots:
@@ -284,7 +285,7 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
     except RuntimeError as e:
         raise StartupError(f"trainer ranks did not start: {e}") from None
     jobs = JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots, engine_factory=group.create_engine,
-                      compute_nice=settings.compute_nice)
+                      compute_nice=settings.compute_nice, max_job_tokens_in_flight=settings.max_job_tokens_in_flight)
     servicer = TrainerServicer(settings, jobs=jobs, token=server_token(server.auth, host=server.host),
                                peer_tls=peer_tls(server.peer_tls))
 

@@ -220,6 +220,35 @@ def test_queue_limit_and_duplicate_request_ids(files: ModelFiles) -> None:
     run(main)
 
 
+def test_each_job_holds_at_most_its_token_quota_and_the_others_keep_their_room(files: ModelFiles, adapter: dict
+                                                                              ) -> None:
+    """rollout.max_job_tokens_in_flight: a job past its quota is refused (RESOURCE_EXHAUSTED, for it alone) while
+    another job and the base model are still admitted; a request past the quota on its own is one to split."""
+    per_sequence = len(PROMPT) + 200
+
+    async def main() -> None:
+        core = make_core(files, max_job_tokens_in_flight=2 * per_sequence)
+        await core.load(adapter_payload("a", 1, adapter))
+        await core.load(adapter_payload("b", 1, adapter))
+        flood = asyncio.ensure_future(core.generate(request(PolicyRef("a"), max_tokens=200, n=2, request_id="a1")))
+        await asyncio.sleep(0.02)
+        assert core.runner.job_tokens("a") == 2 * per_sequence
+        with pytest.raises(ResourceExhaustedError, match=r"job 'a' has \d+ tokens in flight.*max_job_tokens_in_fl"):
+            await core.generate(request(PolicyRef("a"), max_tokens=8, request_id="a2"))
+        [b] = await core.generate(request(PolicyRef("b"), max_tokens=8, request_id="b1"))  # b's room is its own
+        [base] = await core.generate(request(BASE, max_tokens=8, request_id="base"))
+        assert len(b.completions[0].token_ids) == len(base.completions[0].token_ids) == 8
+        with pytest.raises(InvalidArgumentError, match="split it"):
+            await core.generate(request(PolicyRef("b"), max_tokens=200, n=3, request_id="b-huge"))
+        assert await core.abort(["a1"]) == 1
+        await flood
+        assert core.runner.job_tokens("a") == 0
+        [again] = await core.generate(request(PolicyRef("a"), max_tokens=8, request_id="a3"))  # its room is back
+        assert len(again.completions[0].token_ids) == 8
+
+    run(main)
+
+
 def test_failed_loads_keep_the_previous_version_serving(files: ModelFiles, adapter: dict) -> None:
     async def main() -> None:
         engine = FakeEngine(files, max_lora_rank=8)

@@ -163,3 +163,52 @@ def test_one_malloc_arena_from_the_second_job_on(tmp_path: Path, monkeypatch: py
         asyncio.run(body())
     finally:
         gc.unfreeze()
+
+
+class GatedEngine(RecordingEngine):
+    """Its train_step waits for ``gate``: calls of its job stay in flight while the test looks."""
+
+    def __init__(self, calls: list[tuple[str, int, int]], gate: threading.Event | None) -> None:
+        super().__init__(calls)
+        self.gate = gate
+
+    def train_step(self, batch: list[TrajectoryRecord]) -> dict[str, float]:
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        return {"loss": 0.0, "tokens": float(sum(len(r.completion_token_ids) for r in batch))}
+
+
+def test_a_job_past_its_tokens_in_flight_is_refused_and_the_others_are_not(tmp_path: Path) -> None:
+    """trainer.max_job_tokens_in_flight: a job's calls hold their tokens while queued and running; one that
+    would take the job past the quota is RESOURCE_EXHAUSTED, another job's call goes through, a call past the
+    quota alone is INVALID_ARGUMENT (split it), and the room comes back as calls end."""
+    from lorarl.common.errors import InvalidArgumentError, ResourceExhaustedError
+
+    gate = threading.Event()
+    manager = JobManager(engine_factory=lambda s: GatedEngine([], gate if s.base_model_path.endswith("a") else None),
+                         max_job_tokens_in_flight=6)
+    record = TrajectoryRecord([1, 2], [3], [-1.0], [0], 1.0, "g")  # 3 tokens
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+
+    async def scenario() -> None:
+        for name in ("a", "b"):
+            await manager.create(name, spec(tmp_path / name))
+        running = asyncio.ensure_future(manager.train_step("a", 0, [record]))
+        queued = asyncio.ensure_future(manager.train_step("a", 0, [record]))
+        await asyncio.sleep(0.05)
+        assert manager.get("a").tokens_in_flight == 6
+        with pytest.raises(ResourceExhaustedError, match=r"job 'a' has 6 tokens .* adds 3; each job may have 6"):
+            await manager.train_step("a", 0, [record])
+        with pytest.raises(ResourceExhaustedError, match="max_job_tokens_in_flight"):
+            await manager.compute_logprobs("a", [record], reference=False)
+        metrics, _, _ = await manager.train_step("b", 0, [record, record])  # b's room is its own
+        assert metrics["tokens"] == 2
+        with pytest.raises(InvalidArgumentError, match="split it"):
+            await manager.train_step("b", 0, [record] * 3)
+        gate.set()
+        await asyncio.gather(running, queued)
+        assert manager.get("a").tokens_in_flight == 0 == manager.get("b").tokens_in_flight
+        await manager.train_step("a", 0, [record, record])
+
+    asyncio.run(scenario())
