@@ -8,13 +8,17 @@ vocabulary, fp32) is built once. For each N in ``--jobs``:
   its one malloc arena: lorarl.common.malloc_arenas).
 - separate: N processes, one TorchEngine each, training at the same time.
 
+Each side gets the same ``--cpus`` (default: all): the shared process computes with that many torch threads,
+each separate process with ``cpus // N`` (at least 1). (Until commit d90d630 both ran one thread per process,
+so N >= 2 separate processes used every core while the shared one used one.)
+
 Both run the same GRPO steps (``--steps`` after one warm-up, ``--groups`` x ``--group-size`` completions of
 ``--completion-tokens`` random tokens on a ``--prompt-tokens`` prompt) and report: peak RSS (the sum over the
 processes for separate), aggregate trained tokens/s, fairness (max/min tokens/s across the jobs), the time
 to add a job to a resident base, and the time to read one job's adapter for publishing. Each configuration
 runs in fresh processes; the table goes into bench/RESULTS.md.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/multitenant.py
+    .venv/bin/python bench/multitenant.py
     .venv/bin/python bench/multitenant.py --quick          # the shipped tiny model, N = 1, 2 (CI)
 """
 
@@ -122,11 +126,11 @@ def worker_one(args: argparse.Namespace) -> dict:
     return {"rss": peak_rss_bytes(), **runs[args.job]}
 
 
-def run_worker(args: argparse.Namespace, *extra: str) -> subprocess.Popen:
+def run_worker(args: argparse.Namespace, threads: int, *extra: str) -> subprocess.Popen:
     command = [sys.executable, __file__, "--model", args.model, "--steps", str(args.steps), "--groups",
                str(args.groups), "--group-size", str(args.group_size), "--prompt-tokens", str(args.prompt_tokens),
                "--completion-tokens", str(args.completion_tokens), "--ranks", *map(str, args.ranks), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -135,10 +139,10 @@ def last_json(text: str) -> dict:
 
 
 def measure(args: argparse.Namespace, n: int) -> tuple[dict, dict]:
-    shared = run_worker(args, "--worker", "shared", "--n", str(n))
+    shared = run_worker(args, args.cpus, "--worker", "shared", "--n", str(n))
     out, _ = shared.communicate(timeout=3600)
     shared_result = last_json(out)
-    procs = [run_worker(args, "--worker", "one", "--job", str(j)) for j in range(n)]
+    procs = [run_worker(args, max(1, args.cpus // n), "--worker", "one", "--job", str(j)) for j in range(n)]
     for p in procs:
         assert p.stdout.readline().strip() == "ready"
     for p in procs:
@@ -161,7 +165,8 @@ def table(args: argparse.Namespace, rows: list[tuple[int, dict, dict]]) -> list[
     lines = [f"Model: {args.shape}, ranks {args.ranks} in turn; {args.steps} timed GRPO steps of {args.groups} x "
              f"{args.group_size} completions x {args.completion_tokens} tokens (prompt {args.prompt_tokens}) "
              "per job. Shared: one process, jobs taking turns on the base from their own threads; separate: "
-             "one process per job, all at once.", "",
+             f"one process per job, all at once. Each side on {args.cpus} CPUs: the shared process with "
+             f"{args.cpus} torch threads, each separate process with {args.cpus} // jobs (at least 1).", "",
              "| jobs | peak RSS shared | peak RSS separate | shared / separate | tokens/s shared | tokens/s "
              "separate | shared / separate | fairness shared (max/min) | add a job (resident base) | "
              "read an adapter to publish |",
@@ -190,6 +195,7 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--completion-tokens", type=int, default=128)
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs each side computes on")
     parser.add_argument("--quick", action="store_true", help="the shipped tiny model, N = 1, 2, one step")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--model", default="", help=argparse.SUPPRESS)
