@@ -13,7 +13,6 @@ scored the same way.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import time
 from collections.abc import Callable
@@ -147,47 +146,15 @@ async def _drive(cfg: JobFileConfig, trainer_address: str, rollout_address: str,
             log.close()
 
 
-async def _evaluate_adapters(cfg: JobFileConfig, address: str, token: str, adapters: list[str | None]
-                             ) -> list[float]:
-    from lorarl.client.commands.evaluate import ADAPTER_JOB, read_adapter
-    from lorarl.client.job.datasets import load_examples
-    from lorarl.client.job.rewards import load_reward
-    from lorarl.common.channel import aio_channel
-    from lorarl.contract.lora import LoraSpec
-    from lorarl.rollout.client import load_weights_stream
-    from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-
-    cfg = copy.deepcopy(cfg)
-    cfg.job_id = ADAPTER_JOB
-    test = load_examples(cfg.data.source, "test", cfg.data.test_path)
-    reward = load_reward(cfg.data.reward)
-    scores = []
-    async with aio_channel(address, token=token) as channel:
-        rollout = rollout_pb2_grpc.RolloutServiceStub(channel)
-        caps = await rollout.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
-        version = 0
-        for adapter in adapters:
-            state = LoopState()
-            if adapter is not None:
-                config, tensors = read_adapter(Path(adapter))
-                lora = LoraSpec.from_peft_config(config).to_proto()
-                version += 1
-                await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, version, tensors,
-                                                              common_pb2.SYNC_MODE_ADAPTER,
-                                                              caps.base_model_fingerprint, lora))
-                state.version = version
-            loop = RLLoop(cfg, trainer=None, rollout=rollout, reward=reward, train=test, test=test,
-                          on_metrics=lambda m: None, state=state)
-            scores.append((await loop.evaluate())["eval/accuracy"])
-    return scores
-
-
 def evaluate_adapters(cfg: JobFileConfig, out: Path, adapters: list[str | None]) -> list[float]:
     """Held-out greedy accuracy of each PEFT adapter directory (None: the base model), through one
     rollout service started for the purpose: the same evaluator for every trainer's adapters."""
+    from lorarl.client.commands.evaluate import evaluate, read_adapter
     from lorarl.client.launch.local import LocalStack
     from lorarl.client.launch.services import stack_sections
 
     sections = stack_sections(cfg, out)
     with LocalStack(out / "eval-services", {"rollout": sections["rollout"]}, services=("rollout",)) as stack:
-        return asyncio.run(_evaluate_adapters(cfg, stack.address("rollout"), stack.token, adapters))
+        results = asyncio.run(evaluate(cfg, stack.address("rollout"), stack.token,
+                                       [None if a is None else read_adapter(Path(a)) for a in adapters]))
+    return [r["eval/accuracy"] for r in results]

@@ -218,13 +218,13 @@ def test_stopped_run_resumes_from_checkpoint_and_its_export_evaluates_like_it_en
     adapter = out / "exports" / "demo" / "final-adapter"
     assert (adapter / "adapter_model.safetensors").is_file()
     assert f"adapter (PEFT): {adapter}" in second.stdout
-    evaluated = lorarl("eval", "examples/demo.yaml", f"output.dir={out}", "data.eval_size=100",
-                       "--adapter", str(adapter))
+    evaluated = lorarl("eval", "examples/demo.yaml", f"output.dir={out}", "data.eval_size=100", "--base",
+                       "--adapter", str(adapter))  # both on one rollout
     assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
-    scores = json.loads(evaluated.stdout.strip().splitlines()[-1])
-    assert scores["eval/accuracy"] == pytest.approx(evals(out)[-1])
-    base = lorarl("eval", "examples/demo.yaml", f"output.dir={out}", "data.eval_size=100")
-    assert json.loads(base.stdout.strip().splitlines()[-1])["eval/accuracy"] == pytest.approx(evals(out)[0])
+    base, trained = [json.loads(line) for line in evaluated.stdout.strip().splitlines()[-2:]]
+    assert (base["target"], trained["target"]) == ("base", str(adapter))
+    assert base["eval/accuracy"] == pytest.approx(evals(out)[0])
+    assert trained["eval/accuracy"] == pytest.approx(evals(out)[-1])
 
 
 def test_bad_config_fails_before_start_naming_the_key(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py", "cpu_pinning.py", "memory_plan.py",
                                     "scaling.py", "gpu_check.py", "trl_at_shape.py", "head_logprobs.py",
                                     "npu_check.py", "receive_in_worker.py", "multitenant.py", "routing_replay.py",
-                                    "recovery.py", "soak.py"])
+                                    "recovery.py", "soak.py", "multi_lora_pass.py"])
 def test_command_line_parses(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -213,3 +213,39 @@ def test_soak_holds_each_service_log_to_its_retention(tmp_path: Path) -> None:
     (services / "trainer.log").write_bytes(b"t" * (4000 + LOG_SLACK_BYTES + 1))  # past the cap and its slack
     rows, ok = service_logs(tmp_path, cap_bytes=4000, backups=2)
     assert not ok and rows[0].endswith("| NO |")
+
+
+def test_the_batched_multi_job_pass_gives_each_job_its_turns_gradients() -> None:
+    """bench/multi_lora_pass.py's batched pass (one base pass over two jobs' rows, each job's adapter on its own
+    rows) against the jobs' turns on the shipped tiny model: the same adapter gradients; with the jobs' rows
+    swapped, not (the benchmark's check can fail)."""
+    import argparse
+
+    import torch
+
+    from bench.multi_lora_pass import adapter_params, measure, round_batched, round_turns
+
+    args = argparse.Namespace(model=str(ROOT / "lorarl/assets/models/qwen3-tiny"), ranks=[16, 8], reps=1,
+                              head_chunk=1024)
+    result = measure(args, n=2, rows=2, tokens=12)
+    assert result["grad_diff"] < 1e-4 and result["turns_s"] > 0 and result["batched_s"] > 0
+
+    from transformers import AutoModelForCausalLM
+
+    from lorarl.contract.lora import LoraSpec
+    from lorarl.trainer.rl.lora import attach_lora
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    slots = [attach_lora(model, LoraSpec(rank=r, alpha=2.0 * r), seed=j) for j, r in enumerate((16, 8))]
+    for slot in slots:
+        for a in slot.adapters.values():
+            torch.nn.init.normal_(a.lora_b, std=0.02)
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(10, 200, (2, 12), generator=generator) for _ in slots]
+    round_turns(model, slots, batches, 1024)
+    params = adapter_params(slots)
+    turns = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    round_batched(model, slots, batches[::-1], 1024)  # each job's adapter on the other's rows
+    assert max((p.grad - g).abs().max().item() for p, g in zip(params, turns, strict=True)) > 1e-3

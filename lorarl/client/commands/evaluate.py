@@ -1,8 +1,8 @@
-"""`lorarl eval CONFIG [--adapter DIR] [key=value ...]` and `lorarl export`.
+"""`lorarl eval CONFIG [--adapter DIR ...] [--base] [key=value ...]` and `lorarl export`.
 
-eval:   held-out greedy accuracy of the config's base model, or of a PEFT adapter directory (e.g. a
-        `lorarl export` or the trainer's Export) served on top of it, through a rollout service started
-        on loopback for the purpose.
+eval:   held-out greedy accuracy of the config's base model, or of PEFT adapter directories (e.g. a
+        `lorarl export` or the trainer's Export) served on top of it, each in turn, through one rollout
+        service started on loopback for the purpose; one JSON line of scores per target, the base first.
 export: a job's adapter (PEFT) or merged model (HF) on disk, either from a training checkpoint with
         nothing running (`lorarl export --checkpoint DIR --mode merged --out DIR`), or by asking a
         running trainer (`lorarl export JOB --trainer HOST:PORT`).
@@ -28,7 +28,9 @@ def add_parsers(subparsers: Any) -> None:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("config", help="job YAML file (model, data and rollout sections are used)")
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    ev.add_argument("--adapter", metavar="DIR", help="PEFT adapter directory to serve on the base model")
+    ev.add_argument("--adapter", metavar="DIR", action="append", default=[],
+                    help="PEFT adapter directory to serve on the base model (again for more: one rollout scores all)")
+    ev.add_argument("--base", action="store_true", help="with --adapter: score the base model too, first")
     ev.set_defaults(handler=eval_command)
     ex = subparsers.add_parser("export", help="write a job's adapter or merged model, from a checkpoint or a trainer",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,23 +66,29 @@ def eval_command(args: argparse.Namespace) -> int:
     cfg = load(args)
     if cfg is None:
         return 2
-    adapter = None
-    if args.adapter:
-        try:
-            adapter = read_adapter(Path(args.adapter))
-        except FileNotFoundError as e:
-            print(f"lorarl eval: {e}", file=sys.stderr)
-            return 2
+    try:
+        adapters = [read_adapter(Path(directory)) for directory in args.adapter]
+    except FileNotFoundError as e:
+        print(f"lorarl eval: {e}", file=sys.stderr)
+        return 2
+    names = ["base"] * (args.base or not adapters) + list(args.adapter)
+    targets = [None] * (args.base or not adapters) + adapters
     out = Path(cfg.output.dir) / "eval"
     sections = stack_sections(cfg, Path(cfg.output.dir))
     with LocalStack(out / "services", {"rollout": sections["rollout"]}, services=("rollout",)) as stack:
-        result = asyncio.run(evaluate(cfg, stack.address("rollout"), stack.token, adapter))
-    print(json.dumps(result))
+        results = asyncio.run(evaluate(cfg, stack.address("rollout"), stack.token, targets))
+    for name, result in zip(names, results, strict=True):
+        print(json.dumps({**result, "target": name}))
     return 0
 
 
-async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[dict, dict] | None
-                   ) -> dict[str, float]:
+async def evaluate(cfg, rollout_address: str, token: str | None, targets: list[tuple[dict, dict] | None]
+                   ) -> list[dict[str, float]]:
+    """The held-out scores of each target in turn on one rollout: None is the base model, else a PEFT adapter
+    (config, tensors), loaded as the next version of one evaluation job (the trainer's adapters, compared under
+    one evaluator: bench/lorarl_job.py too)."""
+    import copy
+
     from lorarl.client.job.inputs import job_examples, job_reward
     from lorarl.client.rl.loop import LoopState, RLLoop
     from lorarl.common.channel import aio_channel
@@ -88,22 +96,27 @@ async def evaluate(cfg, rollout_address: str, token: str | None, adapter: tuple[
     from lorarl.rollout.client import load_weights_stream
     from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-    test = job_examples(cfg, "test")
+    cfg = copy.deepcopy(cfg)
+    cfg.job_id = ADAPTER_JOB
+    test, reward = job_examples(cfg, "test"), job_reward(cfg)
+    results, version = [], versions.BASE
     async with aio_channel(rollout_address, token=token) as channel:
         rollout = rollout_pb2_grpc.RolloutServiceStub(channel)
-        state = LoopState()
-        if adapter is not None:
-            config, tensors = adapter
-            caps = await rollout.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
-            lora = LoraSpec.from_peft_config(config).to_proto()
-            await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, versions.FIRST, tensors,
-                                                          common_pb2.SYNC_MODE_ADAPTER, caps.base_model_fingerprint,
-                                                          lora))
-            state.version = versions.FIRST
-        cfg.job_id = ADAPTER_JOB
-        loop = RLLoop(cfg, trainer=None, rollout=rollout, reward=job_reward(cfg), train=test,
-                      test=test, on_metrics=lambda m: None, state=state)
-        return await loop.evaluate()
+        caps = await rollout.GetCapabilities(rollout_pb2.GetCapabilitiesRequest())
+        for target in targets:
+            state = LoopState()
+            if target is not None:
+                config, tensors = target
+                version = versions.next_version(version)
+                await rollout.LoadWeights(load_weights_stream(ADAPTER_JOB, version, tensors,
+                                                              common_pb2.SYNC_MODE_ADAPTER,
+                                                              caps.base_model_fingerprint,
+                                                              LoraSpec.from_peft_config(config).to_proto()))
+                state.version = version
+            loop = RLLoop(cfg, trainer=None, rollout=rollout, reward=reward, train=test, test=test,
+                          on_metrics=lambda m: None, state=state)
+            results.append(await loop.evaluate())
+    return results
 
 
 def export_command(args: argparse.Namespace) -> int:

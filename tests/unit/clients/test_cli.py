@@ -16,8 +16,8 @@ def test_overrides_before_between_and_after_flags_keep_their_order() -> None:
     args = parse(["run", DEMO, "loop.steps=3", "--dry-run", "loop.steps=4", "--fresh", "rollout.group_size=2"])
     assert args.dry_run and args.fresh
     assert args.overrides == ["loop.steps=3", "loop.steps=4", "rollout.group_size=2"]
-    args = parse(["eval", DEMO, "--adapter", "runs/x", "data.eval_size=5"])
-    assert args.adapter == "runs/x" and args.overrides == ["data.eval_size=5"]
+    args = parse(["eval", DEMO, "--adapter", "runs/x", "data.eval_size=5", "--adapter", "runs/y", "--base"])
+    assert args.adapter == ["runs/x", "runs/y"] and args.base and args.overrides == ["data.eval_size=5"]
     assert parse(["demo", "--fresh", "loop.steps=2"]).overrides == ["loop.steps=2"]
 
 
