@@ -3,10 +3,11 @@
 A random-init model at the Qwen3-0.6B layer shape (``--layers`` decoder layers, the real 151,936-token
 vocabulary, fp32) is built once. For each N in ``--jobs``:
 
-- shared: one process, N TorchEngines on one BaseRegistry (lorarl.trainer.engines.shared_base), ranks
-  ``--ranks`` in turn; they train concurrently from N threads, as the trainer service runs its jobs (with
-  its one malloc arena: lorarl.common.malloc_arenas).
-- separate: N processes, one TorchEngine each, training at the same time.
+- shared: one process, N jobs in one trainer JobManager (lorarl.trainer.service.jobs), ranks ``--ranks`` in
+  turn, on one resident base (lorarl.trainer.engines.shared_base): created as CreateJob creates them, then
+  trained at once as the trainer service trains them (each job's engine thread, turns at the base by weighted
+  fair share, one malloc arena from the second job on).
+- separate: N processes, one JobManager with one job each, training at the same time.
 
 Each side gets the same ``--cpus`` (default: all): the shared process computes with that many torch threads,
 each separate process with ``cpus // N`` (at least 1). (Until commit d90d630 both ran one thread per process,
@@ -31,7 +32,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -69,12 +69,15 @@ def spec(args: argparse.Namespace, job: int):
                         optimizer=OptimizerSpec(learning_rate=1e-4), seed=job)
 
 
-def train(engine, args: argparse.Namespace, job: int, out: dict) -> None:
-    engine.train_step(batch(args, 1000 * job, engine.version))  # warm-up step: not timed
+async def train(manager, args: argparse.Namespace, job: int, out: dict) -> None:
+    """One job's warm-up step, then ``args.steps`` timed ones, through the trainer's JobManager."""
+    name = f"job{job}"
+    engine = manager.get(name).engine
+    await manager.train_step(name, 0, batch(args, 1000 * job, engine.version))  # warm-up step: not timed
     start, tokens = time.time(), 0
     for step in range(args.steps):
         records = batch(args, 1000 * job + step + 1, engine.version)
-        engine.train_step(records)
+        await manager.train_step(name, 0, records)
         tokens += sum(len(r.completion_token_ids) for r in records)
     end = time.time()
     out[job] = {"rate": tokens / (end - start), "start": start, "end": end}
@@ -85,25 +88,27 @@ def peak_rss_bytes() -> int:
 
 
 def worker_shared(args: argparse.Namespace) -> dict:
-    """N jobs on one base in this process, training from N threads."""
-    from lorarl.common.malloc_arenas import limit_malloc_arenas
-    from lorarl.trainer.engines.shared_base import BaseRegistry
-    from lorarl.trainer.engines.torch_engine import TorchEngine
+    """N jobs on one base in one trainer's JobManager (lorarl.trainer.service.jobs), as the trainer service runs
+    them: created one after another (CreateJob's work: engine and warm-up), then trained at once, each job's
+    calls on its own engine thread, the turns at the base by weighted fair share."""
+    import asyncio
 
-    bases = BaseRegistry()
-    engines, add_s = [], []
-    for job in range(args.n):
-        if job == 1:  # as the trainer's JobManager does from a second job on (there the first job's engine
-            limit_malloc_arenas()  # thread has its own arena already: one more than here)
-        start = time.perf_counter()
-        engines.append(TorchEngine(spec(args, job), bases=bases))
-        add_s.append(time.perf_counter() - start)
+    from lorarl.trainer.service.jobs import JobManager
+
+    manager = JobManager(max_jobs=max(4, args.n))
     runs: dict[int, dict] = {}
-    threads = [threading.Thread(target=train, args=(e, args, j, runs)) for j, e in enumerate(engines)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+
+    async def scenario() -> list[float]:
+        add_s = []
+        for job in range(args.n):
+            start = time.perf_counter()
+            await manager.create(f"job{job}", spec(args, job))
+            add_s.append(time.perf_counter() - start)
+        await asyncio.gather(*(train(manager, args, j, runs) for j in range(args.n)))
+        return add_s
+
+    add_s = asyncio.run(scenario())
+    engines = [manager.get(f"job{j}").engine for j in range(args.n)]
     wall = max(r["end"] for r in runs.values()) - min(r["start"] for r in runs.values())
     publish = time.perf_counter()
     _ = [(n, t.detach().clone()) for n, t in engines[-1].iter_adapter_tensors()]
@@ -115,14 +120,21 @@ def worker_shared(args: argparse.Namespace) -> dict:
 
 
 def worker_one(args: argparse.Namespace) -> dict:
-    """One job alone in this process (one of N separate trainer processes)."""
-    from lorarl.trainer.engines.torch_engine import TorchEngine
+    """One job alone in this process (one of N separate trainer processes), through its own JobManager."""
+    import asyncio
 
-    engine = TorchEngine(spec(args, args.job))
+    from lorarl.trainer.service.jobs import JobManager
+
+    manager = JobManager()
     runs: dict[int, dict] = {}
-    print("ready", flush=True)
-    sys.stdin.readline()  # every process loaded: start together
-    train(engine, args, args.job, runs)
+
+    async def scenario() -> None:
+        await manager.create(f"job{args.job}", spec(args, args.job))
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # all loaded: start together
+        await train(manager, args, args.job, runs)
+
+    asyncio.run(scenario())
     return {"rss": peak_rss_bytes(), **runs[args.job]}
 
 
@@ -164,11 +176,11 @@ def table(args: argparse.Namespace, rows: list[tuple[int, dict, dict]]) -> list[
     gib = 2**30
     lines = [f"Model: {args.shape}, ranks {args.ranks} in turn; {args.steps} timed GRPO steps of {args.groups} x "
              f"{args.group_size} completions x {args.completion_tokens} tokens (prompt {args.prompt_tokens}) "
-             "per job. Shared: one process, jobs taking turns on the base from their own threads; separate: "
+             "per job. Shared: one trainer JobManager, the jobs taking turns on the base by fair share; separate: "
              f"one process per job, all at once. Each side on {args.cpus} CPUs: the shared process with "
              f"{args.cpus} torch threads, each separate process with {args.cpus} // jobs (at least 1).", "",
              "| jobs | peak RSS shared | peak RSS separate | shared / separate | tokens/s shared | tokens/s "
-             "separate | shared / separate | fairness shared (max/min) | add a job (resident base) | "
+             "separate | shared / separate | fairness shared (max/min) | add a job (CreateJob, resident base) | "
              "read an adapter to publish |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n, shared, separate in rows:
