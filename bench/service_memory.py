@@ -38,6 +38,8 @@ TOLERANCE = 0.20
 #: shape:layers:completion:prompts x group:mode
 FULL = ["0.6b:2:512:4x4:sync", "0.6b:4:4096:1x2:sync", "0.6b:2:512:4x4:async", "1.7b:2:512:2x4:sync",
         "1.7b:2:2048:1x2:async"]
+#: Settings run as two jobs on one stack (#31: one base resident, shown against the plan).
+SHARED = "0.6b:2:512:4x4:async"
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Sampler:
     def __init__(self, period_s: float = 0.25) -> None:
         self.period_s, self.stack = period_s, None
         self.samples: dict[str, list[tuple[float, float]]] = {}
+        self.peaks: dict[str, float] = {}  # each process's VmHWM as last read (GiB): its peak up to then
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -79,6 +82,8 @@ class Sampler:
     def _run(self) -> None:
         import psutil
 
+        from bench.scaling import peak_rss_gib
+
         started = time.monotonic()
         while not self._stop.wait(self.period_s):
             if self.stack is None:
@@ -88,7 +93,8 @@ class Sampler:
                     for key, pid in named_processes(name, svc.process.pid):
                         self.samples.setdefault(key, []).append(
                             (time.monotonic() - started, psutil.Process(pid).memory_info().rss / GIB))
-                except psutil.Error:
+                        self.peaks[key] = max(self.peaks.get(key, 0.0), peak_rss_gib(pid))
+                except (psutil.Error, OSError):
                     pass
 
 
@@ -167,6 +173,68 @@ def run_setting(setting: Setting, tmp: Path, trainer_settings: dict | None = Non
     return Measured(rows, sum(r.get("train/time_s", 0.0) for r in timing.steps))
 
 
+def job_file(path: Path, values: dict[str, object]) -> Path:
+    """examples/demo.yaml with ``values`` (dotted keys) set, written to ``path``: a job file of its own."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "examples/demo.yaml").read_text())
+    for dotted, value in values.items():
+        *parents, key = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def run_shared(setting: Setting, tmp: Path, ranks: tuple[int, ...] = (32, 16)) -> Measured:
+    """Jobs of ``setting`` (one per rank in ``ranks``, the demo task each) on one stack as `lorarl run A.yaml
+    B.yaml` starts it (lorarl.client.launch.many_jobs.run_jobs): each service process's peak beside
+    lorarl.client.job.plan.shared_service_plans. The jobs' own `lorarl train` processes are clients, not planned."""
+    import torch
+
+    import lorarl.client.launch.many_jobs as many_jobs
+    from lorarl.assets.models import build_random_model
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.job.plan import shared_service_plans
+
+    model = tmp / f"{setting.shape}-{setting.layers}"
+    if not model.exists():
+        build_random_model(setting.shape, model, num_layers=setting.layers, dtype=torch.float32)
+    out = tmp / f"shared-{setting.shape}-{setting.layers}-{setting.completion}-{setting.mode}"
+    files = [str(job_file(tmp / f"job-r{rank}.yaml", {
+        "job_id": f"r{rank}", "model.path": str(model), "loop.mode": setting.mode, "loop.steps": 2,
+        "loop.prompts_per_step": setting.prompts, "loop.eval_every": 0, "loop.checkpoint_every": 0,
+        "data.eval_size": 1, "rollout.group_size": setting.group, "rollout.max_tokens": setting.completion,
+        "rollout.eval_max_tokens": 1, "rollout.kv_cache_gib": 2, "trainer.lora": {
+            "rank": rank, "alpha": 2 * rank, "target_modules": ["all-linear"]},
+        "rollout.max_lora_rank": max(ranks), "output.dir": str(out / f"r{rank}"), "output.tensorboard": False,
+        "output.progress": False})) for rank in ranks]
+    cfgs = [load_job_config(f, []) for f in files]
+    rollout = many_jobs.shared_sections(cfgs, Path(cfgs[0].output.dir))["rollout"]
+    planned = {p.name: p.total / GIB for p in shared_service_plans(cfgs, rollout) or []}
+    sampler = Sampler()
+    made = many_jobs.local_stack
+
+    def watched(*args, **kwargs):
+        sampler.stack = made(*args, **kwargs)
+        return sampler.stack
+
+    many_jobs.local_stack = watched
+    sampler.start()
+    try:
+        code = many_jobs.run_jobs(cfgs, files, [], fresh=True)
+    finally:
+        sampler.stop()
+        many_jobs.local_stack = made
+    if code:
+        raise RuntimeError(f"`lorarl run` of {len(files)} jobs exited {code}")
+    rows = [(name, plan, sampler.peaks.get(name, float("nan")), sampler.samples.get(name, [(0, float("nan"))])[-1][1])
+            for name, plan in planned.items()]
+    return Measured(rows, 0.0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", default=",".join(FULL), help="comma-separated shape:layers:completion:"
@@ -174,8 +242,11 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     parser.add_argument("--no-allocator", dest="allocator", action="store_false",
                         help="skip the first setting's second run with glibc's own mmap threshold")
+    parser.add_argument("--shared", default=SHARED, help="comma-separated settings run as two jobs (rank 32 and "
+                        "16) on one stack, `lorarl run A.yaml B.yaml` ('' for none)")
     args = parser.parse_args()
     settings = [Setting.parse(s) for s in args.settings.split(",")]
+    shared_settings = [Setting.parse(s) for s in args.shared.split(",") if s]
     lines = ["| setting | process | plan GiB | measured peak GiB | plan/measured | within ±20% |",
              "| --- | --- | ---: | ---: | ---: | --- |"]
     worst, failed = 0.0, 0
@@ -190,14 +261,19 @@ def main() -> int:
                     peak = next(p for n, _, p, _ in m.rows if n == "trainer")
                     allocator.append(f"| {label} | {peak:.2f} | {m.train_s:.1f} |")
                     print(allocator[-1], flush=True)
-            for name, plan, peak, _ in measured.rows:
-                ratio = plan / peak if peak == peak and peak else float("nan")
-                ok = abs(ratio - 1) <= TOLERANCE
-                failed += not ok
-                worst = max(worst, abs(ratio - 1)) if ratio == ratio else worst
-                line = f"| {setting} | {name} | {plan:.2f} | {peak:.2f} | {ratio:.2f} | {'yes' if ok else 'NO'} |"
-                print(line, flush=True)
-                lines.append(line)
+            runs = [(str(setting), measured)]
+            if index == len(settings) - 1:  # then the settings run as two jobs on one stack
+                runs += [(f"{shared}, 2 jobs (rank 32 + 16) on one stack", run_shared(shared, Path(tmp)))
+                         for shared in shared_settings]
+            for label, result in runs:
+                for name, plan, peak, _ in result.rows:
+                    ratio = plan / peak if peak == peak and peak else float("nan")
+                    ok = abs(ratio - 1) <= TOLERANCE
+                    failed += not ok
+                    worst = max(worst, abs(ratio - 1)) if ratio == ratio else worst
+                    line = f"| {label} | {name} | {plan:.2f} | {peak:.2f} | {ratio:.2f} | {'yes' if ok else 'NO'} |"
+                    print(line, flush=True)
+                    lines.append(line)
     verdict = (f"every row within ±{TOLERANCE:.0%}: {'PASS' if not failed else 'FAIL'} "
                f"(worst {worst:+.0%} off{f'; {failed} row(s) outside' if failed else ''})")
     print(verdict)
@@ -205,13 +281,15 @@ def main() -> int:
         from bench.results import write_results
 
         title = (f"### {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, fp32, rank 32, "
-                 f"{len(settings)} settings")
+                 f"{len(settings)} settings" + (f" + {len(shared_settings)} on one stack" if shared_settings else ""))
         pair = (["The first setting again with glibc's sliding mmap threshold (trainer.malloc_mmap_threshold_mib=0), "
                  "side by side:", "", *allocator, ""] if args.allocator else [])
         notes = ["", verdict, "", *pair,
                  "Per row: `lorarl run`'s stack (bench/lorarl_job.py) runs two steps of the demo job on a random-init",
                  "model with the named shape; 'measured peak' is the process's VmHWM read before the services stop;",
-                 "'plan' is what `lorarl run --dry-run` prints for that process (lorarl/client/job/process_memory.py).",
+                 "'plan' is what `lorarl run --dry-run` prints for that process (lorarl/client/job/process_memory.py);",
+                 "a '2 jobs on one stack' row runs `lorarl run A.yaml B.yaml` (2 steps each) against the shared",
+                 "stack's plan (lorarl.client.job.plan.shared_service_plans: the base once in the trainer).",
                  "The trainer service fixes glibc's mmap threshold at 8 MiB (trainer.malloc_mmap_threshold_mib)."]
         write_results(HEADING, title, [*lines, *notes])
     return 0 if not failed else 1

@@ -138,6 +138,11 @@ def run_many(args: argparse.Namespace, files: list[str]) -> int:
             check_shareable(cfgs)
             print(f"jobs {', '.join(cfg.job_id for cfg in cfgs)} can share one stack (the base once in the "
                   "trainer, one rollout sized for all)")
+            from lorarl.client.job.plan import print_shared_processes, shared_service_plans
+            from lorarl.client.launch.many_jobs import shared_sections
+
+            rollout = shared_sections(cfgs, Path(cfgs[0].output.dir))["rollout"]
+            print_shared_processes(shared_service_plans(cfgs, rollout))
             return 0
         stop_on_sigterm()
         return run_jobs(cfgs, files, list(args.overrides), args.fresh)

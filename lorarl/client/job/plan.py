@@ -420,6 +420,50 @@ def _service_plans(cfg, shape: dict[str, Any], n: dict[str, int], trainer: Train
                          merged=mode.startswith("merged"))
 
 
+def shared_service_plans(cfgs: list, rollout: dict[str, Any]) -> list[ProcessPlan] | None:
+    """The processes of one stack several jobs share (`lorarl run A.yaml B.yaml`), None where not planned.
+
+    The trainer holds the base once, every job's adapters, gradients and Adam, one step's activations at a time
+    (the jobs take turns at the base; from the second job on they share one malloc arena) and every job's
+    trajectories; the rollout is sized for all (``rollout``: the stack's rollout section, as
+    lorarl.client.launch.many_jobs.shared_sections makes it: its LoRA rank and slots, its KV cache) and holds every
+    job's requests in flight; weight sync is one process."""
+    import copy
+
+    if not all(plans_processes(cfg) for cfg in cfgs):
+        return None
+    each, memories = [], []
+    for cfg in cfgs:
+        sized = copy.deepcopy(cfg)
+        sized.rollout.max_lora_rank = rollout["max_lora_rank"]
+        sized.rollout.max_loras = rollout["max_loras"]
+        sized.rollout.kv_cache_gib = rollout["kv_cache_gib"]
+        shape = model_shape(sized)
+        n = count(shape, sized.trainer.lora.rank, sized.trainer.lora.expert_mode)
+        memory = trainer_memory(sized, shape, n, None)
+        rollout_lora = sync_choice(sized, shape, bool(n["experts"]))[1]
+        each.append(_service_plans(sized, shape, n, memory, "adapter", rollout_lora))
+        memories.append(memory)
+    trainer_key, held = "weights, adapters, Adam and step", "trajectories"
+    plans = []
+    for index, first in enumerate(each[0]):
+        parts = dict(first.parts)
+        if first.name == "trainer":
+            parts[trainer_key] = (memories[0].weights + sum(m.adapters + m.adam for m in memories)
+                                  + max(m.step.total for m in memories))
+            parts[held] = sum(plans[index].parts[held] for plans in each)
+        elif "requests in flight" in parts:
+            parts["requests in flight"] = sum(plans[index].parts["requests in flight"] for plans in each)
+        plans.append(ProcessPlan(first.name, parts))
+    return plans
+
+
+def print_shared_processes(plans: list[ProcessPlan] | None) -> None:
+    """`lorarl run A.yaml B.yaml --dry-run`: the shared stack's processes."""
+    print("the shared stack's ", end="")
+    _print_processes(plans)
+
+
 def _print_processes(plans: list[ProcessPlan] | None) -> None:
     if plans is None:
         print("processes: host memory per process is planned for CPU runs with vLLM only (the device plan above "

@@ -344,6 +344,34 @@ def test_the_plan_names_every_service_process_of_a_cpu_run(capsys) -> None:
     assert [p.name for p in wide].count("rollout-1 engine core (worker 1)") == 1
 
 
+def test_the_shared_stack_plans_the_base_once_and_every_jobs_own_part(capsys) -> None:
+    """#31: `lorarl run A.yaml B.yaml --dry-run` plans the one stack the jobs share: the trainer holds the base and
+    one step's activations once, each job's adapters and Adam and trajectories; the rollout holds every job's
+    requests and LoRA slots for all at the largest rank (bench/service_memory.py measures it)."""
+    from lorarl.client.job.plan import count, model_shape, service_plans, shared_service_plans, trainer_memory
+    from lorarl.client.launch.many_jobs import shared_sections
+
+    files = [str(ROOT / "examples/multitenant/add.yaml"), str(ROOT / "examples/multitenant/sort.yaml")]
+    cfgs = [load_job_config(f, []) for f in files]
+    rollout = shared_sections(cfgs, Path("/tmp/x"))["rollout"]
+    shared = {p.name: p.parts for p in shared_service_plans(cfgs, rollout)}
+    alone = [{p.name: p.parts for p in service_plans(cfg)} for cfg in cfgs]
+    memories = [trainer_memory(c, model_shape(c), count(model_shape(c), c.trainer.lora.rank), None) for c in cfgs]
+    key = "weights, adapters, Adam and step"
+    assert shared["trainer"][key] == pytest.approx(
+        memories[0].weights + sum(m.adapters + m.adam for m in memories) + max(m.step.total for m in memories))
+    assert shared["trainer"][key] < sum(a["trainer"][key] for a in alone) - memories[0].weights  # base once
+    for process, part in (("trainer", "trajectories"), ("rollout-0", "requests in flight")):
+        assert shared[process][part] == pytest.approx(sum(a[process][part] for a in alone))
+    # the slots of both jobs' windows at the larger rank: more than either job's own rollout holds
+    assert shared["rollout-0 engine core"]["LoRA slots"] > max(a["rollout-0 engine core"]["LoRA slots"] for a in alone)
+    assert list(shared) == list(alone[0])
+    assert main(["run", *files, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "the shared stack's processes (peak resident memory" in out
+    assert f"  trainer: {human_bytes(sum(shared['trainer'].values()))} (" in out
+
+
 def test_vllm_on_cpu_holds_a_tied_vocabulary_three_times_and_an_untied_one_four() -> None:
     from lorarl.client.job.process_memory import engine_core_weights, lora_slot_bytes, vocab_bytes
 
