@@ -15,7 +15,10 @@ so N >= 2 separate processes used every core while the shared one used one.)
 
 Both run the same GRPO steps (``--steps`` after one warm-up, ``--groups`` x ``--group-size`` completions of
 ``--completion-tokens`` random tokens on a ``--prompt-tokens`` prompt) and report: peak RSS (the sum over the
-processes for separate), aggregate trained tokens/s, fairness (max/min tokens/s across the jobs), the time
+processes for separate), aggregate trained tokens/s, each shared job's step time (median seconds from its call
+to its answer: its wait for a turn and its compute; the timed steps start together) and their fairness (max/min
+across the jobs: the jobs' ranks differ, so tokens/s would differ at equal turns, while equal-weight turns give
+every job the same step time), the time
 to add a job to a resident base, and the time to read one job's adapter for publishing. Each configuration
 runs in fresh processes; the table goes into bench/RESULTS.md.
 
@@ -29,6 +32,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,18 +73,23 @@ def spec(args: argparse.Namespace, job: int):
                         optimizer=OptimizerSpec(learning_rate=1e-4), seed=job)
 
 
-async def train(manager, args: argparse.Namespace, job: int, out: dict) -> None:
-    """One job's warm-up step, then ``args.steps`` timed ones, through the trainer's JobManager."""
+async def train(manager, args: argparse.Namespace, job: int, out: dict, together=None) -> None:
+    """One job's warm-up step, then ``args.steps`` timed ones, through the trainer's JobManager; ``together`` (an
+    asyncio.Barrier): the timed steps start when every job has warmed up."""
     name = f"job{job}"
     engine = manager.get(name).engine
     await manager.train_step(name, 0, batch(args, 1000 * job, engine.version))  # warm-up step: not timed
-    start, tokens = time.time(), 0
+    if together is not None:
+        await together.wait()
+    start, tokens, step_s = time.time(), 0, []
     for step in range(args.steps):
         records = batch(args, 1000 * job + step + 1, engine.version)
+        called = time.perf_counter()
         await manager.train_step(name, 0, records)
+        step_s.append(time.perf_counter() - called)  # its wait for a turn and its own compute
         tokens += sum(len(r.completion_token_ids) for r in records)
     end = time.time()
-    out[job] = {"rate": tokens / (end - start), "start": start, "end": end}
+    out[job] = {"rate": tokens / (end - start), "start": start, "end": end, "step_s": statistics.median(step_s)}
 
 
 def peak_rss_bytes() -> int:
@@ -104,7 +113,8 @@ def worker_shared(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             await manager.create(f"job{job}", spec(args, job))
             add_s.append(time.perf_counter() - start)
-        await asyncio.gather(*(train(manager, args, j, runs) for j in range(args.n)))
+        together = asyncio.Barrier(args.n)
+        await asyncio.gather(*(train(manager, args, j, runs, together) for j in range(args.n)))
         return add_s
 
     add_s = asyncio.run(scenario())
@@ -115,7 +125,8 @@ def worker_shared(args: argparse.Namespace) -> dict:
     publish_s = time.perf_counter() - publish
     tokens = args.steps * args.groups * args.group_size * args.completion_tokens * args.n
     return {"rss": peak_rss_bytes(), "tokens_per_s": tokens / wall, "rates": [r["rate"] for r in runs.values()],
-            "first_job_s": add_s[0], "add_job_s": max(add_s[1:], default=0.0), "publish_s": publish_s,
+            "step_s": [r["step_s"] for r in runs.values()], "first_job_s": add_s[0],
+            "add_job_s": max(add_s[1:], default=0.0), "publish_s": publish_s,
             "base_bytes": engines[0].memory()[0], "job_bytes": engines[-1].memory()[2]}
 
 
@@ -168,8 +179,9 @@ def measure(args: argparse.Namespace, n: int) -> tuple[dict, dict]:
     return shared_result, separate
 
 
-def fairness(rates: list[float]) -> float:
-    return max(rates) / min(rates) if rates and min(rates) > 0 else float("nan")
+def fairness(values: list[float]) -> float:
+    """max/min across the jobs (1.0: every job alike)."""
+    return max(values) / min(values) if values and min(values) > 0 else float("nan")
 
 
 def table(args: argparse.Namespace, rows: list[tuple[int, dict, dict]]) -> list[str]:
@@ -180,14 +192,16 @@ def table(args: argparse.Namespace, rows: list[tuple[int, dict, dict]]) -> list[
              f"one process per job, all at once. Each side on {args.cpus} CPUs: the shared process with "
              f"{args.cpus} torch threads, each separate process with {args.cpus} // jobs (at least 1).", "",
              "| jobs | peak RSS shared | peak RSS separate | shared / separate | tokens/s shared | tokens/s "
-             "separate | shared / separate | fairness shared (max/min) | add a job (CreateJob, resident base) | "
+             "separate | shared / separate | step s shared (per job, median) | fairness shared (max/min step s) | "
+             "add a job (CreateJob, resident base) | "
              "read an adapter to publish |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n, shared, separate in rows:
         lines.append(
             f"| {n} | {shared['rss'] / gib:.2f} GiB | {separate['rss'] / gib:.2f} GiB | "
             f"{shared['rss'] / separate['rss']:.2f} | {shared['tokens_per_s']:.0f} | {separate['tokens_per_s']:.0f} "
-            f"| {shared['tokens_per_s'] / separate['tokens_per_s']:.2f} | {fairness(shared['rates']):.2f} | "
+            f"| {shared['tokens_per_s'] / separate['tokens_per_s']:.2f} | "
+            f"{min(shared['step_s']):.2f} - {max(shared['step_s']):.2f} | {fairness(shared['step_s']):.2f} | "
             + (f"{shared['add_job_s'] * 1000:.0f} ms" if n > 1 else "-")
             + f" | {shared['publish_s'] * 1000:.1f} ms |")
     base, job = rows[-1][1]["base_bytes"], rows[-1][1]["job_bytes"]
