@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MIB = 1 << 20
-#: How often sizes are looked at: a service writing 1 MiB/s passes its cap by at most this much output.
+#: How often sizes are looked at: a log passes its cap by at most what its service writes in this time.
 CHECK_INTERVAL_S = 2.0
 
 
@@ -41,10 +41,6 @@ class LogRetention:
     @property
     def bounded(self) -> bool:
         return self.max_bytes > 0
-
-    def most_bytes(self) -> int:
-        """Disk a log may take with its copies, less what it writes between two checks."""
-        return self.max_bytes * (1 + self.backups)
 
 
 def backup_path(log: Path, index: int) -> Path:
