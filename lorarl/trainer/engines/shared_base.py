@@ -7,7 +7,8 @@ an engine call holds the base for the call, with that job's adapters attached an
 place, so each job computes exactly what it would alone (the isolation test holds it bit for bit). The RNG
 streams are process-wide: jobs on *other* bases (their own threads) draw from them too, so the isolation
 holds among the jobs of one base.
-Passes that batch several jobs' rows through the base at once are a later step (issue #31, item 2).
+Turns, not one pass over several jobs' rows at once: on CPU that paid only for tiny steps and not at a real
+step's size (bench/multi_lora_pass.py), and it would hold every job's activations together.
 """
 
 from __future__ import annotations
