@@ -81,15 +81,17 @@ async def train(manager, args: argparse.Namespace, job: int, out: dict, together
     await manager.train_step(name, 0, batch(args, 1000 * job, engine.version))  # warm-up step: not timed
     if together is not None:
         await together.wait()
-    start, tokens, step_s = time.time(), 0, []
+    start, tokens, step_s, ends = time.time(), 0, [], []
     for step in range(args.steps):
         records = batch(args, 1000 * job + step + 1, engine.version)
         called = time.perf_counter()
         await manager.train_step(name, 0, records)
         step_s.append(time.perf_counter() - called)  # its wait for a turn and its own compute
+        ends.append(time.time())
         tokens += sum(len(r.completion_token_ids) for r in records)
     end = time.time()
-    out[job] = {"rate": tokens / (end - start), "start": start, "end": end, "step_s": statistics.median(step_s)}
+    out[job] = {"rate": tokens / (end - start), "start": start, "end": end, "step_s": statistics.median(step_s),
+                "ends": ends}
 
 
 def peak_rss_bytes() -> int:
@@ -124,8 +126,10 @@ def worker_shared(args: argparse.Namespace) -> dict:
     _ = [(n, t.detach().clone()) for n, t in engines[-1].iter_adapter_tensors()]
     publish_s = time.perf_counter() - publish
     tokens = args.steps * args.groups * args.group_size * args.completion_tokens * args.n
+    first_done = min(r["ends"][-1] for r in runs.values())  # until then every job was training
     return {"rss": peak_rss_bytes(), "tokens_per_s": tokens / wall, "rates": [r["rate"] for r in runs.values()],
             "step_s": [r["step_s"] for r in runs.values()], "first_job_s": add_s[0],
+            "window_steps": [sum(e <= first_done for e in r["ends"]) for r in runs.values()],
             "add_job_s": max(add_s[1:], default=0.0), "publish_s": publish_s,
             "base_bytes": engines[0].memory()[0], "job_bytes": engines[-1].memory()[2]}
 
@@ -161,10 +165,19 @@ def last_json(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
 
+#: The fairness run: equal jobs (one rank, one weight) of small steps, many of them, so that the steps each job
+#: finished while all were training (turn by turn) resolve a share to within one step in twelve.
+FAIR_STEPS = ("--steps", "12", "--groups", "1", "--group-size", "2", "--completion-tokens", "64")
+
+
 def measure(args: argparse.Namespace, n: int) -> tuple[dict, dict]:
     shared = run_worker(args, args.cpus, "--worker", "shared", "--n", str(n))
     out, _ = shared.communicate(timeout=3600)
     shared_result = last_json(out)
+    if n > 1:
+        fair = run_worker(args, args.cpus, "--worker", "shared", "--n", str(n), *FAIR_STEPS,
+                          "--ranks", str(args.ranks[0]))
+        shared_result["fair_steps"] = last_json(fair.communicate(timeout=3600)[0])["window_steps"]
     procs = [run_worker(args, max(1, args.cpus // n), "--worker", "one", "--job", str(j)) for j in range(n)]
     for p in procs:
         assert p.stdout.readline().strip() == "ready"
@@ -190,18 +203,21 @@ def table(args: argparse.Namespace, rows: list[tuple[int, dict, dict]]) -> list[
              f"{args.group_size} completions x {args.completion_tokens} tokens (prompt {args.prompt_tokens}) "
              "per job. Shared: one trainer JobManager, the jobs taking turns on the base by fair share; separate: "
              f"one process per job, all at once. Each side on {args.cpus} CPUs: the shared process with "
-             f"{args.cpus} torch threads, each separate process with {args.cpus} // jobs (at least 1).", "",
+             f"{args.cpus} torch threads, each separate process with {args.cpus} // jobs (at least 1). Fairness: "
+             f"a second shared run of equal jobs (rank {args.ranks[0]}, weight 1) of 12 small steps each (1 x 2 x 64 "
+             "tokens), the steps each job finished while all were training (until the first was done).", "",
              "| jobs | peak RSS shared | peak RSS separate | shared / separate | tokens/s shared | tokens/s "
-             "separate | shared / separate | step s shared (per job, median) | fairness shared (max/min step s) | "
-             "add a job (CreateJob, resident base) | "
-             "read an adapter to publish |",
+             "separate | shared / separate | step s shared (per job, median) | fairness: steps of equal jobs "
+             "(max/min) | add a job (CreateJob, resident base) | read an adapter to publish |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n, shared, separate in rows:
         lines.append(
             f"| {n} | {shared['rss'] / gib:.2f} GiB | {separate['rss'] / gib:.2f} GiB | "
             f"{shared['rss'] / separate['rss']:.2f} | {shared['tokens_per_s']:.0f} | {separate['tokens_per_s']:.0f} "
             f"| {shared['tokens_per_s'] / separate['tokens_per_s']:.2f} | "
-            f"{min(shared['step_s']):.2f} - {max(shared['step_s']):.2f} | {fairness(shared['step_s']):.2f} | "
+            f"{min(shared['step_s']):.2f} - {max(shared['step_s']):.2f} | "
+            + (f"{min(shared['fair_steps'])} - {max(shared['fair_steps'])} ({fairness(shared['fair_steps']):.2f}) | "
+               if n > 1 else "- | ")
             + (f"{shared['add_job_s'] * 1000:.0f} ms" if n > 1 else "-")
             + f" | {shared['publish_s'] * 1000:.1f} ms |")
     base, job = rows[-1][1]["base_bytes"], rows[-1][1]["job_bytes"]
