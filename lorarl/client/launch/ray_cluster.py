@@ -167,6 +167,8 @@ class RayStack(Stack):
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     threads_per_service: int = 1
     stop_timeout_s: float = 30.0
+    #: How much of each service log is kept, on the nodes and in the host's copy (output.service_log_*).
+    log_retention: LogRetention = field(default_factory=LogRetention)
     services: dict[str, RayService] = field(default_factory=dict)
     failure: ServiceFailedError | None = None
     _groups: list[Any] = field(default_factory=list)
@@ -177,12 +179,6 @@ class RayStack(Stack):
     @property
     def logs(self) -> Path:
         return self.out / "services"
-
-    @property
-    def log_retention(self) -> LogRetention:
-        from lorarl.client.launch.services import log_retention
-
-        return log_retention(self.cfg)
 
     def address(self, name: str) -> str:
         if name == "rollout" and name not in self.services:

@@ -127,7 +127,8 @@ def launch_stack(cfg, out: Path):
 
         out = out.resolve()  # the actors' working folders are not this process's
         threads = 1 if cfg.trainer.device == "cpu" else max(1, int(cfg.launcher.cpus_per_service))
-        return RayStack(cfg, out, stack_sections(cfg, out), threads_per_service=threads)
+        return RayStack(cfg, out, stack_sections(cfg, out), threads_per_service=threads,
+                        log_retention=log_retention(cfg))
     return local_stack(cfg, out)
 
 
