@@ -1,7 +1,9 @@
 """A time budget per test file, enforced at the end of `make test` (`--budget tests/budget.json`).
 
 The suite has to fit CI's limit as it grows, so each file's wall time (setup + call + teardown of all its
-tests) is held to what was recorded for it, with headroom for a noisy machine; a file that is not in the
+tests) is held to what was recorded for it, with headroom for a noisy machine, scaled by the run's pace (the
+recorded files' seconds against their record, so a machine slower throughout moves every budget alike while
+one file that grows against the rest still goes over); a file that is not in the
 record gets the default. A file past its budget fails the session and is named, with its measured and
 allowed seconds, so a new slow test is seen when it lands. Session-scoped fixtures (a shared engine, a
 shared demo run) are budgeted under their own name (``fixture:NAME``), not under whichever file happened
@@ -24,6 +26,8 @@ from pathlib import Path
 import pytest
 
 DEFAULTS = {"headroom": 1.5, "slack_s": 15.0, "default_s": 20.0, "unmarked_s": 10.0}
+#: A machine past twice the record's pace is not let off: its run fails where a file goes over at 2x.
+MAX_PACE = 2.0
 
 
 @dataclass(frozen=True)
@@ -45,20 +49,34 @@ class Budget:
         return cls(files={str(k): float(v) for k, v in data.get("files", {}).items()},
                    **{k: float(data[k]) for k in DEFAULTS if k in data})
 
-    def allowed(self, name: str) -> float:
-        """Seconds `name` may take: its record with headroom, or the default for a name not recorded."""
+    def allowed(self, name: str, pace: float = 1.0) -> float:
+        """Seconds `name` may take: its record with headroom at this run's ``pace``, or the default for a name not
+        recorded."""
         if name not in self.files:
             return self.default_s
-        return self.files[name] * self.headroom + self.slack_s
+        return self.files[name] * self.headroom * pace + self.slack_s
+
+    def pace(self, measured: Mapping[str, float]) -> float:
+        """How much slower this run's machine went than the record's: the seconds of the files both name over
+        their recorded seconds, between 1 and MAX_PACE. A suite that slows alike (a slower or busier machine:
+        the same commit's suite took 23.7 and 31.6 min here hours apart) moves every budget with it; one file
+        that grows against the rest still goes over."""
+        common = [n for n in measured if self.files.get(n, 0.0) > 0]
+        recorded = sum(self.files[n] for n in common)
+        if not recorded:
+            return 1.0
+        return min(MAX_PACE, max(1.0, sum(measured[n] for n in common) / recorded))
 
     def over(self, measured: Mapping[str, float]) -> list[tuple[str, float, float]]:
         """(name, measured, allowed) for each name past its budget, slowest first."""
-        found = [(n, s, self.allowed(n)) for n, s in measured.items() if s > self.allowed(n)]
+        pace = self.pace(measured)
+        found = [(n, s, self.allowed(n, pace)) for n, s in measured.items() if s > self.allowed(n, pace)]
         return sorted(found, key=lambda row: -row[1])
 
     def nearest(self, measured: Mapping[str, float], count: int) -> list[tuple[str, float, float]]:
         """(name, measured, allowed) for the `count` names that used most of their budget, most first."""
-        rows = [(n, s, self.allowed(n)) for n, s in measured.items()]
+        pace = self.pace(measured)
+        rows = [(n, s, self.allowed(n, pace)) for n, s in measured.items()]
         return sorted(rows, key=lambda row: -row[1] / row[2])[:count]
 
     def recorded(self, measured: Mapping[str, float]) -> dict:
@@ -167,7 +185,9 @@ class BudgetPlugin:
         if self.budget is None:
             return
         total = sum(self.timings.per_name.values())
-        terminalreporter.write_sep("=", f"time budget ({self.budget_path}): {total / 60:.1f} min of tests")
+        pace = self.budget.pace(self.timings.per_name)
+        terminalreporter.write_sep("=", f"time budget ({self.budget_path}): {total / 60:.1f} min of tests, "
+                                        f"at {pace:.2f}x the record's pace")
         for name, seconds, allowed in self.budget.nearest(self.timings.per_name, NEAREST_SHOWN):
             terminalreporter.write_line(f"{seconds / allowed:4.0%} of budget  {name}: {seconds:.1f} s of "
                                         f"{allowed:.1f} s")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pytest import MonkeyPatch, Pytester
 
-from tests.support.budget import Budget, Timings
+from tests.support.budget import MAX_PACE, Budget, Timings
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +49,17 @@ def test_allowed_is_the_record_with_headroom_and_the_default_for_a_new_file() ->
     assert budget.allowed("tests/a.py") == 20.0 and budget.allowed("tests/new.py") == 20.0
     assert budget.over({"tests/a.py": 19.9, "tests/new.py": 21.0, "tests/b.py": 1.0}) == [
         ("tests/new.py", 21.0, 20.0)]
+
+
+def test_a_machine_slower_throughout_moves_every_budget_but_a_file_that_grows_still_goes_over() -> None:
+    budget = Budget(files={"tests/a.py": 100.0, "tests/b.py": 100.0, "tests/c.py": 10.0}, headroom=1.5, slack_s=0.0)
+    slower = {"tests/a.py": 160.0, "tests/b.py": 160.0, "tests/c.py": 16.0}  # 1.6x throughout: a slower machine
+    assert budget.pace(slower) == pytest.approx(1.6) and budget.over(slower) == []
+    grown = {**slower, "tests/c.py": 60.0}  # c grew 6x, the rest 1.6x: c is over at this pace, not the others
+    assert [name for name, _, _ in budget.over(grown)] == ["tests/c.py"]
+    assert budget.pace({"tests/a.py": 50.0}) == 1.0  # a faster run never tightens the budget
+    assert budget.pace({"tests/a.py": 900.0}) == MAX_PACE  # nor does a far slower one lift it without bound
+    assert [name for name, _, _ in budget.over({"tests/a.py": 900.0})] == ["tests/a.py"]
 
 
 def test_session_fixture_time_is_its_own_line_not_the_first_files() -> None:
