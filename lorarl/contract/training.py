@@ -492,9 +492,6 @@ class TrainingSpec:
                  "only the last stage sees the logprobs that decide which tokens count (use rollout_is)")
         if self.routing_replay not in ROUTING_REPLAY:
             fail("routing_replay", f"must be one of {list(ROUTING_REPLAY)}, got {self.routing_replay!r}")
-        if self.routing_replay == "on" and self.engine != "torch":
-            fail("routing_replay", f"'on' needs engine 'torch' (engine {self.engine!r} routes live; use 'auto' or "
-                                   "'off')")
         if self.fingerprint_check not in FINGERPRINT_CHECKS:
             fail("fingerprint_check", f"must be one of {list(FINGERPRINT_CHECKS)}, got {self.fingerprint_check!r}")
         if self.full_finetune and self.loss.kl_coef:

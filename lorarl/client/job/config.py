@@ -391,8 +391,8 @@ class JobFileConfig:
                               "(0: derived from it)")
         parallel = self.trainer.parallel
         if self.trainer.routing_replay == "on" and not records_routes(self):
-            raise ConfigError("trainer.routing_replay", "'on' needs a MoE model (model.path's config names experts), "
-                                                        "trainer.engine torch and rollout.engine vllm; use 'auto'")
+            raise ConfigError("trainer.routing_replay", "'on' needs a MoE model (model.path's config names experts) "
+                                                        "and rollout.engine vllm; use 'auto'")
         if self.trainer.engine == "torch" and (parallel.tensor, parallel.expert) != (1, 1):
             raise ConfigError("trainer.parallel", "tensor/expert parallelism needs trainer.engine=megatron")
         if self.trainer.engine == "torch" and parallel.pipeline > 1 and parallel.data > 1:
@@ -495,11 +495,10 @@ def is_moe(cfg) -> bool:
 
 def records_routes(cfg, moe: bool | None = None) -> bool:
     """Whether this job's rollouts record routed experts for the trainer to replay (trainer.routing_replay):
-    a MoE model (``moe``; None: as model.path's config.json says), the torch trainer engine and vLLM rollouts,
-    unless 'off'."""
+    a MoE model (``moe``; None: as model.path's config.json says) and vLLM rollouts, unless 'off'. Both trainer
+    engines replay."""
     t = cfg.trainer
-    return (t.routing_replay != "off" and t.engine == "torch" and cfg.rollout.engine == "vllm"
-            and (is_moe(cfg) if moe is None else moe))
+    return t.routing_replay != "off" and cfg.rollout.engine == "vllm" and (is_moe(cfg) if moe is None else moe)
 
 
 def serving_length(cfg) -> int | None:

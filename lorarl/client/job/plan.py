@@ -268,8 +268,7 @@ def routing_replay_line(cfg, shape: dict[str, Any], experts: int, sequence_token
     """What routing replay costs this job (lorarl.contract.routes), or why it is off."""
     t = cfg.trainer
     if not records_routes(cfg, moe=True):
-        why = ("trainer.routing_replay is off" if t.routing_replay == "off" else
-               f"the {t.engine} engine routes live" if t.engine != "torch" else "rollout.engine is not vllm")
+        why = "trainer.routing_replay is off" if t.routing_replay == "off" else "rollout.engine is not vllm"
         return f"off ({why})"
     layers, top_k = moe_layers(shape), shape.get("num_experts_per_tok") or 1
     per_token = routes_bytes_per_token(layers, top_k, experts)

@@ -20,6 +20,9 @@ Each replaying call also counts how often the live router would have chosen anot
 layer, and per token in any layer): `take_stats` reads them, as the step's ``routing_*`` metrics.
 Routers are transformers' top-k routers (Qwen3-MoE's ``Qwen3MoeTopKRouter``): ``weight``, ``top_k``,
 ``num_experts``, ``norm_topk_prob``, forward -> (logits, weights, indices).
+
+The Megatron engine replays the same routes by the same rule through megatron-core's router hook
+(lorarl.trainer.engines.megatron.routing_replay), and reports its figures with `stats_from_counts`.
 """
 
 from __future__ import annotations
@@ -149,14 +152,20 @@ def take_stats(model: nn.Module) -> dict[str, float]:
         rows = replayed.any(0)
         tokens += int(rows.sum())
         any_differs += int(differs.any(0).sum())
+    return stats_from_counts(pairs, differing, tokens, any_differs)
+
+
+def stats_from_counts(pairs: int, differing: int, tokens: int, any_differs: int) -> dict[str, float]:
+    """The ``routing_*`` metrics from their counts (`take_stats`; the Megatron engine sums them over its ranks
+    first): replayed (token, layer) pairs and how many differ, replayed tokens and how many differ in any layer."""
     if not pairs:
         return {}
     return {"routing_replayed_tokens": float(tokens), "routing_disagreement": differing / pairs,
             "routing_token_disagreement": any_differs / max(tokens, 1)}
 
 
-def replayed_fraction(records: Sequence[TrajectoryRecord]) -> float:
-    """Share of the policy's tokens whose predicting position (the one before each) has a recorded route."""
+def replayed_counts(records: Sequence[TrajectoryRecord]) -> tuple[int, int]:
+    """(policy tokens whose predicting position has a recorded route, policy tokens): `replayed_fraction`'s."""
     routed = total = 0
     for r in records:
         prompt = len(r.prompt_token_ids)
@@ -166,6 +175,12 @@ def replayed_fraction(records: Sequence[TrajectoryRecord]) -> float:
             total += 1
             p = prompt - 1 + j
             routed += r.routes is not None and p < r.routes.positions and bool(r.routes.ids[p, :, 0].min() >= 0)
+    return routed, total
+
+
+def replayed_fraction(records: Sequence[TrajectoryRecord]) -> float:
+    """Share of the policy's tokens whose predicting position (the one before each) has a recorded route."""
+    routed, total = replayed_counts(records)
     return routed / total if total else 0.0
 
 

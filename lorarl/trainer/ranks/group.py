@@ -322,3 +322,8 @@ class LockstepEngine(TrainEngine):
     @property
     def vocab_size(self) -> int:
         return self.local.vocab_size
+
+    @property
+    def route_shape(self) -> tuple[int, int, int] | None:
+        """Rank 0's engine's (routing replay, R3): routes travel to every rank with the batch's records."""
+        return getattr(self.local, "route_shape", None)

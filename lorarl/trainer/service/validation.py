@@ -72,8 +72,8 @@ class RouteRule:
             return
         if self.shape is None:
             raise InvalidTrajectory("routed_experts", "this job cannot replay routes (its model has no MoE router the "
-                                                      "engine replays, or its engine is megatron); send none, or "
-                                                      "create the job with routing_replay 'off'")
+                                                      "engine replays); send none, or create the job with "
+                                                      "routing_replay 'off'")
         try:
             rec.routes.check_fits(rec.num_tokens, *self.shape)
         except RoutesError as e:

@@ -21,9 +21,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
-from lorarl.assets import DENSE_MODEL_DIR
+from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
 from lorarl.common.channel import sync_channel
 from lorarl.common.ready import wait_for_ready_file
+from lorarl.contract.routes import RoutedExperts
 from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from tests.listeners import listening_addresses
 
@@ -195,6 +196,42 @@ def test_torch_engine_over_two_ranks_is_data_parallel(services: dict[int, Traine
     assert_same_tensors(two_export, one_export)
     assert any(t.abs().max() > 1e-3 for n, t in load_file(two_export / "adapter_model.safetensors").items()
                if "lora_B" in n)  # the adapters moved
+
+
+def routed_batch(seed: int) -> list[common_pb2.Trajectory]:
+    """`batch(0)` with routes for the shipped tiny MoE (4 MoE layers, top-2 of 8): random experts, so they part
+    from the live routing, and one record's last positions not recorded (-1)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for i, t in enumerate(batch(0)):
+        positions = len(t.prompt_token_ids) + len(t.completion_token_ids) - 1
+        ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(positions * 4)])
+        ids = ids.reshape(positions, 4, 2).to(torch.int16).numpy()
+        if i == 3:
+            ids[-2:] = -1
+        t.routed_experts.CopyFrom(RoutedExperts(ids, 8).to_proto())
+        out.append(t)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_two_rank_trainer_replays_routes_as_one_rank_does(services: dict[int, Trainer]) -> None:
+    """Routing replay (R3) through the rank group: a MoE job with routing_replay 'on' on the Megatron engine,
+    TP 2 over two ranks, takes routed trajectories and computes what one rank computes (routes travel to the
+    follower with the records)."""
+    results = {}
+    for ranks, tp in ((2, 2), (1, 1)):
+        stub, job = services[ranks].stub, f"r3-tp{tp}"
+        cfg = config("megatron", tp=tp, model=MOE_MODEL_DIR)
+        cfg.routing_replay = "on"
+        stub.CreateJob(trainer_pb2.CreateJobRequest(job_id=job, config=cfg), timeout=120)
+        step = stub.TrainStep(trainer_pb2.TrainStepRequest(job_id=job, trajectories=routed_batch(0)), timeout=120)
+        results[ranks] = values(step)
+        stub.DeleteJob(trainer_pb2.DeleteJobRequest(job_id=job), timeout=60)
+    assert results[2]["routing_replayed_fraction"] < 1.0 and results[2]["routing_token_disagreement"] > 0.3
+    assert_close(results[2], results[1], (*FIRST_STEP_KEYS, "routing_replayed_fraction", "routing_disagreement",
+                                          "routing_token_disagreement"))
 
 
 @pytest.mark.slow

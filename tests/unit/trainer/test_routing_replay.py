@@ -168,7 +168,7 @@ def test_routes_are_checked_against_the_job_that_replays_them() -> None:
         with pytest.raises(InvalidTrajectory) as err:
             validate_trajectory(rec, 16, 0, LimitsSpec(), routes=rule)
         assert err.value.field == field
-    with pytest.raises(InvalidTrajectory, match="cannot replay routes"):  # a dense job, or megatron
+    with pytest.raises(InvalidTrajectory, match="cannot replay routes"):  # a dense job
         validate_trajectory(one_record(fine.routes), 16, 0, LimitsSpec(), routes=RouteRule(None))
     ignored = one_record(fine.routes)
     validate_trajectory(ignored, 16, 0, LimitsSpec(), routes=RouteRule((3, 2, 8), ignore=True))

@@ -15,7 +15,8 @@ passes in lockstep (MoE layers are collectives across them). With pp > 1 each mi
 through megatron's 1F1B pipeline schedule, the last stage computes the loss, and metrics and
 logprobs are broadcast from it, so every rank returns the same values. Checkpoints and PEFT
 exports hold full (gathered) tensors, written by global rank 0, read by all: layout independent.
-Merged export needs pp == 1.
+Merged export needs pp == 1. MoE routers replay a batch's recorded routes (R3) in every forward, as the
+torch engine's do (lorarl.trainer.engines.megatron.routing_replay).
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ from safetensors import safe_open
 
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines import checkpoint as ckpt
+from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import CheckpointInfo, Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.megatron.data_parallel import MegatronDataParallel, MegatronReducer
 from lorarl.trainer.engines.megatron.export import iter_hf_weights, peft_tensors, save_merged, save_peft
 from lorarl.trainer.engines.megatron.lora import inject_megatron_lora
 from lorarl.trainer.engines.megatron.model import build_gpt_model, compute_logits, pipeline_backward
 from lorarl.trainer.engines.megatron.parallel import ParallelSettings
+from lorarl.trainer.engines.megatron.routing_replay import RouterReplays, routing_counts
+from lorarl.trainer.engines.megatron.routing_replay import install as install_replay
 from lorarl.trainer.engines.policy_engine import TORCH_DTYPES, PolicyEngine, device_for, seed_everything, token_logprobs
 from lorarl.trainer.rl.batching import PackedBatch, micro_batches, pack
 from lorarl.trainer.rl.losses import LossSpec
@@ -74,6 +78,7 @@ class MegatronEngine(PolicyEngine):
                                 dtype=TORCH_DTYPES[spec.dtype])
         self.model, self.layout = built.model, built.layout
         self.model.eval()
+        self.replay: RouterReplays = install_replay(self.model, self.layout)  # R3: routes a batch carries
         self.dp = MegatronDataParallel(self.device)
         self.lora = inject_megatron_lora(self.model, spec.lora, spec.seed, self.layout)
         self._base_elements = _checkpoint_elements(spec.base_model_path)
@@ -105,12 +110,18 @@ class MegatronEngine(PolicyEngine):
 
     # ------------------------------------------------------------ the RL step's model backend
 
-    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def _forward_ids(self, batch: PackedBatch) -> torch.Tensor:
+        """The ids this forward runs (padded in lockstep), the batch's routes set for its MoE routers (R3)."""
+        ids = self.dp.pad_ids(batch.input_ids)
+        self.replay.set(batch.routes, (ids.shape[0], ids.shape[1]))
+        return ids
+
+    def _logits(self, batch: PackedBatch) -> torch.Tensor | None:
         """Logits [B, S, vocab] (None on a pipeline stage other than the last); padded in lockstep."""
         if self.settings.pp > 1 and torch.is_grad_enabled():
             raise RuntimeError("with pipeline parallelism gradients flow only through loss_backward's schedule")
-        logits = compute_logits(self.model, self.dp.pad_ids(input_ids), self.layout.vocab_size)
-        return None if logits is None else logits[: input_ids.shape[0], : input_ids.shape[1]]
+        logits = compute_logits(self.model, self._forward_ids(batch), self.layout.vocab_size)
+        return None if logits is None else logits[: batch.input_ids.shape[0], : batch.input_ids.shape[1]]
 
     @staticmethod
     def _target_logprobs(logits: torch.Tensor, batch: PackedBatch, entropy_grad: bool
@@ -121,7 +132,7 @@ class MegatronEngine(PolicyEngine):
     def completion_logprobs(self, batch: PackedBatch, entropy_grad: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         # Right padding is harmless under a causal mask, so the padded rows need no attention mask.
-        logits = self._logits(batch.input_ids)
+        logits = self._logits(batch)
         if logits is None:  # not the last pipeline stage: placeholders, the loss lives on the last stage
             zeros = torch.zeros(batch.completion_ids.shape, device=self.device)
             return zeros, zeros
@@ -138,7 +149,7 @@ class MegatronEngine(PolicyEngine):
             metrics.append(m)
             return loss
 
-        pipeline_backward(self.model, self.dp.pad_ids(batch.input_ids), self.layout.vocab_size, last_stage_loss)
+        pipeline_backward(self.model, self._forward_ids(batch), self.layout.vocab_size, last_stage_loss)
         return self.dp.from_last_stage(metrics[0] if metrics else None)
 
     # ------------------------------------------------------------ data parallelism (every rank: the full batch)
@@ -158,6 +169,7 @@ class MegatronEngine(PolicyEngine):
         """The full batch's logprobs on every rank: each DP rank computes its share, then they are merged."""
         records = list(batch)
         self.dp.check_same_batch(records)
+        self.replay.forget()  # its routing figures are not reported: held only until the next forward_backward
         mine = self.dp.share(records)
         plan = micro_batches([records[i].num_tokens for i in mine], self.spec.optimizer.micro_batch_tokens)
         local: dict[int, list[float]] = {}
@@ -172,6 +184,28 @@ class MegatronEngine(PolicyEngine):
 
     def adapters_off(self) -> contextlib.AbstractContextManager[None]:
         return self.lora.disabled()
+
+    # ------------------------------------------------------------ routing replay (R3)
+
+    @property
+    def route_shape(self) -> tuple[int, int, int] | None:
+        """(MoE layers, top_k, experts) of the whole model when this engine replays recorded routes, else None."""
+        if self.spec.routing_replay == "off":
+            return None
+        return self.replay.shape
+
+    def routing_metrics(self, batch: Sequence[TrajectoryRecord]) -> Metrics:
+        """The torch engine's ``routing_*`` figures for the whole model and every data-parallel rank's share
+        (``batch``: this rank's); a collective on every rank of a MoE model."""
+        if self.replay.shape is None:
+            return {}
+        pp_group = self.dp.pp_group if self.dp.pp_size > 1 else None
+        counts = routing_counts(self.replay, batch, self.device, pp_group, self.dp.all_reduce_ints)
+        stats = routing_replay.stats_from_counts(*counts[:4])
+        routed, total, with_routes = counts[4:]
+        if with_routes:
+            stats["routing_replayed_fraction"] = routed / total if total else 0.0
+        return stats
 
     def set_training(self, training: bool) -> None:
         # Only LoRA dropout depends on the mode: the base is frozen with zero dropout, and megatron's MoE
