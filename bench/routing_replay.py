@@ -4,8 +4,9 @@ cost, side by side in one run.
 Model: random init with Qwen3-30B-A3B's layer shapes (hidden 2048, 32/4 heads of 128, top-8 of 128 experts of
 768, untied 151,936 vocabulary), --layers decoder layers, the experts' weights scaled as
 lorarl.assets.models.EXPERT_INIT_SCALE says (so that which experts a token reaches matters, as in a trained model).
-Rollout: vLLM (CPU here) in bfloat16, the common sampler dtype; trainer: the torch engine in float32. One batch of
---prompts prompts x --samples samples x --tokens tokens, sampled at temperature 1 by an engine that records routes.
+Rollout: vLLM (CPU here) in bfloat16, the common sampler dtype; trainer: each of --engines (the torch engine and the
+Megatron engine, one process, float32), one after the other on the same batch. One batch of --prompts prompts x
+--samples samples x --tokens tokens, sampled at temperature 1 by an engine that records routes.
 
 - mismatch: KL(rollout || trainer) of the sampled tokens (k3 and k1, lorarl.trainer.rl.correction) with the
   trainer routing live and with it replaying the recorded routes, and how often its live routers pick another
@@ -96,11 +97,8 @@ def rollout(model: Path, prompts: list[tuple[int, ...]], args: argparse.Namespac
 def run(args: argparse.Namespace) -> list[str]:
     import torch
 
-    from lorarl.contract.training import CorrectionSpec, TrainingSpec
     from lorarl.rollout.convert import completion as completion_proto
     from lorarl.trainer.engines.api import TrajectoryRecord
-    from lorarl.trainer.engines.torch_engine import TorchEngine
-    from lorarl.trainer.rl.correction import correct
     from lorarl.v1 import common_pb2
 
     tmp = Path(tempfile.mkdtemp(prefix="lorarl-r3-bench-"))
@@ -118,9 +116,65 @@ def run(args: argparse.Namespace) -> list[str]:
                              float(i % 2), r.group_id) for i, r in enumerate(records)]
     for r, b in zip(records, bare, strict=True):
         r.reward = b.reward
-    engine = TorchEngine.create(TrainingSpec(base_model_path=str(tmp)))
+    sides = {name: trainer_side(name, str(tmp), bare, records, args.reps) for name in args.engines.split(",")}
+    tokens = sum(r.num_tokens for r in records)
+    with_routes = sum(completion_proto(c, len(p)).ByteSize() for p, c in pairs)
+    without = sum(common_pb2.Trajectory(prompt_token_ids=list(p), completion_token_ids=list(c.token_ids),
+                                        behavior_logprobs=list(c.logprobs)).ByteSize() for p, c in pairs)
+    route_bytes = with_routes - sum(completion_proto(dataclasses.replace(c, routes=None), len(p)).ByteSize()
+                                    for p, c in pairs)
+    shape = "tiny widths, 4 layers, 128 experts top-8" if args.quick else \
+        f"Qwen3-30B-A3B shape, {args.layers} layers (128 experts top-8, vocabulary 151,936)"
+    lines = [
+        f"{shape}, {info['parameters'] / 1e6:.0f}M parameters, random init (experts x10); rollout vLLM CPU bf16, "
+        f"trainer fp32 ({', '.join(sides)} engine); {args.prompts} prompts x {args.samples} samples x "
+        f"{args.tokens} tokens after {args.prompt_tokens}-token prompts.", "",
+        "| trainer engine | | trainer routes live | trainer replays the rollout's routes (R3) |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    for name, (live, replayed, live_step, replay_step, _) in sides.items():
+        lines += [
+            f"| {name} | KL(rollout \\|\\| trainer), k3 | {live['rollout_kl_k3']:.3e} | "
+            f"{replayed['rollout_kl_k3']:.3e} |",
+            f"| {name} | KL k1 | {live['rollout_kl_k1']:.3e} | {replayed['rollout_kl_k1']:.3e} |",
+            f"| {name} | tokens with rho outside [1/2, 2] | {live['rollout_token_past_fraction']:.4f} | "
+            f"{replayed['rollout_token_past_fraction']:.4f} |",
+            f"| {name} | forward+backward of the batch, median s | {live_step:.3f} | {replay_step:.3f} "
+            f"({replay_step / live_step:.2f}x) |",
+        ]
+    lines.append("")
+    for name, (live, replayed, _, _, routing) in sides.items():
+        lines.append(
+            f"{name}: KL k3 with R3 / without {replayed['rollout_kl_k3'] / live['rollout_kl_k3']:.3f}; its live "
+            f"routers would have picked another expert set for {100 * routing.get('routing_disagreement', 0):.1f}% "
+            f"of (token, MoE layer) pairs, {100 * routing.get('routing_token_disagreement', 0):.1f}% of tokens in "
+            "some layer.")
+    return [
+        *lines, "",
+        "| rollout | generated tokens/s, best of reps |", "| --- | ---: |",
+        f"| without recording (prefix caching on) | {max(plain_rates):.1f} |",
+        f"| recording routes | {max(record_rates):.1f} ({max(record_rates) / max(plain_rates):.2f}x) |", "",
+        f"Routes on the wire: {route_bytes / tokens:.0f} B per token ({route_bytes / 2**20:.2f} MiB for this batch "
+        f"of {tokens:,} tokens); the completions' messages grow {with_routes / max(without, 1):.1f}x.",
+    ]
 
-    def mismatch(batch: list[TrajectoryRecord]) -> dict[str, float]:
+
+def trainer_side(name: str, model: str, bare: list[Any], records: list[Any], reps: int
+                 ) -> tuple[dict[str, float], dict[str, float], float, float, dict[str, float]]:
+    """One trainer engine on the batch: (mismatch live, mismatch replayed, median forward+backward s live, same
+    replaying, the replaying step's routing figures); the engine is freed before the next one is built."""
+    import gc
+
+    import torch
+
+    from lorarl.contract.training import CorrectionSpec, TrainingSpec
+    from lorarl.trainer.engines.factory import create_engine
+    from lorarl.trainer.rl.correction import correct
+
+    gc.collect()  # the previous engine's cycles: two 30B-A3B-shaped engines do not fit at once
+    engine = create_engine(TrainingSpec(base_model_path=model, engine=name))
+
+    def mismatch(batch: list[Any]) -> dict[str, float]:
         logprobs = engine.compute_logprobs(batch)
         T = max(len(r.completion_token_ids) for r in batch)
         train, sampler, mask = (torch.zeros(len(batch), T) for _ in range(3))
@@ -132,47 +186,18 @@ def run(args: argparse.Namespace) -> list[str]:
     live, replayed = mismatch(bare), mismatch(records)
     step_s: dict[str, list[float]] = {"live": [], "replay": []}
     routing: dict[str, float] = {}
-    for rep in range(args.reps + 1):
-        for name, batch in (("live", bare), ("replay", records)) if rep % 2 == 0 else (("replay", records),
+    for rep in range(reps + 1):
+        for kind, batch in (("live", bare), ("replay", records)) if rep % 2 == 0 else (("replay", records),
                                                                                           ("live", bare)):
             start = time.perf_counter()
             metrics = engine.forward_backward(batch)
             if rep:
-                step_s[name].append(time.perf_counter() - start)
+                step_s[kind].append(time.perf_counter() - start)
             engine.optimizer.zero_grad(set_to_none=True)
-            if name == "replay":
+            if kind == "replay":
                 routing = metrics
-    tokens = sum(r.num_tokens for r in records)
-    with_routes = sum(completion_proto(c, len(p)).ByteSize() for p, c in pairs)
-    without = sum(common_pb2.Trajectory(prompt_token_ids=list(p), completion_token_ids=list(c.token_ids),
-                                        behavior_logprobs=list(c.logprobs)).ByteSize() for p, c in pairs)
-    route_bytes = with_routes - sum(completion_proto(dataclasses.replace(c, routes=None), len(p)).ByteSize()
-                                    for p, c in pairs)
-    shape = "tiny widths, 4 layers, 128 experts top-8" if args.quick else \
-        f"Qwen3-30B-A3B shape, {args.layers} layers (128 experts top-8, vocabulary 151,936)"
-    live_step, replay_step = statistics.median(step_s["live"]), statistics.median(step_s["replay"])
-    return [
-        f"{shape}, {info['parameters'] / 1e6:.0f}M parameters, random init (experts x10); rollout vLLM CPU bf16, "
-        f"trainer torch fp32; {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens after "
-        f"{args.prompt_tokens}-token prompts.", "",
-        "| | trainer routes live | trainer replays the rollout's routes (R3) |",
-        "| --- | ---: | ---: |",
-        f"| KL(rollout \\|\\| trainer), k3 | {live['rollout_kl_k3']:.3e} | {replayed['rollout_kl_k3']:.3e} |",
-        f"| KL k1 | {live['rollout_kl_k1']:.3e} | {replayed['rollout_kl_k1']:.3e} |",
-        f"| tokens with rho outside [1/2, 2] | {live['rollout_token_past_fraction']:.4f} | "
-        f"{replayed['rollout_token_past_fraction']:.4f} |",
-        f"| trainer forward+backward of the batch, median s | {live_step:.3f} | {replay_step:.3f} "
-        f"({replay_step / live_step:.2f}x) |", "",
-        f"KL k3 with R3 / without: {replayed['rollout_kl_k3'] / live['rollout_kl_k3']:.3f}. The trainer's live "
-        f"routers would have picked another expert set for {100 * routing.get('routing_disagreement', 0):.1f}% of "
-        f"(token, MoE layer) pairs, {100 * routing.get('routing_token_disagreement', 0):.1f}% of tokens in some "
-        "layer.", "",
-        "| rollout | generated tokens/s, best of reps |", "| --- | ---: |",
-        f"| without recording (prefix caching on) | {max(plain_rates):.1f} |",
-        f"| recording routes | {max(record_rates):.1f} ({max(record_rates) / max(plain_rates):.2f}x) |", "",
-        f"Routes on the wire: {route_bytes / tokens:.0f} B per token ({route_bytes / 2**20:.2f} MiB for this batch "
-        f"of {tokens:,} tokens); the completions' messages grow {with_routes / max(without, 1):.1f}x.",
-    ]
+    engine.close()
+    return live, replayed, statistics.median(step_s["live"]), statistics.median(step_s["replay"]), routing
 
 
 def main() -> int:
@@ -183,6 +208,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--engines", default="torch,megatron", help="trainer engines, comma-separated")
     parser.add_argument("--quick", action="store_true", help="the tiny widths with Qwen3-30B-A3B's router")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = parser.parse_args()
