@@ -430,8 +430,9 @@ class TrainingSpec:
     whenever the loss caps behaviour weights or masks stale tokens. ``layer_devices`` splits the torch
     engine's decoder layers across that many devices of its one process. ``init_adapter_path``: a PEFT adapter
     the adapters start from (version 1 then; 0 stays the base model). ``routing_replay`` (R3, MoE models):
-    'auto' replays the experts a trajectory's routes record where the engine can (the torch engine), 'on'
-    insists (a job whose engine or model cannot is refused), 'off' routes live and ignores recorded routes.
+    'auto' replays the experts a trajectory's routes record where the engine can (torch and Megatron, MoE
+    models), 'on' insists (a job whose engine or model cannot is refused), 'off' routes live and ignores
+    recorded routes.
     ``fingerprint_check``: a trajectory whose fingerprint for a version is not the one the trainer published for
     it (the rollout served other weights under that version) is refused ('refuse'), accepted and counted
     ('flag'), or not checked ('off'). ``share``: the job's weight when jobs on one resident base take turns on it

@@ -163,7 +163,7 @@ class TrainerSection:
                                         "its r, lora_alpha, target_modules and use_rslora must match trainer.lora.")
     routing_replay: Literal["auto", "on", "off"] = setting(
         "auto", doc="MoE models: the rollout records the experts its routers choose and the trainer's routers use "
-                    "them (R3). 'auto': on for MoE models with the torch engine and vLLM rollouts; 'on': refuse a "
+                    "them (R3). 'auto': on for MoE models with vLLM rollouts (either trainer engine); 'on': refuse a "
                     "job that cannot; 'off': route live.")
     fingerprint_check: Literal["refuse", "flag", "off"] = setting(
         "refuse", doc="A trajectory whose tokens a rollout produced with other weights than the trainer published for "

@@ -7,7 +7,7 @@ default and not wired into lorarl. So lorarl records in the worker on every plat
     tap              each MoE layer's top-k ids of the forward's tokens          [tokens, k] per layer
     forward wrapper  the runner's `_model_forward`: which request owns which tokens (input_batch.req_ids,
                      query_start_loc) and at which positions (its `positions` argument, found by name:
-                     vllm-ascend's runner passes it third, vLLM's second)
+                     vLLM 0.32 passes it by keyword; vllm-ascend 0.23's runner positionally, third)
 
 and keeps, per vLLM request id, one row per position computed. `take` hands a request's rows over as a
 lorarl.contract.routes array (positions never computed stay -1) and forgets them. A position computed twice
@@ -72,9 +72,9 @@ def router_tap(model: torch.nn.Module, capture: Capture) -> list[int]:
 
 
 def positions_argument(forward: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
-    """Reads `positions` from a `_model_forward` call by the runner's own signature: vLLM's takes (input_ids,
-    positions, ...), vllm-ascend 0.23's NPUModelRunner (num_tokens_padded, input_ids, positions, ...), and
-    both runners pass it positionally."""
+    """Reads `positions` from a `_model_forward` call, by keyword (vLLM 0.32's runner passes it so) or else at
+    its place in the runner's own signature: vLLM's takes (input_ids, positions, ...), vllm-ascend 0.23's
+    NPUModelRunner (num_tokens_padded, input_ids, positions, ...) and is called positionally."""
     names = list(inspect.signature(forward).parameters)
     if "positions" not in names:
         raise RuntimeError(f"the runner's _model_forward takes no 'positions' ({names}): cannot record routes")
@@ -192,7 +192,7 @@ class RouteRecorder:
                     self._requests.popitem(last=False)
                     self.evicted += 1
             for t in range(int(begin), int(end)):
-                request_rows[int(pos[t])] = step_ids[t]
+                request_rows[int(pos[t])] = step_ids[t].copy()  # a view would keep the whole step's array
 
     def take(self, request_id: str) -> dict[str, Any] | None:
         """A request's routes as lorarl.contract.routes wire fields (int16 bytes), forgotten here; None: none."""

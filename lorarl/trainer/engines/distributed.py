@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lorarl.common.tcp_store import client_store, master_store
+from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import (
     CheckpointInfo,
     EngineStateError,
@@ -167,6 +168,15 @@ class DataParallelEngine(TorchEngine):
         if self.full_batch:
             batch = shard_by_group(batch, self.rank, self.world_size)
         return super().forward_backward(batch, loss)
+
+    def routing_metrics(self, batch: Sequence[TrajectoryRecord]) -> Metrics:
+        """Routing replay's figures over every rank's shard (``batch`` is this rank's): the counts are summed
+        before the ratios are taken, so rank 0 reports the whole batch. Every rank calls it in lockstep (from
+        forward_backward), empty shards included; dense jobs and jobs routing live skip the collective."""
+        if self.route_shape is None:
+            return super().routing_metrics(batch)
+        counts = [*routing_replay.take_counts(self.model), *routing_replay.record_counts(batch)]
+        return routing_replay.metrics_from_counts(all_reduce_ints(counts, dist.ReduceOp.SUM, self.device))
 
     def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
                               forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:

@@ -17,7 +17,8 @@ Installed once per base model (``install``):
                     a route (-1: padding, not recorded) keep the live top-k.
 
 Each replaying call also counts how often the live router would have chosen another expert set (per token and
-layer, and per token in any layer): `take_stats` reads them, as the step's ``routing_*`` metrics.
+layer, and per token in any layer): `take_counts` reads them, and
+`metrics_from_counts` makes the step's ``routing_*`` metrics of them.
 Routers are transformers' top-k routers (Qwen3-MoE's ``Qwen3MoeTopKRouter``): ``weight``, ``top_k``,
 ``num_experts``, ``norm_topk_prob``, forward -> (logits, weights, indices).
 
@@ -27,6 +28,7 @@ The Megatron engine replays the same routes by the same rule through megatron-co
 
 from __future__ import annotations
 
+import itertools
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,18 +97,34 @@ def _replaying_router_forward(self: nn.Module, hidden_states: torch.Tensor) -> t
         indices = torch.where(recorded.unsqueeze(1), replay, live)
         values = probs.gather(-1, indices)
         differs = (live.sort(-1).values != indices.sort(-1).values).any(-1) & recorded
-        # keyed by the call's whole replay tensor: a recomputed layer (activation checkpointing) overwrites
+        # keyed by the forward (`_pass_key`): a recomputed layer (activation checkpointing) overwrites
         self._lorarl_seen[self._lorarl_key] = _Seen(recorded.detach().cpu(), differs.detach().cpu())
     if self.norm_topk_prob:
         values = values / values.sum(dim=-1, keepdim=True)
     return logits, values.to(logits.dtype), indices
 
 
+_PASSES = itertools.count(1)
+
+
+def _pass_key(routing_replay: torch.Tensor | None) -> int:
+    """The forward a layer call belongs to: a number stamped on the routes tensor the model hands every layer,
+    so a recomputed layer (activation checkpointing reruns it with the same tensor) overwrites its entry and a
+    new forward never shares one (an ``id`` would: a freed tensor's id is reused by the next pass's)."""
+    if routing_replay is None:
+        return 0
+    key = getattr(routing_replay, "_lorarl_pass", None)
+    if key is None:
+        key = next(_PASSES)
+        routing_replay._lorarl_pass = key
+    return key
+
+
 def _replaying_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any,
                              routing_replay: torch.Tensor | None = None, **kwargs: Any) -> Any:
     router = self.mlp.gate
     router._lorarl_replay = None if routing_replay is None else routing_replay[self._lorarl_moe_index]
-    router._lorarl_key = id(routing_replay)
+    router._lorarl_key = _pass_key(routing_replay)
     try:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     finally:
@@ -130,10 +148,10 @@ def install(model: nn.Module) -> int:
     return len(found)
 
 
-def take_stats(model: nn.Module) -> dict[str, float]:
-    """The replaying calls since the last take: ``routing_replayed_tokens`` (token rows with a route, per call),
-    ``routing_disagreement`` (replayed (token, layer) pairs whose live top-k set differs) and
-    ``routing_token_disagreement`` (replayed tokens where any layer's differs); {} when nothing was replayed."""
+def take_counts(model: nn.Module) -> tuple[int, int, int, int]:
+    """The replaying calls since the last take, as counts: replayed (token, layer) pairs, those whose live top-k
+    set differs, replayed token rows (per call), and those where any layer's differs. Counts, not ratios, so
+    data-parallel ranks can sum them first (`metrics_from_counts` takes the ratios)."""
     found = moe_layers(model)
     calls: dict[int, list[_Seen]] = {}
     for _, router in found:
@@ -152,11 +170,11 @@ def take_stats(model: nn.Module) -> dict[str, float]:
         rows = replayed.any(0)
         tokens += int(rows.sum())
         any_differs += int(differs.any(0).sum())
-    return stats_from_counts(pairs, differing, tokens, any_differs)
+    return pairs, differing, tokens, any_differs
 
 
 def stats_from_counts(pairs: int, differing: int, tokens: int, any_differs: int) -> dict[str, float]:
-    """The ``routing_*`` metrics from their counts (`take_stats`; the Megatron engine sums them over its ranks
+    """The ``routing_*`` metrics from their counts (`take_counts`; multi-rank engines sum them over their ranks
     first): replayed (token, layer) pairs and how many differ, replayed tokens and how many differ in any layer."""
     if not pairs:
         return {}
@@ -165,7 +183,7 @@ def stats_from_counts(pairs: int, differing: int, tokens: int, any_differs: int)
 
 
 def replayed_counts(records: Sequence[TrajectoryRecord]) -> tuple[int, int]:
-    """(policy tokens whose predicting position has a recorded route, policy tokens): `replayed_fraction`'s."""
+    """(policy tokens whose predicting position (the one before each) has a recorded route, policy tokens)."""
     routed = total = 0
     for r in records:
         prompt = len(r.prompt_token_ids)
@@ -178,10 +196,20 @@ def replayed_counts(records: Sequence[TrajectoryRecord]) -> tuple[int, int]:
     return routed, total
 
 
-def replayed_fraction(records: Sequence[TrajectoryRecord]) -> float:
-    """Share of the policy's tokens whose predicting position (the one before each) has a recorded route."""
-    routed, total = replayed_counts(records)
-    return routed / total if total else 0.0
+def record_counts(records: Sequence[TrajectoryRecord]) -> list[int]:
+    """[policy tokens with a recorded route, policy tokens, records with routes] of ``records``: the batch's half
+    of the counts `metrics_from_counts` takes (ranks holding shards sum them first)."""
+    return [*replayed_counts(records), sum(r.routes is not None for r in records)]
+
+
+def metrics_from_counts(counts: Sequence[int]) -> dict[str, float]:
+    """Every ``routing_*`` metric from `take_counts` + `record_counts` (possibly summed over ranks):
+    `stats_from_counts`'s, and ``routing_replayed_fraction`` when any record carried routes."""
+    pairs, differing, tokens, any_differs, routed, total, with_routes = counts
+    stats = stats_from_counts(pairs, differing, tokens, any_differs)
+    if with_routes:
+        stats["routing_replayed_fraction"] = routed / total if total else 0.0
+    return stats
 
 
 @torch.no_grad()

@@ -224,10 +224,8 @@ class TorchEngine(PolicyEngine):
         return routing_replay.route_shape(self.model)
 
     def routing_metrics(self, batch: Sequence[TrajectoryRecord]) -> Metrics:
-        stats = routing_replay.take_stats(self.model)
-        if any(r.routes is not None for r in batch):
-            stats["routing_replayed_fraction"] = routing_replay.replayed_fraction(batch)
-        return stats
+        return routing_replay.metrics_from_counts([*routing_replay.take_counts(self.model),
+                                                   *routing_replay.record_counts(batch)])
 
     # ------------------------------------------------------------ the RL step's model backend
 

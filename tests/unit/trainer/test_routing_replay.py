@@ -17,6 +17,7 @@ from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import LimitsSpec, TrajectoryRecord
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.ranks.commands import record_from_json, record_to_json
+from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.service.validation import InvalidTrajectory, RouteRule, validate_trajectory
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 
@@ -51,6 +52,22 @@ def test_replaying_the_trainers_own_routes_changes_nothing(moe_dir: Path, layout
     metrics = engine.forward_backward(own)
     assert metrics["routing_replayed_fraction"] == 1.0
     assert metrics["routing_disagreement"] == 0.0 and metrics["routing_token_disagreement"] == 0.0
+
+
+def test_each_forward_counts_once_however_often_its_layers_run(moe_dir: Path) -> None:
+    """The routing figures count every replaying forward of a step (policy and reference) once each, with a
+    layer recomputed under activation checkpointing counted once: the policy's routes tensor is freed before
+    the reference forward builds its own, so a count keyed by the tensor's address could merge the two."""
+    batch = synthetic_batch(4, groups=2, group_size=3)
+    counts = {}
+    for checkpointing in ("off", "on"):
+        engine = engine_on(moe_dir, memory=MemorySpec(activation_checkpointing=checkpointing),
+                           loss=LossSpec(type="grpo", kl_coef=0.05))
+        engine.share_prompts = False
+        own = with_routes(batch, routing_replay.live_routes(engine.model, batch))
+        counts[checkpointing] = [engine.forward_backward(own)["routing_replayed_tokens"] for _ in range(3)]
+    positions = sum(r.num_tokens - 1 for r in batch)
+    assert counts["off"] == counts["on"] == [2 * positions] * 3
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])

@@ -158,7 +158,10 @@ class MegatronEngine(PolicyEngine):
         """PolicyEngine.forward_backward on this data-parallel rank's share of the full ``batch``."""
         records = list(batch)
         self.dp.check_same_batch(records)
-        return super().forward_backward([records[i] for i in self.dp.share(records)], loss)
+        try:
+            return super().forward_backward([records[i] for i in self.dp.share(records)], loss)
+        finally:
+            self.replay.clear()
 
     def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
                               forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:
@@ -173,12 +176,15 @@ class MegatronEngine(PolicyEngine):
         mine = self.dp.share(records)
         plan = micro_batches([records[i].num_tokens for i in mine], self.spec.optimizer.micro_batch_tokens)
         local: dict[int, list[float]] = {}
-        for step in range(self.dp.lockstep_steps(len(plan))):
-            idx = [mine[j] for j in plan[step]] if step < len(plan) else []
-            micro = pack([records[i] for i in idx]).to(self.device) if idx else empty_batch(self.device)
-            logp = self.rl.logprobs_no_grad(micro, reference=reference).cpu()
-            for row, i in enumerate(idx):
-                local[i] = logp[row, : len(records[i].completion_token_ids)].tolist()
+        try:
+            for step in range(self.dp.lockstep_steps(len(plan))):
+                idx = [mine[j] for j in plan[step]] if step < len(plan) else []
+                micro = pack([records[i] for i in idx]).to(self.device) if idx else empty_batch(self.device)
+                logp = self.rl.logprobs_no_grad(micro, reference=reference).cpu()
+                for row, i in enumerate(idx):
+                    local[i] = logp[row, : len(records[i].completion_token_ids)].tolist()
+        finally:
+            self.replay.clear()
         merged = self.dp.merge(self.dp.from_last_stage(local))
         return [merged[i] for i in range(len(records))]
 
@@ -200,12 +206,8 @@ class MegatronEngine(PolicyEngine):
         if self.replay.shape is None:
             return {}
         pp_group = self.dp.pp_group if self.dp.pp_size > 1 else None
-        counts = routing_counts(self.replay, batch, self.device, pp_group, self.dp.all_reduce_ints)
-        stats = routing_replay.stats_from_counts(*counts[:4])
-        routed, total, with_routes = counts[4:]
-        if with_routes:
-            stats["routing_replayed_fraction"] = routed / total if total else 0.0
-        return stats
+        return routing_replay.metrics_from_counts(
+            routing_counts(self.replay, batch, self.device, pp_group, self.dp.all_reduce_ints))
 
     def set_training(self, training: bool) -> None:
         # Only LoRA dropout depends on the mode: the base is frozen with zero dropout, and megatron's MoE

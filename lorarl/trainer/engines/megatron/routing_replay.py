@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from lorarl.contract.routes import RoutedExperts
 from lorarl.trainer.engines.megatron.model import compute_logits
-from lorarl.trainer.engines.routing_replay import replayed_counts
+from lorarl.trainer.engines.routing_replay import record_counts
 from lorarl.trainer.rl.trajectory import TrajectoryRecord
 
 if TYPE_CHECKING:
@@ -126,13 +126,20 @@ class RouterReplays:
             replay.pass_id = self._pass
             replay.target_topk_idx = None if targets is None else targets[replay.moe_index]
 
+    def clear(self) -> None:
+        """Drops the last forward's routes (they stay set through a backward, which may recompute the forward):
+        ``routes`` are held only while a step or a logprob pass runs."""
+        for replay in self.replays:
+            replay.target_topk_idx = None
+
     def _targets(self, routes: torch.Tensor, padded: tuple[int, int]) -> torch.Tensor:
-        """[MoE layers, S' * B', k] long: ``routes`` padded with -1, sequence-major as megatron's router rows."""
+        """[MoE layers, S' * B', k] int32 (half of long's bytes; `torch.where` promotes it against the live ids):
+        ``routes`` padded with -1, sequence-major as megatron's router rows."""
         if self.shape is None or routes.shape[2:] != self.shape[:2]:
             raise ValueError(f"routes of {list(routes.shape[2:])} (MoE layers, top_k) for a model of "
                              f"{None if self.shape is None else list(self.shape[:2])}")
         b, s = routes.shape[:2]
-        full = torch.full((*padded, *routes.shape[2:]), -1, dtype=torch.long, device=routes.device)
+        full = torch.full((*padded, *routes.shape[2:]), -1, dtype=torch.int32, device=routes.device)
         full[:b, :s] = routes
         return full.permute(2, 1, 0, 3).reshape(routes.shape[2], padded[0] * padded[1], routes.shape[3])
 
@@ -211,8 +218,7 @@ def routing_counts(replays: RouterReplays, records: Sequence[TrajectoryRecord], 
         dist.all_reduce(pairs, group=pp_group)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pp_group)
     local = torch.cat([pairs, flags.sum(1)]).tolist()
-    with_routes = sum(r.routes is not None for r in records)
-    return all_reduce_ints([*local, *replayed_counts(records), with_routes])
+    return all_reduce_ints([*local, *record_counts(records)])
 
 
 @torch.no_grad()

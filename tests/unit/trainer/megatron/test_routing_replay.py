@@ -22,6 +22,7 @@ from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from lorarl.trainer.engines.megatron.routing_replay import live_routes
 from lorarl.trainer.engines.recompute import disable_activation_checkpointing, enable_activation_checkpointing
 from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.rl.batching import micro_batches
 from lorarl.trainer.rl.lora import LoraConfig, load_peft_state_dict
 from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.service.jobs import JobManager
@@ -121,6 +122,26 @@ def test_replayed_routes_give_the_torch_engines_logprobs_and_figures(engines: tu
     for key in ROUTING:
         assert mine[key] == pytest.approx(theirs[key], abs=1e-9), key
     assert mine["routing_token_disagreement"] > 0.5 and 0 < mine["routing_replayed_fraction"] < 1
+
+
+def test_routes_follow_their_records_into_micro_batches(engines: tuple[MegatronEngine, TorchEngine]) -> None:
+    """Split into micro-batches (each padded to its own length), every record still replays its own routes:
+    the step's loss and routing figures are the single micro-batch's."""
+    megatron = engines[0]
+    routed = routed_batch()
+    assert len(micro_batches([r.num_tokens for r in routed], 12)) >= 3
+    try:
+        whole = megatron.forward_backward(routed)
+        discard_gradients(megatron)
+        megatron.rl.micro_batch_tokens = 12
+        split = megatron.forward_backward(routed)
+    finally:
+        megatron.rl.micro_batch_tokens = 0
+        discard_gradients(megatron)
+    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-5)
+    for key in ROUTING:
+        assert split[key] == pytest.approx(whole[key], abs=1e-9), key
+    assert all(replay.target_topk_idx is None for replay in megatron.replay.replays)  # not held between steps
 
 
 def test_the_engines_own_routes_change_nothing_and_unrecorded_rows_route_live(
