@@ -8,7 +8,7 @@ greedy accuracy before and after, its steps, its loop time and the whole command
 - demo: `lorarl run examples/demo.yaml` (`make demo`);
 - sdk: `python examples/sdk/finetune.py` (the hand-written loop over the Python SDK, 30 steps);
 - agent: `lorarl run examples/agent-tools.yaml` (the calculator agent through the OpenAI endpoint);
-- multitenant: `lorarl run examples/multitenant/add.yaml examples/multitenant/sort.yaml` (two jobs, one stack).
+- multitenant: `lorarl run examples/multitenant/sort.yaml examples/multitenant/tools.yaml` (two jobs, one stack).
 Each runs once, at the example's own seed, one after another on an otherwise idle machine.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -65,9 +66,9 @@ def from_run_dir(example: str, command: str, out: Path, wall_s: float) -> Figure
                   evals[-1]["time_s"], wall_s)
 
 
-def timed(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return done, time.perf_counter() - started
@@ -85,15 +86,20 @@ def measure(example: str, tmp: Path) -> list[Figure]:
         after = float(re.search(r"accuracy after:\s+([\d.]+)", done.stdout).group(1))
         steps = len(re.findall(r"^step \d+/", done.stdout, re.M))
         return [Figure(example, "python examples/sdk/finetune.py", before, after, steps, None, wall)]
-    jobs = ["add", "sort"]
+    jobs = ["sort", "tools"]
+    folder = ROOT / "examples" / "multitenant"
     files = []
-    for name in jobs:  # the example's files with their output here
-        cfg = yaml.safe_load((ROOT / "examples" / "multitenant" / f"{name}.yaml").read_text())
+    for name in jobs:  # the example's files with their output here (data by absolute path)
+        cfg = yaml.safe_load((folder / f"{name}.yaml").read_text())
         cfg["output"]["dir"] = str(tmp / name)
+        for key in ("train_path", "test_path"):
+            if key in cfg["data"]:
+                cfg["data"][key] = str((folder / cfg["data"][key]).resolve())
         files.append(tmp / f"{name}.yaml")
         files[-1].write_text(yaml.safe_dump(cfg))
-    _, wall = timed([*lorarl(), "run", *map(str, files), *quiet])
-    command = "lorarl run examples/multitenant/add.yaml examples/multitenant/sort.yaml"
+    env = {**os.environ, "PYTHONPATH": str(folder)}  # the agent's workflow, beside the example's job files
+    _, wall = timed([*lorarl(), "run", *map(str, files), *quiet], env)
+    command = "lorarl run examples/multitenant/sort.yaml examples/multitenant/tools.yaml"
     return [from_run_dir(f"multitenant: {name}", command, tmp / name, wall) for name in jobs]
 
 

@@ -23,10 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR, TASKS_DIR, TOKENIZER_DIR, TOOLS_MODEL_DIR
+from lorarl.assets.paths import (
+    DENSE_MODEL_DIR,
+    MIXED_MODEL_DIR,
+    MOE_MODEL_DIR,
+    TASKS_DIR,
+    TOKENIZER_DIR,
+    TOOLS_MODEL_DIR,
+)
 from lorarl.assets.pretrain import SFTConfig
 
-PARTS = ("tokenizer", "tasks", "dense", "moe", "tools")
+PARTS = ("tokenizer", "tasks", "dense", "moe", "tools", "mixed")
+MODELS = ("dense", "moe", "tools", "mixed")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -37,6 +45,7 @@ class TinyRecipe:
     shape: str
     out_dir: Path
     sft: SFTConfig
+    start_from: Path | None = None  # a shipped model to warm-start from (built before this one)
 
 
 RECIPES: dict[str, TinyRecipe] = {
@@ -45,6 +54,10 @@ RECIPES: dict[str, TinyRecipe] = {
     # The tool task (lorarl.assets.tool_task): the dense shape, whole conversations with the calculator.
     "tools": TinyRecipe(shape="qwen3-tiny", out_dir=TOOLS_MODEL_DIR,
                         sft=SFTConfig(seed=0, steps=1500, clean_steps=600, slip_rate=0.7)),
+    # Both: the tool policy taught the single-turn tasks beside its own (alternate batches, MixedTeacher), so
+    # the arithmetic demo and the tool agent can share one base (examples/multitenant).
+    "mixed": TinyRecipe(shape="qwen3-tiny", out_dir=MIXED_MODEL_DIR, start_from=TOOLS_MODEL_DIR,
+                        sft=SFTConfig(seed=0, steps=1600, clean_steps=800, slip_rate=0.7)),
 }
 
 
@@ -61,6 +74,8 @@ def build_tiny_model(recipe: TinyRecipe) -> dict[str, Any]:
     start = time.monotonic()
     if recipe.out_dir == TOOLS_MODEL_DIR:
         return build_tool_model(recipe, log, start)
+    if recipe.out_dir == MIXED_MODEL_DIR:
+        return build_mixed_model(recipe, log, start)
     model, summary = pretrain(shape_config(recipe.shape), load_split("train"), recipe.sft, log=log)
     save_model(model, recipe.out_dir)
     greedy = evaluate_greedy(model, "test")
@@ -100,6 +115,38 @@ def build_tool_model(recipe: TinyRecipe, log, start: float) -> dict[str, Any]:
     return info
 
 
+def build_mixed_model(recipe: TinyRecipe, log, start: float) -> dict[str, Any]:
+    """The shared base of examples/multitenant: warm from the tool policy, taught both kinds of task, measured
+    on both (each must leave RL room: a job learns only what its base sometimes gets right)."""
+    from transformers import AutoModelForCausalLM
+
+    from lorarl.assets.evaluate import evaluate_greedy, evaluate_tool_greedy, pass_at_k
+    from lorarl.assets.models import count_parameters, save_model, shape_config
+    from lorarl.assets.pretrain import MixedTeacher, pretrain
+    from lorarl.assets.tasks import load_split
+    from lorarl.assets.tool_task import load_tool_split
+
+    warm = AutoModelForCausalLM.from_pretrained(str(recipe.start_from), dtype="float32")
+    problems = [*load_tool_split("train"), *load_split("train")]
+    model, summary = pretrain(shape_config(recipe.shape), problems, recipe.sft, log=log, teacher_class=MixedTeacher,
+                              start=warm)
+    save_model(model, recipe.out_dir)
+    greedy = evaluate_greedy(model, "test")
+    sampled = pass_at_k(model, "test", k=8, temperature=1.0, seed=0)
+    tools = evaluate_tool_greedy(model, load_tool_split("test"))
+    info = {"shape": recipe.shape, "task": "tasks+tools", "start_from": recipe.start_from.name,
+            "tool_every": MixedTeacher.tool_every,
+            "parameters": count_parameters(model), **summary,
+            "test_greedy_accuracy": round(greedy.accuracy, 4),
+            "test_greedy_accuracy_per_task": {k: round(v, 4) for k, v in greedy.per_task.items()},
+            "test_sampling_t1": {k: round(v, 4) for k, v in sampled.items()},
+            "test_greedy_tools": {k: round(v, 4) for k, v in tools.items()}}
+    (recipe.out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"tasks greedy {greedy.accuracy:.3f} {info['test_greedy_accuracy_per_task']}, tools success "
+        f"{tools['success']:.3f}, built in {time.monotonic() - start:.0f}s -> {recipe.out_dir}")
+    return info
+
+
 def build_tiny_models(names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Build the named tiny policies; several build at once, each in its own interpreter."""
     if len(names) == 1:
@@ -124,9 +171,12 @@ def build_assets(parts: Sequence[str] = PARTS) -> None:
 
         for split, path in [*write_splits(TASKS_DIR).items(), *write_tool_splits().items()]:
             print(f"{split} split -> {path}")
-    models = [name for name in ("dense", "moe", "tools") if name in parts]
+    models = [name for name in MODELS if name in parts and RECIPES[name].start_from is None]
     if models:
         build_tiny_models(models)
+    warm = [name for name in MODELS if name in parts and RECIPES[name].start_from is not None]
+    if warm:  # after the models they start from
+        build_tiny_models(warm)
     print(f"built {', '.join(parts)} in {time.monotonic() - start:.0f}s")
 
 

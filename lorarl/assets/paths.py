@@ -12,3 +12,5 @@ MODELS_DIR = ASSETS_DIR / "models"
 DENSE_MODEL_DIR = MODELS_DIR / "qwen3-tiny"
 MOE_MODEL_DIR = MODELS_DIR / "qwen3-moe-tiny"
 TOOLS_MODEL_DIR = MODELS_DIR / "qwen3-tiny-tools"
+#: the tool policy warm-started on the single-turn tasks too: one base for both (examples/multitenant)
+MIXED_MODEL_DIR = MODELS_DIR / "qwen3-tiny-mixed"

@@ -90,6 +90,28 @@ class ToolTeacher:
         return _padded(rows)
 
 
+class MixedTeacher:
+    """Both kinds of shipped task for one base (examples/multitenant puts the arithmetic demo and the tool agent
+    on one base): tool conversations (ToolTeacher) every ``tool_every``-th call, the single-turn tasks
+    (FallibleTeacher) otherwise. Meant for a warm start from the tool policy: it already holds the tool task,
+    and the tasks are new. A batch holds one kind so it pads to its own width: a tool conversation is ~10x a
+    task's tokens, and mixed batches would cost every step the tool width (~1 s a step here against 0.15 s)."""
+
+    tool_every = 4
+
+    def __init__(self, problems: Sequence[Any], tokenizer: Any) -> None:
+        tasks = [p for p in problems if isinstance(p, Problem)]
+        self.teachers = (ToolTeacher([p for p in problems if not isinstance(p, Problem)], tokenizer),
+                         FallibleTeacher(tasks, tokenizer))
+        self.calls = 0
+
+    def batch(self, indices: Sequence[int], slip_rate: float, rng: random.Random) -> tuple[torch.Tensor, ...]:
+        teacher = self.teachers[0 if self.calls % self.tool_every == 0 else 1]
+        self.calls += 1
+        n = len(teacher.problems)
+        return teacher.batch([i % n for i in indices], slip_rate, rng)
+
+
 def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Any
                         ) -> tuple[list[int], list[int]]:
     """(input ids, labels) of a whole chat; labels on each assistant turn's tokens through ``<|im_end|>``
@@ -160,11 +182,13 @@ def pretrain(
     log: Callable[[str], None] | None = print,
     log_every: int = 100,
     teacher_class: type = FallibleTeacher,
+    start: PreTrainedModel | None = None,
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
-    """Train a fresh model of ``config`` on ``problems`` (served by ``teacher_class``: the single-turn
-    tasks' FallibleTeacher, or the tool task's ToolTeacher); returns it (eval mode) and a run summary."""
+    """Train a fresh model of ``config`` (or ``start``, warm) on ``problems`` (served by ``teacher_class``: the
+    single-turn tasks' FallibleTeacher, the tool task's ToolTeacher, or MixedTeacher); returns it (eval mode)
+    and a run summary."""
     with deterministic_torch(cfg.threads):
-        model = init_model(config, seed=cfg.seed)
+        model = init_model(config, seed=cfg.seed) if start is None else start
         model.train()
         teacher = teacher_class(problems, default_tokenizer())
         optimizer = _optimizer(model, cfg)

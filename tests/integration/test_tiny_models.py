@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from lorarl.assets import ASSETS_DIR, DENSE_MODEL_DIR, MOE_MODEL_DIR, load_split
 from lorarl.assets.evaluate import MAX_NEW_TOKENS, evaluate_greedy, generate_token_ids, pass_at_k
+from lorarl.assets.paths import MIXED_MODEL_DIR, TOOLS_MODEL_DIR
 from lorarl.assets.tasks import extract_answer
 from lorarl.assets.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, load_tokenizer, prompt_token_ids
 
@@ -50,9 +51,9 @@ def test_prompt_ids() -> list[list[int]]:
 # ------------------------------------------------------------------------------------------ transformers
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", ["dense", "moe", "tools", "mixed"])
 def test_model_dirs_are_complete_fp32_safetensors(name):
-    model_dir = MODEL_DIRS[name]
+    model_dir = {**MODEL_DIRS, "tools": TOOLS_MODEL_DIR, "mixed": MIXED_MODEL_DIR}[name]
     for file in MODEL_FILES:
         assert (model_dir / file).is_file(), file
     assert not list(model_dir.glob("*.bin")), "weights must be safetensors only"

@@ -62,3 +62,22 @@ def test_pretraining_conversations_are_the_tokens_of_an_endpoint_episode() -> No
     skipped, skipped_labels = encode_conversation(tokenizer, conversation(problem, "skip"), TOOLS)
     assert [i for i, label in zip(skipped, skipped_labels, strict=True) if label != IGNORE_INDEX] == \
         [*tokenizer.encode(str(286 * 40), add_special_tokens=False), EOS_TOKEN_ID]
+
+
+def test_the_mixed_teacher_serves_whole_batches_of_one_kind_tools_every_fourth() -> None:
+    """qwen3-tiny-mixed's teacher: a tool batch every `tool_every` calls, the single-turn tasks otherwise, each
+    padded to its own width (a tool conversation is many times a task's length)."""
+    import random
+
+    from lorarl.assets.pretrain import MixedTeacher
+    from lorarl.assets.tasks import load_split
+
+    tools, tasks = load_tool_split("train")[:8], load_split("train")[:8]
+    teacher = MixedTeacher([*tools, *tasks], default_tokenizer())
+    assert [len(t.problems) for t in teacher.teachers] == [8, 8] and MixedTeacher.tool_every == 4
+    rng = random.Random(0)
+    widths = [teacher.batch(list(range(i, i + 4)), 0.0, rng)[0].shape for i in range(8)]
+    assert all(shape[0] == 4 for shape in widths)
+    tool_calls = [widths[i][1] for i in (0, 4)]
+    task_calls = [w[1] for i, w in enumerate(widths) if i not in (0, 4)]
+    assert min(tool_calls) > 3 * max(task_calls), widths

@@ -21,8 +21,8 @@ EXAMPLE = ROOT / "examples" / "multitenant"
 
 
 def owner_dir(tmp: Path, *overrides: str, rank: int = 16) -> Path:
-    """An owner's output dir as `lorarl run add.yaml` leaves it while running: its config and its stack."""
-    cfg = load_job_config(str(EXAMPLE / "add.yaml"), list(overrides))
+    """An owner's output dir as `lorarl run tools.yaml` leaves it while running: its config and its stack."""
+    cfg = load_job_config(str(EXAMPLE / "tools.yaml"), list(overrides))
     (tmp / "services").mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(to_dict(cfg)))
     (tmp / "services" / "stack.json").write_text(json.dumps({"trainer": "127.0.0.1:1", "weightsync": "127.0.0.1:2",
@@ -32,13 +32,13 @@ def owner_dir(tmp: Path, *overrides: str, rank: int = 16) -> Path:
 
 
 def test_a_job_that_can_share_attaches_and_others_are_refused_by_name(tmp_path: Path) -> None:
-    run_dir = owner_dir(tmp_path / "add")
+    run_dir = owner_dir(tmp_path / "tools")
     assert stack_addresses(run_dir)["trainer"] == "127.0.0.1:1"
     sort = load_job_config(str(EXAMPLE / "sort.yaml"), [])
     check_attachable(sort, run_dir)
     for overrides, message in ((["model.dtype=bfloat16"], "model.dtype: the stack in .* serves 'float32'"),
                                (["sync.mode=merged"], "jobs share a stack in adapter mode only"),
-                               (["job_id=add"], "'add' is the owner's job")):
+                               (["job_id=tools"], "'tools' is the owner's job")):
         with pytest.raises(ConfigError, match=message):
             check_attachable(load_job_config(str(EXAMPLE / "sort.yaml"), overrides), run_dir)
     with pytest.raises(ConfigError, match=r"16 is above the rank the stack's rollout serves \(8\): start the owner "
@@ -49,7 +49,7 @@ def test_a_job_that_can_share_attaches_and_others_are_refused_by_name(tmp_path: 
 
 
 def test_a_lease_holds_the_owner_while_its_process_lives(tmp_path: Path) -> None:
-    workdir = owner_dir(tmp_path / "add") / "services"
+    workdir = owner_dir(tmp_path / "tools") / "services"
     with lease(workdir.parent, "sort"):
         assert attached_jobs(workdir) == ["sort"]
     assert attached_jobs(workdir) == []
@@ -60,7 +60,7 @@ def test_a_lease_holds_the_owner_while_its_process_lives(tmp_path: Path) -> None
 
 
 def test_the_owner_can_keep_adapter_slots_for_jobs_to_come(tmp_path: Path) -> None:
-    cfg = load_job_config(str(EXAMPLE / "add.yaml"), [])
-    assert stack_sections(cfg, tmp_path)["rollout"]["max_loras"] == 3 + 2 + 1
-    roomy = load_job_config(str(EXAMPLE / "add.yaml"), ["rollout.max_loras=12"])
+    cfg = load_job_config(str(EXAMPLE / "tools.yaml"), [])
+    assert stack_sections(cfg, tmp_path)["rollout"]["max_loras"] == 2 + 2 + 1
+    roomy = load_job_config(str(EXAMPLE / "tools.yaml"), ["rollout.max_loras=12"])
     assert stack_sections(roomy, tmp_path)["rollout"]["max_loras"] == 12

@@ -25,12 +25,12 @@ def example(name: str, *overrides: str):
 
 
 def test_the_examples_jobs_share_a_stack_sized_for_both(tmp_path: Path) -> None:
-    add, sort = example("add"), example("sort", "loop.max_staleness=1", "rollout.max_model_len=4096")
-    check_shareable([add, sort])
-    rollout = shared_sections([add, sort], tmp_path)["rollout"]
-    alone = stack_sections(add, tmp_path)["rollout"]
+    tools, sort = example("tools"), example("sort", "loop.max_staleness=1", "rollout.max_model_len=4096")
+    check_shareable([tools, sort])
+    rollout = shared_sections([tools, sort], tmp_path)["rollout"]
+    alone = stack_sections(tools, tmp_path)["rollout"]
     # adapter slots for each job's staleness window, the larger rank, both batches in one wave
-    assert rollout["max_loras"] == (3 + 2 + 1) + (1 + 2 + 1) and rollout["adapter_window"] == 5
+    assert rollout["max_loras"] == (2 + 2 + 1) + (1 + 2 + 1) and rollout["adapter_window"] == 4
     assert rollout["max_lora_rank"] == 16 > alone["max_lora_rank"]
     assert rollout["max_num_seqs"] == 2 * alone["max_num_seqs"]
     assert rollout["max_model_len"] == 4096 > alone["max_model_len"]
@@ -41,27 +41,27 @@ def test_the_examples_jobs_share_a_stack_sized_for_both(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("model.dtype=bfloat16", "model.dtype: jobs add and sort differ"),
-    ("rollout.engine=hf", "rollout.engine: jobs add and sort differ"),
+    ("model.dtype=bfloat16", "model.dtype: jobs tools and sort differ"),
+    ("rollout.engine=hf", "rollout.engine: jobs tools and sort differ"),
     ("sync.mode=merged", "a merged job's rollout serves its own weights"),
-    ("job_id=add", "two jobs have job_id 'add'"),
+    ("job_id=tools", "two jobs have job_id 'tools'"),
     ("launcher.kind=ray", "on this host only"),
 ])
 def test_jobs_that_cannot_share_are_refused_naming_the_setting(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        check_shareable([example("add"), example("sort", override)])
+        check_shareable([example("tools"), example("sort", override)])
 
 
 def test_each_job_trains_and_evaluates_on_its_own_shipped_task() -> None:
-    for name in ("add", "sort"):
+    for name in ("tools", "sort"):
         cfg = example(name)
         for split in ("train", "test"):
             examples = job_examples(cfg, split)
             assert examples and all((e.prompt.startswith("sort ")) == (name == "sort") for e in examples)
     with pytest.raises(ConfigError, match="unknown task 'mul'"):
-        example("add", "data.tasks=[mul]")
+        example("sort", "data.tasks=[mul]")
     with pytest.raises(ConfigError, match=r"data\.source=tasks"):
-        example("add", "data.source=jsonl", "data.train_path=a.jsonl", "data.test_path=b.jsonl")
+        example("sort", "data.source=jsonl", "data.train_path=a.jsonl", "data.test_path=b.jsonl")
 
 
 def test_run_reads_its_job_files_before_the_overrides() -> None:
@@ -74,9 +74,9 @@ def test_run_reads_its_job_files_before_the_overrides() -> None:
 def test_dry_run_checks_each_job_and_that_they_can_share(capsys: pytest.CaptureFixture[str]) -> None:
     from lorarl.client.cli import main
 
-    files = [str(EXAMPLE / "add.yaml"), str(EXAMPLE / "sort.yaml")]
+    files = [str(EXAMPLE / "sort.yaml"), str(EXAMPLE / "tools.yaml")]
     assert main(["run", *files, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.count("config OK") == 2 and "jobs add, sort can share one stack" in out
+    assert out.count("config OK") == 2 and "jobs sort, tools can share one stack" in out
     assert main(["run", *files, "--dry-run", "sync.mode=merged"]) == 2
     assert "a merged job's rollout serves its own weights" in capsys.readouterr().err

@@ -351,7 +351,7 @@ def test_the_shared_stack_plans_the_base_once_and_every_jobs_own_part(capsys) ->
     from lorarl.client.job.plan import count, model_shape, service_plans, shared_service_plans, trainer_memory
     from lorarl.client.launch.many_jobs import shared_sections
 
-    files = [str(ROOT / "examples/multitenant/add.yaml"), str(ROOT / "examples/multitenant/sort.yaml")]
+    files = [str(ROOT / "examples/multitenant/sort.yaml"), str(ROOT / "examples/multitenant/tools.yaml")]
     cfgs = [load_job_config(f, []) for f in files]
     rollout = shared_sections(cfgs, Path("/tmp/x"))["rollout"]
     shared = {p.name: p.parts for p in shared_service_plans(cfgs, rollout)}
