@@ -1,12 +1,13 @@
 """Rebuild the shipped assets, or make a random-init benchmark model: ``python -m lorarl.assets.build --help``.
 
-    python -m lorarl.assets.build                          # tokenizer, task splits, both tiny policies
+    python -m lorarl.assets.build                          # tokenizer, task splits, the tiny policies
     python -m lorarl.assets.build --only tokenizer tasks   # just those parts
     python -m lorarl.assets.build --shape qwen3-0.6b --layers 4 --out /tmp/q06b
     python -m lorarl.assets.build --shape qwen3-30b-a3b --layers 2 --experts 32 --out /tmp/q30b
 
-The two tiny policies train in parallel, one process and one torch thread each: that keeps every
-run bit-for-bit reproducible on a given machine and the whole rebuild to a few minutes on 2 cores.
+The tiny policies train in parallel, one process and one torch thread each: that keeps every run
+bit-for-bit reproducible on a given machine. The dense, MoE and tool policies build from scratch, at once;
+the mixed one then warm-starts from the tool policy (~9 min more on one core).
 Each model directory gets a ``build_info.json`` with its parameters, training recipe and measured
 held-out numbers (no timings, so a rebuild on the same machine leaves every file byte-identical).
 """
