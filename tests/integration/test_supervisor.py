@@ -48,6 +48,43 @@ def test_a_service_that_stays_up_starts_its_restart_count_again(tmp_path: Path, 
         assert "restarted 1 times" in str(stack.failure)
 
 
+def test_dead_services_come_back_side_by_side(tmp_path: Path, monkeypatch) -> None:
+    """Two services die, the first one's start needing the second up (as the rollout cannot get ready until it
+    subscribes to weight sync): each restarts in its own thread, so the first waits for the second's restart
+    and both are back, each restarted once. One restart queue would hold weight sync behind the trainer's
+    start until that start gave up (a test_faults run lost 190 s so)."""
+    import threading
+
+    monkeypatch.setattr(local, "RESTART_PAUSE_MIN_S", 0.1)
+    stack = LocalStack(tmp_path, {"weightsync": {"storage_dir": str(tmp_path / "store")}},
+                       services=("weightsync", "trainer"))
+    with stack:
+        launch = stack._launch
+        weightsync_back, trainer_starting = threading.Event(), threading.Event()
+
+        def launch_after_weightsync(name: str, *args, **kwargs):
+            if name == "trainer":
+                trainer_starting.set()
+                if not weightsync_back.wait(30):
+                    raise RuntimeError("trainer service did not start: weight sync never came back")
+            started = launch(name, *args, **kwargs)
+            if name == "weightsync":
+                weightsync_back.set()
+            return started
+
+        monkeypatch.setattr(stack, "_launch", launch_after_weightsync)
+        stack.supervise(restarts=1)
+        first = dict(stack.processes)
+        os.kill(first["trainer"].process.pid, signal.SIGKILL)
+        wait_until(trainer_starting.is_set, 30, "the trainer's restart starting")
+        os.kill(first["weightsync"].process.pid, signal.SIGKILL)
+        wait_until(lambda: all(stack.processes[n] is not first[n] for n in first) or stack.failure is not None,
+                   120, "both services back")
+        assert stack.failure is None, stack.failure
+        assert {n: stack.processes[n].restarts for n in first} == {"weightsync": 1, "trainer": 1}
+        assert sorted(name for name, _, _ in stack.restart_log) == ["trainer", "weightsync"]
+
+
 def test_a_service_log_is_kept_under_its_cap_while_the_service_writes(tmp_path: Path) -> None:
     """A real weight sync service logs each call it rejects; with a 2 KiB cap and one copy, its log is rotated
     while the process keeps appending to it: the live file starts again at zero (no hole where the old

@@ -116,6 +116,7 @@ class LocalStack(Stack):
     log_retention: LogRetention = field(default_factory=LogRetention)
     log_rotator: LogRotator = field(init=False)
     _watcher: threading.Thread | None = None
+    _restarting: dict[str, threading.Thread] = field(default_factory=dict)  # per service: its restart under way
     _stopping: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -255,41 +256,58 @@ class LocalStack(Stack):
         self._watcher.start()
 
     def _watch(self, restarts: int) -> None:
+        """Polls the services; each one found dead comes back in its own thread (`_restart`), side by side with
+        any other: a service whose start needs another (the rollout subscribes to weight sync before it is
+        ready) must never wait for a restart queued behind its own."""
         while not self._stopping.wait(WATCH_INTERVAL_S):
+            if self.failure is not None:
+                return
             for name, svc in list(self.processes.items()):
+                restarting = self._restarting.get(name)
+                if restarting is not None and restarting.is_alive():
+                    continue
                 code = svc.process.poll()
                 if code is None and svc.restarts and time.monotonic() - svc.started_at >= HEALTHY_UPTIME_S:
                     svc.restarts = 0
                 if code is None or self._stopping.is_set():
                     continue
-                died = time.monotonic()
-                _kill_group(svc.process.pid)  # its engine core, its ranks
-                if svc.restarts >= restarts:
-                    self.failure = ServiceFailedError(
-                        f"the {name} service exited with code {code} and was restarted {svc.restarts} times "
-                        f"already (recovery.restarts); see {svc.log_path}")
-                    print(f"lorarl: {self.failure}", file=sys.stderr, flush=True)
-                    return
-                pause = min(RESTART_PAUSE_MAX_S, RESTART_PAUSE_MIN_S * 2 ** svc.restarts)
-                print(f"lorarl: the {name} service exited with code {code}; restarting it on {svc.address} "
-                      f"({svc.restarts + 1} of {restarts}) in {pause:.0f} s", file=sys.stderr, flush=True)
-                if self._stopping.wait(pause):
-                    return
-                try:
-                    fresh = self._launch(name, svc.section, svc.service, port=int(svc.address.rsplit(":", 1)[1]))
-                except RuntimeError as e:  # did not come up: counts as another exit
-                    svc.restarts += 1
-                    print(f"lorarl: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-                    continue
-                if self._stopping.is_set():  # the stack stopped while this one started
-                    _kill_group(fresh.process.pid)
-                    fresh.process.wait(timeout=10)
-                    return
-                fresh.restarts = svc.restarts + 1
-                self.processes[name] = fresh
-                self.restart_log.append((name, code, time.monotonic() - died))
-                print(f"lorarl: the {name} service is back ({time.monotonic() - died:.1f} s after it exited)",
-                      file=sys.stderr, flush=True)
+                thread = threading.Thread(target=self._restart, args=(name, svc, code, restarts),
+                                          name=f"lorarl-restart-{name}", daemon=True)
+                self._restarting[name] = thread
+                thread.start()
+
+    def _restart(self, name: str, svc: ServiceProcess, code: int, restarts: int) -> None:
+        """``svc`` (exited with ``code``) again on its own port, after a pause that doubles with its restarts in a
+        row; past ``restarts`` of them, the stack's failure. A start that fails counts as another exit: the
+        watcher finds the service still dead and calls again."""
+        died = time.monotonic()
+        _kill_group(svc.process.pid)  # its engine core, its ranks
+        if svc.restarts >= restarts:
+            self.failure = ServiceFailedError(
+                f"the {name} service exited with code {code} and was restarted {svc.restarts} times "
+                f"already (recovery.restarts); see {svc.log_path}")
+            print(f"lorarl: {self.failure}", file=sys.stderr, flush=True)
+            return
+        pause = min(RESTART_PAUSE_MAX_S, RESTART_PAUSE_MIN_S * 2 ** svc.restarts)
+        print(f"lorarl: the {name} service exited with code {code}; restarting it on {svc.address} "
+              f"({svc.restarts + 1} of {restarts}) in {pause:.0f} s", file=sys.stderr, flush=True)
+        if self._stopping.wait(pause):
+            return
+        try:
+            fresh = self._launch(name, svc.section, svc.service, port=int(svc.address.rsplit(":", 1)[1]))
+        except RuntimeError as e:  # did not come up: counts as another exit
+            svc.restarts += 1
+            print(f"lorarl: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            return
+        if self._stopping.is_set():  # the stack stopped while this one started
+            _kill_group(fresh.process.pid)
+            fresh.process.wait(timeout=10)
+            return
+        fresh.restarts = svc.restarts + 1
+        self.processes[name] = fresh
+        self.restart_log.append((name, code, time.monotonic() - died))
+        print(f"lorarl: the {name} service is back ({time.monotonic() - died:.1f} s after it exited)",
+              file=sys.stderr, flush=True)
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -299,8 +317,9 @@ class LocalStack(Stack):
         """SIGTERM everything (reverse start order), then SIGKILL whatever outlives the bound."""
         self._stopping.set()
         self.log_rotator.stop()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout=self.start_timeout_s + 5)
+        for thread in [self._watcher, *self._restarting.values()]:  # a restart under way ends first
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=self.start_timeout_s + 5)
         for name in reversed(list(self.processes)):
             proc = self.processes[name].process
             if proc.poll() is None:
