@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lorarl.common.tcp_store import client_store, master_store
-from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import (
     CheckpointInfo,
     EngineStateError,
@@ -169,14 +168,13 @@ class DataParallelEngine(TorchEngine):
             batch = shard_by_group(batch, self.rank, self.world_size)
         return super().forward_backward(batch, loss)
 
-    def routing_metrics(self, batch: Sequence[TrajectoryRecord]) -> Metrics:
-        """Routing replay's figures over every rank's shard (``batch`` is this rank's): the counts are summed
-        before the ratios are taken, so rank 0 reports the whole batch. Every rank calls it in lockstep (from
-        forward_backward), empty shards included; dense jobs and jobs routing live skip the collective."""
+    def _reduce_routing_counts(self, counts: list[int]) -> list[int]:
+        """Routing replay's counts summed over every rank's shard before the ratios are taken, so rank 0 reports
+        the whole batch. Every rank gets here in lockstep (forward_backward's routing_metrics), empty shards
+        included; dense jobs and jobs routing live skip the collective."""
         if self.route_shape is None:
-            return super().routing_metrics(batch)
-        counts = [*routing_replay.take_counts(self.model), *routing_replay.record_counts(batch)]
-        return routing_replay.metrics_from_counts(all_reduce_ints(counts, dist.ReduceOp.SUM, self.device))
+            return counts
+        return all_reduce_ints(counts, dist.ReduceOp.SUM, self.device)
 
     def forward_with_logprobs(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None,
                               forward_only: bool = False) -> tuple[Metrics, list[list[float]]]:

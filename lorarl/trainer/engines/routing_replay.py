@@ -23,7 +23,7 @@ Routers are transformers' top-k routers (Qwen3-MoE's ``Qwen3MoeTopKRouter``): ``
 ``num_experts``, ``norm_topk_prob``, forward -> (logits, weights, indices).
 
 The Megatron engine replays the same routes by the same rule through megatron-core's router hook
-(lorarl.trainer.engines.megatron.routing_replay), and reports its figures with `stats_from_counts`.
+(lorarl.trainer.engines.megatron.routing_replay), and reports its figures with `metrics_from_counts`.
 """
 
 from __future__ import annotations
@@ -173,15 +173,6 @@ def take_counts(model: nn.Module) -> tuple[int, int, int, int]:
     return pairs, differing, tokens, any_differs
 
 
-def stats_from_counts(pairs: int, differing: int, tokens: int, any_differs: int) -> dict[str, float]:
-    """The ``routing_*`` metrics from their counts (`take_counts`; multi-rank engines sum them over their ranks
-    first): replayed (token, layer) pairs and how many differ, replayed tokens and how many differ in any layer."""
-    if not pairs:
-        return {}
-    return {"routing_replayed_tokens": float(tokens), "routing_disagreement": differing / pairs,
-            "routing_token_disagreement": any_differs / max(tokens, 1)}
-
-
 def replayed_counts(records: Sequence[TrajectoryRecord]) -> tuple[int, int]:
     """(policy tokens whose predicting position (the one before each) has a recorded route, policy tokens)."""
     routed = total = 0
@@ -203,10 +194,13 @@ def record_counts(records: Sequence[TrajectoryRecord]) -> list[int]:
 
 
 def metrics_from_counts(counts: Sequence[int]) -> dict[str, float]:
-    """Every ``routing_*`` metric from `take_counts` + `record_counts` (possibly summed over ranks):
-    `stats_from_counts`'s, and ``routing_replayed_fraction`` when any record carried routes."""
+    """Every ``routing_*`` metric from `take_counts` + `record_counts` (multi-rank engines sum them over their
+    ranks first): ``routing_replayed_tokens``, ``routing_disagreement`` (replayed (token, layer) pairs whose live
+    top-k set differs), ``routing_token_disagreement`` (replayed tokens where any layer's differs) when anything
+    was replayed, and ``routing_replayed_fraction`` when any record carried routes."""
     pairs, differing, tokens, any_differs, routed, total, with_routes = counts
-    stats = stats_from_counts(pairs, differing, tokens, any_differs)
+    stats = {} if not pairs else {"routing_replayed_tokens": float(tokens), "routing_disagreement": differing / pairs,
+                                  "routing_token_disagreement": any_differs / max(tokens, 1)}
     if with_routes:
         stats["routing_replayed_fraction"] = routed / total if total else 0.0
     return stats

@@ -224,8 +224,12 @@ class TorchEngine(PolicyEngine):
         return routing_replay.route_shape(self.model)
 
     def routing_metrics(self, batch: Sequence[TrajectoryRecord]) -> Metrics:
-        return routing_replay.metrics_from_counts([*routing_replay.take_counts(self.model),
-                                                   *routing_replay.record_counts(batch)])
+        counts = [*routing_replay.take_counts(self.model), *routing_replay.record_counts(batch)]
+        return routing_replay.metrics_from_counts(self._reduce_routing_counts(counts))
+
+    def _reduce_routing_counts(self, counts: list[int]) -> list[int]:
+        """``counts`` over every rank holding a share of the batch: this process's alone here."""
+        return counts
 
     # ------------------------------------------------------------ the RL step's model backend
 
