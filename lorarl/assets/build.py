@@ -35,7 +35,6 @@ from lorarl.assets.paths import (
 from lorarl.assets.pretrain import SFTConfig
 
 PARTS = ("tokenizer", "tasks", "dense", "moe", "tools", "mixed")
-MODELS = ("dense", "moe", "tools", "mixed")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -64,7 +63,6 @@ RECIPES: dict[str, TinyRecipe] = {
 
 def build_tiny_model(recipe: TinyRecipe) -> dict[str, Any]:
     """Pretrain one tiny policy, save it with the tokenizer, measure it; returns build_info."""
-    from lorarl.assets.evaluate import evaluate_greedy, pass_at_k
     from lorarl.assets.models import count_parameters, save_model, shape_config
     from lorarl.assets.pretrain import pretrain
     from lorarl.assets.tasks import load_split
@@ -79,27 +77,36 @@ def build_tiny_model(recipe: TinyRecipe) -> dict[str, Any]:
         return build_mixed_model(recipe, log, start)
     model, summary = pretrain(shape_config(recipe.shape), load_split("train"), recipe.sft, log=log)
     save_model(model, recipe.out_dir)
-    greedy = evaluate_greedy(model, "test")
-    sampled = pass_at_k(model, "test", k=8, temperature=1.0, seed=0)
-    info = {
-        "shape": recipe.shape,
-        "parameters": count_parameters(model),
-        **summary,
-        "test_greedy_accuracy": round(greedy.accuracy, 4),
-        "test_greedy_accuracy_per_task": {k: round(v, 4) for k, v in greedy.per_task.items()},
-        "test_sampling_t1": {k: round(v, 4) for k, v in sampled.items()},
-    }
+    info = {"shape": recipe.shape, "parameters": count_parameters(model), **summary, **task_figures(model)}
     (recipe.out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(
-        f"greedy {greedy.accuracy:.3f}, pass@8 {sampled['pass@8']:.3f}, built in {time.monotonic() - start:.0f}s"
-        f" -> {recipe.out_dir}"
+        f"greedy {info['test_greedy_accuracy']:.3f}, pass@8 {info['test_sampling_t1']['pass@8']:.3f}, built in "
+        f"{time.monotonic() - start:.0f}s -> {recipe.out_dir}"
     )
     return info
 
 
+def task_figures(model: Any) -> dict[str, Any]:
+    """A policy's held-out figures on the single-turn tasks: greedy accuracy (all, per task) and pass@8 at T=1."""
+    from lorarl.assets.evaluate import evaluate_greedy, pass_at_k
+
+    greedy = evaluate_greedy(model, "test")
+    sampled = pass_at_k(model, "test", k=8, temperature=1.0, seed=0)
+    return {"test_greedy_accuracy": round(greedy.accuracy, 4),
+            "test_greedy_accuracy_per_task": {k: round(v, 4) for k, v in greedy.per_task.items()},
+            "test_sampling_t1": {k: round(v, 4) for k, v in sampled.items()}}
+
+
+def tool_figures(model: Any) -> dict[str, float]:
+    """A policy's held-out tool episodes, decoded greedily: success, call rate, success when called."""
+    from lorarl.assets.evaluate import evaluate_tool_greedy
+    from lorarl.assets.tool_task import load_tool_split
+
+    return {k: round(v, 4) for k, v in evaluate_tool_greedy(model, load_tool_split("test")).items()}
+
+
 def build_tool_model(recipe: TinyRecipe, log, start: float) -> dict[str, Any]:
     """The tool task's policy: pretrained on its fallible agent's conversations, measured greedily."""
-    from lorarl.assets.evaluate import evaluate_tool_greedy
     from lorarl.assets.models import count_parameters, save_model, shape_config
     from lorarl.assets.pretrain import ToolTeacher, pretrain
     from lorarl.assets.tool_task import load_tool_split
@@ -107,9 +114,9 @@ def build_tool_model(recipe: TinyRecipe, log, start: float) -> dict[str, Any]:
     model, summary = pretrain(shape_config(recipe.shape), load_tool_split("train"), recipe.sft, log=log,
                               teacher_class=ToolTeacher)
     save_model(model, recipe.out_dir)
-    greedy = evaluate_tool_greedy(model, load_tool_split("test"))
+    greedy = tool_figures(model)
     info = {"shape": recipe.shape, "task": "tools", "parameters": count_parameters(model), **summary,
-            "test_greedy": {k: round(v, 4) for k, v in greedy.items()}}
+            "test_greedy": greedy}
     (recipe.out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"greedy success {greedy['success']:.3f}, calls {greedy['call_rate']:.3f}, built in "
         f"{time.monotonic() - start:.0f}s -> {recipe.out_dir}")
@@ -121,7 +128,6 @@ def build_mixed_model(recipe: TinyRecipe, log, start: float) -> dict[str, Any]:
     on both (each must leave RL room: a job learns only what its base sometimes gets right)."""
     from transformers import AutoModelForCausalLM
 
-    from lorarl.assets.evaluate import evaluate_greedy, evaluate_tool_greedy, pass_at_k
     from lorarl.assets.models import count_parameters, save_model, shape_config
     from lorarl.assets.pretrain import MixedTeacher, pretrain
     from lorarl.assets.tasks import load_split
@@ -132,19 +138,12 @@ def build_mixed_model(recipe: TinyRecipe, log, start: float) -> dict[str, Any]:
     model, summary = pretrain(shape_config(recipe.shape), problems, recipe.sft, log=log, teacher_class=MixedTeacher,
                               start=warm)
     save_model(model, recipe.out_dir)
-    greedy = evaluate_greedy(model, "test")
-    sampled = pass_at_k(model, "test", k=8, temperature=1.0, seed=0)
-    tools = evaluate_tool_greedy(model, load_tool_split("test"))
     info = {"shape": recipe.shape, "task": "tasks+tools", "start_from": recipe.start_from.name,
-            "tool_every": MixedTeacher.tool_every,
-            "parameters": count_parameters(model), **summary,
-            "test_greedy_accuracy": round(greedy.accuracy, 4),
-            "test_greedy_accuracy_per_task": {k: round(v, 4) for k, v in greedy.per_task.items()},
-            "test_sampling_t1": {k: round(v, 4) for k, v in sampled.items()},
-            "test_greedy_tools": {k: round(v, 4) for k, v in tools.items()}}
+            "tool_every": MixedTeacher.tool_every, "parameters": count_parameters(model), **summary,
+            **task_figures(model), "test_greedy_tools": tool_figures(model)}
     (recipe.out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    log(f"tasks greedy {greedy.accuracy:.3f} {info['test_greedy_accuracy_per_task']}, tools success "
-        f"{tools['success']:.3f}, built in {time.monotonic() - start:.0f}s -> {recipe.out_dir}")
+    log(f"tasks greedy {info['test_greedy_accuracy']:.3f} {info['test_greedy_accuracy_per_task']}, tools success "
+        f"{info['test_greedy_tools']['success']:.3f}, built in {time.monotonic() - start:.0f}s -> {recipe.out_dir}")
     return info
 
 
@@ -172,10 +171,10 @@ def build_assets(parts: Sequence[str] = PARTS) -> None:
 
         for split, path in [*write_splits(TASKS_DIR).items(), *write_tool_splits().items()]:
             print(f"{split} split -> {path}")
-    models = [name for name in MODELS if name in parts and RECIPES[name].start_from is None]
+    models = [name for name in RECIPES if name in parts and RECIPES[name].start_from is None]
     if models:
         build_tiny_models(models)
-    warm = [name for name in MODELS if name in parts and RECIPES[name].start_from is not None]
+    warm = [name for name in RECIPES if name in parts and RECIPES[name].start_from is not None]
     if warm:  # after the models they start from
         build_tiny_models(warm)
     print(f"built {', '.join(parts)} in {time.monotonic() - start:.0f}s")
