@@ -122,8 +122,10 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
     if config.rollout.model_path is not None:
         from lorarl.common.parent_watch import mark
         from lorarl.rollout.factory import start_core
+        from lorarl.rollout.vllm.core_process import declare_fork_safe
 
         mark()  # vLLM's engine core exits when this process dies, even by SIGKILL
+        declare_fork_safe()  # nothing has run here yet: vLLM's engine core may be forked (core_process.py)
 
         core = await start_core(config.rollout)
     servicer = RolloutServicer(config.rollout, core)

@@ -38,6 +38,37 @@ def test_a_marked_child_exits_when_its_parent_is_killed() -> None:
         assert gone and not alive, "the child outlived its parent"
     finally:
         parent.kill()
+FORKING_PARENT = """
+import os, time
+from lorarl.common.parent_watch import mark
+mark()
+if os.fork() == 0:  # the engine core, forked (lorarl/rollout/vllm/core_process.py)
+    worker = os.fork()  # a tensor-parallel worker it forks in turn
+    if worker == 0:
+        time.sleep(120)
+        os._exit(0)
+    print(os.getpid(), worker, flush=True)
+    time.sleep(120)
+    os._exit(0)
+time.sleep(120)
+"""
+
+
+def test_forked_children_and_their_own_forks_exit_when_the_service_is_killed() -> None:
+    """vLLM loads lorarl's plugin once per interpreter; a fork is not a new one, so the watch starts at the fork."""
+    parent = subprocess.Popen([sys.executable, "-c", FORKING_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        forked = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(forked) == 2
+        time.sleep(1.5)
+        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in forked)
+        assert all(any(t.id != p.pid for t in p.threads()) for p in forked)  # each runs its watch thread
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        gone, alive = psutil.wait_procs(forked, timeout=15)
+        assert len(gone) == 2 and not alive, "a forked child outlived the service"
+    finally:
+        parent.kill()
 
 
 def test_an_unmarked_process_and_the_service_itself_do_not_watch(monkeypatch) -> None:

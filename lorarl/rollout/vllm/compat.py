@@ -66,6 +66,18 @@ def enable_envs_cache() -> bool:
     return False
 
 
+def disable_envs_cache() -> bool:
+    """Thaws what `enable_envs_cache` froze, before another engine starts in this process: it sets its own
+    environment (the CPU thread binding), and a forked engine core inherits its parent's frozen reads."""
+    from vllm import envs
+
+    disable = getattr(envs, "disable_envs_cache", None)
+    if callable(disable):
+        disable()
+        return True
+    return False
+
+
 async def set_weight_version(llm: Any, label: str) -> bool:
     """Tells vLLM the label of the weights it now serves, where it keeps one (0.24+); the rollout keeps
     its own version either way, so this is bookkeeping, not correctness."""

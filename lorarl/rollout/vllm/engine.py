@@ -40,7 +40,7 @@ from lorarl.rollout.schema import (
     SegmentEvent,
     SegmentSpec,
 )
-from lorarl.rollout.vllm import compat
+from lorarl.rollout.vllm import compat, core_process
 from lorarl.rollout.vllm.cpu_binding import apply_thread_binding
 from lorarl.rollout.vllm.weight_names import UNCHECKED
 from lorarl.rollout.vllm.worker_ext import EXTENSION_QUALNAME, MEMORY_SCHEME
@@ -188,6 +188,7 @@ class VllmEngine:
                 problems += ascend.lora_rank_problems(s.max_lora_rank, rank_key="rollout.max_lora_rank")
             if problems:
                 raise ValueError("; ".join(problems))
+        compat.disable_envs_cache()  # an engine started before in this process froze vLLM's environment reads
         compat.apply_platform_environment(current_platform.device_type)  # before vLLM loads the model
         if current_platform.is_cpu():
             apply_thread_binding(parse_cpu_list(s.engine_cpus) if s.engine_cpus else available_cpus(),
@@ -221,9 +222,13 @@ class VllmEngine:
             # a prefix-cached position is never computed, so its route would never be recorded
             **({"enable_prefix_caching": False} if s.record_routes else {}),
         )
+        method = core_process.start_method(current_platform.device_type)  # read before vLLM's config sets it
+        config = args.create_engine_config()
+        if method:
+            os.environ[core_process.ENV] = method
         # No stat loggers: with any, vLLM records Prometheus histograms and iteration stats for every
         # request at every step in the frontend (~15% of its CPU on the demo); stats() counts requests here.
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
         # vLLM reads its settings from the environment on every access (every request's SamplingParams
         # looks up VLLM_MAX_N_SEQUENCES: ~14% of this process's CPU on the demo). vLLM's own servers and
         # engine core freeze them once the engine is up; so does this frontend.

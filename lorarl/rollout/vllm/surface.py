@@ -59,7 +59,8 @@ _NPU = frozenset({"npu"})
 SURFACE: tuple[Symbol, ...] = (
     # --- the engine (lorarl/rollout/vllm/engine.py), public API
     _s("vllm.engine.arg_utils:AsyncEngineArgs", *_ENGINE_ARGS),
-    _s("vllm.v1.engine.async_llm:AsyncLLM.from_engine_args"),
+    _s("vllm.engine.arg_utils:EngineArgs.create_engine_config"),
+    _s("vllm.v1.engine.async_llm:AsyncLLM.from_vllm_config", "disable_log_stats"),
     _s("vllm.v1.engine.async_llm:AsyncLLM.collective_rpc", "method", "kwargs"),
     _s("vllm.v1.engine.async_llm:AsyncLLM.add_request", "request_id", "prompt", "params", "lora_request"),
     _s("vllm.v1.engine.async_llm:AsyncLLM.abort", "request_id", "internal"),
@@ -75,6 +76,7 @@ SURFACE: tuple[Symbol, ...] = (
        fallback="the rollout keeps the weight version itself (vLLM < 0.24 has no engine-side version)"),
     _s("vllm.v1.engine.exceptions:EngineDeadError"),
     _s("vllm.envs:enable_envs_cache", fallback="vLLM reads its environment on every access (slower, same result)"),
+    _s("vllm.envs:disable_envs_cache", fallback="nothing to thaw: vLLM < 0.32 has no environment cache"),
     _s("vllm:SamplingParams"),
     _s("vllm.sampling_params:SamplingParams", *_SAMPLING),
     _s("vllm.sampling_params:RequestOutputKind.DELTA"),
