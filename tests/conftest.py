@@ -17,6 +17,13 @@ import pytest
 # tests/integration/rollout/test_vllm_dense.py take 247 s beside one busy core instead of 41 s.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# vLLM engines the tests start in their own process fork their engine core as the rollout service does
+# (lorarl/rollout/vllm/core_process.py: ~14 s of imports saved per engine core and tensor-parallel worker): one
+# OpenMP thread (no pool to break in the child), and the other threads of a test process wait while it forks.
+from lorarl.rollout.vllm.core_process import declare_fork_safe
+
+declare_fork_safe()
+
 pytest_plugins = ["tests.support.budget"]
 
 #: Each test starts and stops everything it uses: scheduled one by one.

@@ -5,25 +5,29 @@ platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` each time it builds a confi
 fresh interpreter that imports vLLM and torch again: ~14 s of CPU per process on the 2-core machine, on the
 critical path of every rollout start and restart. Forked, the child inherits what the service already
 imported: a 2-step `lorarl run examples/demo.yaml` had its services up in 17.9 s instead of 35.6 s, and a
-TP-2 run (three children) in 21.0 s instead of 38.8 s, with the same numbers out (bench/RESULTS.md).
+TP-2 run (three children) in 21.0 s instead of 38.8 s, with the same numbers out (bench/service_start.py).
 On CUDA vLLM itself forks unless CUDA is already initialised.
 
-Fork is only safe in a process that has not yet run OpenMP-parallel work (libgomp's thread pool does not
-survive a fork) and runs no other thread: the child has only the forking thread, and what the others held
-(their locks, the objects on their stacks) is lost or freed there. A gRPC object freed in the child joins a
-poller thread that does not exist and spins forever; that is how an engine started inside a test process
-that had served gRPC before hung at its first garbage collection. The rollout service starts its engine
-before anything else, on its only thread, so it declares itself safe (``declare_fork_safe``) and forks while
-it has one thread; any other process (a test harness, a benchmark building an engine beside other work)
-keeps vLLM's spawn. A caller that sets ``VLLM_WORKER_MULTIPROC_METHOD`` itself keeps its choice either way:
-the operator's way back to spawn.
+What a fork needs, and how each need is met:
+- no OpenMP pool yet (libgomp's does not survive a fork): the process has run no parallel torch work. The
+  rollout service starts its engine before anything else; the test processes run one OpenMP thread.
+- no other thread holding what the child needs (a lock, an object): the child has only the forking thread.
+  The service has no other thread then; a test process's other threads (xdist's, idle gRPC pollers) wait.
+- nothing of the parent's freed in the child: a gRPC object collected there joins a poller thread that does
+  not exist and spins forever (an engine started in a test process that had served gRPC hung so at its
+  first collection). Garbage is collected before the fork and the rest frozen (`gc.freeze`, as Python's
+  documentation advises before a fork), so the child's collections never reach the parent's objects.
+A process declares itself fit (``declare_fork_safe``); any other keeps vLLM's spawn (a benchmark building an
+engine beside other work). A caller that sets ``VLLM_WORKER_MULTIPROC_METHOD`` itself keeps its choice
+either way: the operator's way back to spawn.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-import threading
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 
 ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 METHODS = ("fork", "spawn")
@@ -31,13 +35,13 @@ _fork_safe = False
 
 
 def declare_fork_safe() -> None:
-    """Called by a process that will start its engine before running any other work (the rollout service)."""
+    """Called by a process fit to fork (see the module docstring): the rollout service, the test processes."""
     global _fork_safe
     _fork_safe = True
 
 
 def start_method(device_type: str, environ: MutableMapping[str, str] = os.environ,
-                 fork_safe: bool | None = None, threads: int | None = None) -> str | None:
+                 fork_safe: bool | None = None) -> str | None:
     """The start method to set once vLLM has built its config (read before it does: vLLM's CPU platform
     overwrites the variable); None leaves vLLM's own choice. The caller's explicit value wins."""
     chosen = environ.get(ENV, "")
@@ -46,5 +50,21 @@ def start_method(device_type: str, environ: MutableMapping[str, str] = os.enviro
             raise ValueError(f"{ENV}={chosen!r}: vLLM takes one of {', '.join(METHODS)}")
         return chosen
     safe = _fork_safe if fork_safe is None else fork_safe
-    alone = (threading.active_count() if threads is None else threads) == 1
-    return "fork" if safe and alone and device_type == "cpu" else None
+    return "fork" if safe and device_type == "cpu" else None
+
+
+@contextlib.contextmanager
+def starting_children(method: str | None, environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
+    """Around the engine's construction (its children start inside): vLLM's start method set, and for a fork
+    the parent's garbage collected and the rest frozen until the children are up."""
+    if method:
+        environ[ENV] = method
+    if method != "fork":
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -224,11 +224,10 @@ class VllmEngine:
         )
         method = core_process.start_method(current_platform.device_type)  # read before vLLM's config sets it
         config = args.create_engine_config()
-        if method:
-            os.environ[core_process.ENV] = method
         # No stat loggers: with any, vLLM records Prometheus histograms and iteration stats for every
         # request at every step in the frontend (~15% of its CPU on the demo); stats() counts requests here.
-        self._llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
+        with core_process.starting_children(method):
+            self._llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
         # vLLM reads its settings from the environment on every access (every request's SamplingParams
         # looks up VLLM_MAX_N_SEQUENCES: ~14% of this process's CPU on the demo). vLLM's own servers and
         # engine core freeze them once the engine is up; so does this frontend.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorarl.rollout.vllm.core_process import ENV, start_method
+from lorarl.rollout.vllm.core_process import ENV, start_method, starting_children
 
 
 @pytest.mark.parametrize(("device", "safe", "expected"), [
@@ -15,20 +15,29 @@ from lorarl.rollout.vllm.core_process import ENV, start_method
     ("npu", True, None),
 ])
 def test_fork_only_where_declared_safe_on_cpu(device: str, safe: bool, expected: str | None) -> None:
-    assert start_method(device, {}, fork_safe=safe, threads=1) == expected
-
-
-def test_a_process_running_other_threads_spawns_even_if_declared_safe() -> None:
-    """The child would have only the forking thread: what the others held is lost there (a gRPC object on another
-    thread's stack, freed in the child, spun forever joining its poller)."""
-    assert start_method("cpu", {}, fork_safe=True, threads=2) is None
+    assert start_method(device, {}, fork_safe=safe) == expected
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_the_callers_own_setting_wins(method: str) -> None:
-    assert start_method("cpu", {ENV: method}, fork_safe=method == "spawn", threads=1) == method
+    assert start_method("cpu", {ENV: method}, fork_safe=method == "spawn") == method
 
 
 def test_a_value_vllm_does_not_take_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=f"{ENV}='forkserver'"):
-        start_method("cpu", {ENV: "forkserver"}, fork_safe=True, threads=1)
+        start_method("cpu", {ENV: "forkserver"}, fork_safe=True)
+
+
+def test_a_fork_freezes_the_parents_objects_until_the_children_are_up() -> None:
+    """What the child collects never reaches the parent's objects (a gRPC object freed in a forked child spun
+    forever joining a poller thread that was not there); a spawn leaves the collector alone."""
+    import gc
+
+    environ: dict[str, str] = {}
+    with starting_children("fork", environ):
+        assert environ[ENV] == "fork" and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    with starting_children("spawn", environ):
+        assert environ[ENV] == "spawn" and gc.get_freeze_count() == 0
+    with starting_children(None, environ):
+        assert environ[ENV] == "spawn"  # None: whatever vLLM set stays

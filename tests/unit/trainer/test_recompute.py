@@ -135,6 +135,7 @@ def saved_bytes_per_token(model: torch.nn.Module, tokens: int) -> float:
     return sum(v for k, v in seen.items() if k not in params) / (len(prompt) + tokens)
 
 
+@pytest.mark.slow
 def test_checkpointing_keeps_under_an_eighth_of_the_activations_at_the_8b_layer_shape() -> None:
     """Two layers of Qwen3-8B's shape in bf16, rank-32 LoRA: per token per layer, checkpointed layers keep
     their input only (8 KiB) against ~185 KiB; the difference of 2 and 1 layers isolates the layers."""
