@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py", "cpu_pinning.py", "memory_plan.py",
                                     "scaling.py", "gpu_check.py", "trl_at_shape.py", "head_logprobs.py",
                                     "npu_check.py", "receive_in_worker.py", "multitenant.py", "routing_replay.py",
-                                    "recovery.py", "soak.py", "multi_lora_pass.py"])
+                                    "recovery.py", "soak.py", "multi_lora_pass.py", "service_start.py"])
 def test_command_line_parses(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
