@@ -1,6 +1,4 @@
-"""Runs a function in N gloo worker processes with a deadline, so a stuck collective fails the test, never hangs it.
-
-The workers are forked from the test process (tests/support/forking.py), not spawned."""
+"""Runs a function in N gloo worker processes with a deadline, so a stuck collective fails the test, never hangs it."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ import torch
 import torch.multiprocessing as mp
 
 from lorarl.common.ports import free_port
-from tests.support.forking import forking
 
 GRAD_PARAM = "decoder.layers.0.self_attention.linear_qkv.weight"
 
@@ -34,9 +31,8 @@ def run_workers(fn: Callable[..., None], nprocs: int, args: tuple, timeout_s: fl
 
 def _run_once(fn: Callable[..., None], nprocs: int, args: tuple, timeout_s: float) -> None:
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    with forking():  # a spawned worker imported torch and megatron-core again: ~8 s each (#29)
-        context = mp.start_processes(fn, args=(nprocs, init_method, *args), nprocs=nprocs, join=False,
-                                     start_method="fork")
+    context = mp.start_processes(fn, args=(nprocs, init_method, *args), nprocs=nprocs, join=False,
+                                 start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):  # raises ProcessRaisedException when a worker fails
         if time.monotonic() > deadline:
