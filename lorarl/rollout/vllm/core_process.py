@@ -13,6 +13,8 @@ What a fork needs, and how each need is met:
   rollout service starts its engine before anything else; the test processes run one OpenMP thread.
 - no other thread holding what the child needs (a lock, an object): the child has only the forking thread.
   The service has no other thread then; a test process's other threads (xdist's, idle gRPC pollers) wait.
+- no process group: a child would inherit the parent's torch.distributed group (a world of its size) and
+  vLLM's own init would join it instead of making the engine's. A process with one spawns.
 - nothing of the parent's freed in the child: a gRPC object collected there joins a poller thread that does
   not exist and spins forever (an engine started in a test process that had served gRPC hung so at its
   first collection). Garbage is collected before the fork and the rest frozen (`gc.freeze`, as Python's
@@ -41,7 +43,7 @@ def declare_fork_safe() -> None:
 
 
 def start_method(device_type: str, environ: MutableMapping[str, str] = os.environ,
-                 fork_safe: bool | None = None) -> str | None:
+                 fork_safe: bool | None = None, process_group: bool | None = None) -> str | None:
     """The start method to set once vLLM has built its config (read before it does: vLLM's CPU platform
     overwrites the variable); None leaves vLLM's own choice. The caller's explicit value wins."""
     chosen = environ.get(ENV, "")
@@ -50,7 +52,14 @@ def start_method(device_type: str, environ: MutableMapping[str, str] = os.enviro
             raise ValueError(f"{ENV}={chosen!r}: vLLM takes one of {', '.join(METHODS)}")
         return chosen
     safe = _fork_safe if fork_safe is None else fork_safe
-    return "fork" if safe and device_type == "cpu" else None
+    grouped = _has_process_group() if process_group is None else process_group
+    return "fork" if safe and not grouped and device_type == "cpu" else None
+
+
+def _has_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,12 @@ from lorarl.rollout.vllm.core_process import ENV, start_method, starting_childre
     ("npu", True, None),
 ])
 def test_fork_only_where_declared_safe_on_cpu(device: str, safe: bool, expected: str | None) -> None:
-    assert start_method(device, {}, fork_safe=safe) == expected
+    assert start_method(device, {}, fork_safe=safe, process_group=False) == expected
+
+
+def test_a_process_in_a_torch_distributed_group_spawns() -> None:
+    """A forked child would inherit the group (a world of the parent's size) and vLLM would join it."""
+    assert start_method("cpu", {}, fork_safe=True, process_group=True) is None
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
