@@ -5,7 +5,9 @@ platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` each time it builds a confi
 fresh interpreter that imports vLLM and torch again: ~14 s of CPU per process on the 2-core machine, on the
 critical path of every rollout start and restart. Forked, the child inherits what the service already
 imported: a 2-step `lorarl run examples/demo.yaml` had its services up in 17.9 s instead of 35.6 s, and a
-TP-2 run (three children) in 21.0 s instead of 38.8 s, with the same numbers out (bench/service_start.py).
+TP-2 run (three children) in 21.0 s instead of 38.8 s, with the same numbers out (single runs by hand on the
+2-core machine, 2026-12-05, at f8f3fa8's parent with and without the change; bench/service_start.py measures
+the two side by side, not yet run into bench/RESULTS.md).
 On CUDA vLLM itself forks unless CUDA is already initialised.
 
 What a fork needs, and how each need is met:
