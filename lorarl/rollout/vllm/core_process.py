@@ -65,17 +65,22 @@ def _has_process_group() -> bool:
 
 
 @contextlib.contextmanager
-def starting_children(method: str | None, environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
+def starting_children(method: str | None, caller: str | None,
+                      environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
     """Around the engine's construction (its children start inside): vLLM's start method set, and for a fork
-    the parent's garbage collected and the rest frozen until the children are up."""
+    the parent's garbage collected and the rest frozen until the children are up. Afterwards the variable is
+    the ``caller``'s again (vLLM's config set it too), so the next engine in this process decides afresh."""
     if method:
         environ[ENV] = method
-    if method != "fork":
-        yield
-        return
-    gc.collect()
-    gc.freeze()
+    if method == "fork":
+        gc.collect()
+        gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if method == "fork":
+            gc.unfreeze()
+        if caller is None:
+            environ.pop(ENV, None)
+        else:
+            environ[ENV] = caller

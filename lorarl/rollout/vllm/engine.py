@@ -222,11 +222,12 @@ class VllmEngine:
             # a prefix-cached position is never computed, so its route would never be recorded
             **({"enable_prefix_caching": False} if s.record_routes else {}),
         )
-        method = core_process.start_method(current_platform.device_type)  # read before vLLM's config sets it
+        caller = os.environ.get(core_process.ENV)  # read before vLLM's config sets it
+        method = core_process.start_method(current_platform.device_type)
         config = args.create_engine_config()
         # No stat loggers: with any, vLLM records Prometheus histograms and iteration stats for every
         # request at every step in the frontend (~15% of its CPU on the demo); stats() counts requests here.
-        with core_process.starting_children(method):
+        with core_process.starting_children(method, caller):
             self._llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
         # vLLM reads its settings from the environment on every access (every request's SamplingParams
         # looks up VLLM_MAX_N_SEQUENCES: ~14% of this process's CPU on the demo). vLLM's own servers and

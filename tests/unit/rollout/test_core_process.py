@@ -35,14 +35,20 @@ def test_a_value_vllm_does_not_take_is_refused_by_name() -> None:
 
 def test_a_fork_freezes_the_parents_objects_until_the_children_are_up() -> None:
     """What the child collects never reaches the parent's objects (a gRPC object freed in a forked child spun
-    forever joining a poller thread that was not there); a spawn leaves the collector alone."""
+    forever joining a poller thread that was not there); a spawn leaves the collector alone. Afterwards the
+    variable is the caller's again, so the next engine in the process decides afresh."""
     import gc
 
     environ: dict[str, str] = {}
-    with starting_children("fork", environ):
+    with starting_children("fork", None, environ):
         assert environ[ENV] == "fork" and gc.get_freeze_count() > 0
-    assert gc.get_freeze_count() == 0
-    with starting_children("spawn", environ):
+    assert gc.get_freeze_count() == 0 and ENV not in environ
+    with starting_children("spawn", None, environ):
         assert environ[ENV] == "spawn" and gc.get_freeze_count() == 0
-    with starting_children(None, environ):
-        assert environ[ENV] == "spawn"  # None: whatever vLLM set stays
+    environ[ENV] = "spawn"  # as vLLM's CPU config leaves it
+    with starting_children(None, None, environ):
+        assert environ[ENV] == "spawn"  # None: whatever vLLM set stays while its children start
+    assert ENV not in environ
+    with starting_children("spawn", "spawn", environ):
+        pass
+    assert environ[ENV] == "spawn"  # the operator's own setting stays
