@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from lorarl.common.ports import free_port
 from lorarl.trainer.engines.distributed import DataParallelEngine, init_distributed, shard_by_group
 from lorarl.trainer.engines.torch_engine import TorchEngine
 from lorarl.trainer.rl.losses import LossSpec
+from tests.support.workers import run_workers
 from tests.unit.trainer.collective_dtypes import assert_no_float64, recorded_dtypes
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.tiny import dense_model
@@ -36,11 +35,9 @@ def spec_for(model_dir: Path, loss: LossSpec):
     return make_spec(model_dir, lr=1e-2, micro_batch_tokens=24, loss=loss)
 
 
-
-
-def worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+def worker(rank: int, world_size: int, init_method: str, model_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    init_distributed("cpu", rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=120)
+    init_distributed("cpu", rank, world_size, init_method, timeout_s=120)
     try:
         for name, loss in LOSSES.items():
             engine = DataParallelEngine(spec_for(Path(model_dir), loss))
@@ -58,7 +55,7 @@ def worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) 
 def test_two_ranks_match_one_process_on_the_full_batch(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     dense_model().save_pretrained(model_dir)
-    mp.spawn(worker, args=(2, free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    run_workers(worker, 2, (str(model_dir), str(tmp_path)), timeout_s=180)
 
     for name, loss in LOSSES.items():
         single = TorchEngine(spec_for(model_dir, loss))

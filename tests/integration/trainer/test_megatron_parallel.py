@@ -11,7 +11,8 @@ import torch
 from lorarl.trainer.engines.megatron import convert
 from lorarl.trainer.engines.megatron.model import build_gpt_model, compute_logits, load_hf_state
 from lorarl.trainer.engines.megatron.parallel import ParallelSettings, init_parallel, teardown
-from tests.unit.trainer.megatron.spawn import GRAD_PARAM, backward_grad, logits_worker, run_workers
+from tests.support.megatron_workers import GRAD_PARAM, backward_grad, logits_worker
+from tests.support.workers import run_workers
 
 pytestmark = pytest.mark.slow  # two spawned ranks per test
 

@@ -10,10 +10,9 @@ from lorarl.common.ports import free_port
 from lorarl.v1 import common_pb2
 from lorarl.weightsync.wire.collective import WeightTransferGroup
 from lorarl.weightsync.wire.payload import build_manifest, pack, unpack_bucket
+from tests.support.workers import worker_context
 
 pytestmark = pytest.mark.slow
-
-
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:
@@ -38,7 +37,7 @@ def test_broadcast_buckets_to_two_receivers() -> None:
     manifest = build_manifest(job_id="j", version=1, mode=common_pb2.SYNC_MODE_ADAPTER,
                               base_model_fingerprint="f", buckets=buckets)
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=receiver, args=(r, port, manifest.SerializeToString(), queue)) for r in (1, 2)]
     for p in procs:
@@ -74,7 +73,7 @@ def test_buckets_travel_in_pieces_verified_as_they_land() -> None:
     manifest = build_manifest(job_id="j", version=1, mode=common_pb2.SYNC_MODE_ADAPTER,
                               base_model_fingerprint="f", buckets=buckets)
     store = rendezvous_store("127.0.0.1", 60)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=piecewise_receiver, args=(r, store.port, manifest.SerializeToString(), queue))
              for r in (1, 2)]

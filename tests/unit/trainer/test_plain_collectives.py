@@ -20,7 +20,7 @@ from lorarl.trainer.engines.plain_collectives import (
     from_bytes,
     to_bytes,
 )
-from tests.unit.trainer.megatron.spawn import run_workers
+from tests.support.workers import run_workers
 
 PLAIN = {3: [0.1, -2.5e-300, 1e300], "shape": (8, 4), "none": None, "flag": True, "name": "ß"}
 

@@ -13,8 +13,8 @@ from lorarl.assets import DENSE_MODEL_DIR
 from lorarl.common.errors import FailedPreconditionError, InternalError
 from lorarl.trainer.engines.api import CheckpointInfo, TrainingSpec
 from lorarl.trainer.engines.torch_engine import TorchEngine
+from tests.support.workers import run_workers
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
-from tests.unit.trainer.megatron.spawn import run_workers
 
 
 class FailsOnRankOne(TorchEngine):

@@ -21,10 +21,10 @@ from lorarl.trainer.engines.api import MegatronSpec, TrainingSpec, TrajectoryRec
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from lorarl.trainer.rl.lora import LoraConfig
 from lorarl.trainer.rl.losses import LossSpec
+from tests.support.workers import run_workers
 from tests.unit.trainer.collective_dtypes import assert_no_float64, recorded_dtypes
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.fp64 import fp64_logprobs, max_diff, spread_bound
-from tests.unit.trainer.megatron.spawn import run_workers
 
 VOCAB = 250
 KEYS = ("loss", "pg_loss", "entropy", "kl", "grad_norm", "clip_fraction", "tokens", "sequences")

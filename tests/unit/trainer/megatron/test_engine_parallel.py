@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
 from lorarl.trainer.engines.api import MegatronSpec, TrainingSpec
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
+from tests.support.workers import run_workers
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.fp64 import fp64_logprobs, max_diff, spread_bound
-from tests.unit.trainer.megatron.spawn import run_workers
 
 MODELS = {"dense": DENSE_MODEL_DIR, "moe": MOE_MODEL_DIR}
 KEYS = ("loss", "pg_loss", "entropy", "grad_norm", "clip_fraction")

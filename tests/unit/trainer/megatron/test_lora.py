@@ -19,7 +19,7 @@ from lorarl.trainer.engines.megatron.lora import (
     sum_grad,
 )
 from lorarl.trainer.rl.lora import LoraConfig
-from tests.unit.trainer.megatron.spawn import run_workers
+from tests.support.workers import run_workers
 
 H, Q, FF, EF, R, S, B = 16, 24, 12, 8, 4, 5, 2  # hidden, qkv rows, ffn, expert ffn, rank, seq, batch
 LORA = LoraConfig(rank=R, alpha=8.0)

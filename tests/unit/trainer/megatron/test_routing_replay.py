@@ -26,9 +26,9 @@ from lorarl.trainer.rl.batching import micro_batches
 from lorarl.trainer.rl.lora import LoraConfig, load_peft_state_dict
 from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.service.jobs import JobManager
+from tests.support.workers import run_workers
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.fp64 import max_diff
-from tests.unit.trainer.megatron.spawn import run_workers
 
 VOCAB = 250  # token ids below the tiny model's vocabulary (264)
 TOLERANCE = 1e-4  # the megatron/torch parity tests' bound on logprobs

@@ -1,45 +1,12 @@
-"""Runs a function in N gloo worker processes with a deadline, so a stuck collective fails the test, never hangs it."""
+"""Worker bodies shared by the Megatron multi-rank tests (run by tests/support/workers.py's run_workers)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-
-from lorarl.common.ports import free_port
 
 GRAD_PARAM = "decoder.layers.0.self_attention.linear_qkv.weight"
-
-
-#: A free port is chosen, closed, then bound by rank 0 seconds later (spawned workers start slowly): another
-#: process of the suite (the other xdist worker's services) can take it in between. Such a start is tried again.
-PORT_ATTEMPTS = 3
-
-
-def run_workers(fn: Callable[..., None], nprocs: int, args: tuple, timeout_s: float = 120.0) -> None:
-    """Calls fn(rank, nprocs, init_method, *args) in nprocs spawned processes; raises on error or timeout."""
-    for attempt in range(PORT_ATTEMPTS):
-        try:
-            return _run_once(fn, nprocs, args, timeout_s)
-        except mp.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
-                raise
-
-
-def _run_once(fn: Callable[..., None], nprocs: int, args: tuple, timeout_s: float) -> None:
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    context = mp.start_processes(fn, args=(nprocs, init_method, *args), nprocs=nprocs, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1.0):  # raises ProcessRaisedException when a worker fails
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            raise TimeoutError(f"{nprocs} workers running {fn.__name__} did not finish within {timeout_s:.0f} s")
 
 
 def logits_worker(rank: int, world_size: int, init_method: str, model_dir: str, tp: int, pp: int, ep: int,
