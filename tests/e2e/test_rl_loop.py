@@ -127,10 +127,12 @@ def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:
 def test_routing_replay_at_least_halves_a_jobs_rollout_vs_trainer_kl(tmp_path: Path) -> None:
     """examples/moe-r3.yaml (a bfloat16 rollout, a float32 trainer) on a MoE whose routers are as flat as a real
     128-expert model's (Qwen3-30B-A3B's top-8 of 128 at the tiny widths, random init), with routing replay on and
-    off: the rollout-vs-trainer KL the trainer reports is at most half with it, on the torch engine and on the
-    Megatron engine (its replay through megatron-core's router hook; one run without replay is the baseline of both,
-    the engines' logprobs agree within 1e-4: tests/unit/trainer/megatron/test_routing_replay.py). (On the shipped
-    8-expert tiny MoE routes rarely part, 1-4% of tokens, and bf16's own noise dominates: replay there gains ~1.5x.)"""
+    off: the rollout-vs-trainer KL the trainer reports is at most half with it. (On the shipped 8-expert tiny MoE
+    routes rarely part, 1-4% of tokens, and bf16's own noise dominates: replay there gains ~1.5x.)
+    The Megatron engine's replay is held to the torch engine's rather than given a third run here (~55 s of the
+    suite, #29): its logprobs and routing figures under replayed routes equal the torch engine's within 1e-4
+    (tests/unit/trainer/megatron/test_routing_replay.py, one rank and two), and a trainer service running it takes
+    the rollout's routes from trajectories (tests/integration/trainer/test_trainer_ranks.py, `[megatron]`)."""
     import torch
 
     from lorarl.assets.models import build_random_model
@@ -138,11 +140,11 @@ def test_routing_replay_at_least_halves_a_jobs_rollout_vs_trainer_kl(tmp_path: P
     model = tmp_path / "a3b-router"
     build_random_model("qwen3-moe-tiny-a3b-router", model, seed=3, dtype=torch.float32)
     kl = {}
-    for run, engine, replay in (("on", "torch", "on"), ("megatron-on", "megatron", "on"), ("off", "torch", "off")):
+    for run, replay in (("on", "on"), ("off", "off")):
         out = tmp_path / run
         # a random model's probe differs by bf16 and its parted routes alike: the guard only warns here
         result = lorarl("run", "examples/moe-r3.yaml", f"model.path={model}", f"output.dir={out}", "loop.steps=3",
-                        f"trainer.routing_replay={replay}", f"trainer.engine={engine}", "loop.policy_guard.action=warn",
+                        f"trainer.routing_replay={replay}", "loop.policy_guard.action=warn",
                         "data.eval_size=8", "loop.eval_every=0", "output.tensorboard=false")
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         history = steps(out)
@@ -150,9 +152,8 @@ def test_routing_replay_at_least_halves_a_jobs_rollout_vs_trainer_kl(tmp_path: P
         if replay == "on":
             assert all(r["train/routing_replayed_fraction"] == 1.0 for r in history)
             assert min(r["train/routing_token_disagreement"] for r in history) > 0.05  # routes do part here
-    print(f"mean train/rollout_kl_k3 over the steps: with R3 {kl['on']:.3e} (torch), {kl['megatron-on']:.3e} "
-          f"(megatron), without {kl['off']:.3e}")
-    assert kl["on"] <= 0.5 * kl["off"] and kl["megatron-on"] <= 0.5 * kl["off"], kl
+    print(f"mean train/rollout_kl_k3 over the steps: with R3 {kl['on']:.3e}, without {kl['off']:.3e}")
+    assert kl["on"] <= 0.5 * kl["off"], kl
 
 
 def test_megatron_tensor_parallel_run_learns_and_stays_on_policy(tmp_path: Path) -> None:
