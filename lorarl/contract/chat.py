@@ -29,10 +29,11 @@ class ChatRenderer:
 
     @cached_property
     def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
+        """lorarl.contract.tokenizer's: without transformers where the model's files allow it."""
+        from lorarl.contract.tokenizer import load_tokenizer
 
         with self._lock:
-            return AutoTokenizer.from_pretrained(self.model_path)
+            return load_tokenizer(self.model_path)
 
     def prompt_ids(self, prompt: str | Messages) -> list[int]:
         """A data row's prompt: a list of messages is a chat; a string is a user turn with

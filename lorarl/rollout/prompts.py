@@ -22,10 +22,10 @@ class PromptRenderer:
 
     @cached_property
     def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
+        from lorarl.contract.tokenizer import load_tokenizer
 
         with self._lock:
-            return AutoTokenizer.from_pretrained(self.model_path)
+            return load_tokenizer(self.model_path)
 
     def encode(self, text: str, *, chat: bool, field: str) -> list[int]:
         """Token ids of `text`; with `chat`, text is a user message or a JSON list of {role, content}."""

@@ -153,9 +153,9 @@ def run_many(args: argparse.Namespace, files: list[str]) -> int:
 
 
 def load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
+    from lorarl.contract.tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(model_path)
+    return load(model_path)
 
 
 def stop_on_sigterm() -> None:
@@ -214,8 +214,8 @@ def run_command(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stack = launch_stack(cfg, out)
     stop_on_sigterm()
-    # The loop renders prompts with the model's tokenizer: load it (transformers' tokenizer classes, ~5 s of
-    # imports) while the services start.
+    # The loop renders prompts with the model's tokenizer: load it while the services start (where it needs
+    # transformers' tokenizer classes, ~6 s of imports; lorarl.contract.tokenizer).
     in_background(load_tokenizer, cfg.model.path)
     try:
         with stack:

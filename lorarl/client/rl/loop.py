@@ -128,7 +128,7 @@ class RLLoop:
         self.workflow = workflow or load_workflow(cfg.workflow.name, cfg.workflow.settings, job_dir)
         self.renderer = ChatRenderer(cfg.model.path, chat_template=d.chat_template, system_prompt=d.system_prompt,
                                      enable_thinking=d.enable_thinking)
-        _ = self.renderer.tokenizer  # loaded now, not inside the first step (importing transformers takes seconds)
+        _ = self.renderer.tokenizer  # loaded now, not inside the first step (transformers' takes seconds)
         # With the weight-sync stub, the async loop trains the next batch while a version activates.
         self.weightsync = weightsync
         self._activating: asyncio.Task[None] | None = None
