@@ -26,6 +26,7 @@ from pathlib import Path
 
 from lorarl.common.auth import resolve_token
 from lorarl.common.config import ConfigError, existing_file, setting
+from lorarl.common.http_keepalive import KEEP_ALIVE_S
 from lorarl.common.ready import remove_ready_file, write_ready_file
 from lorarl.common.server_config import ServerConfig
 
@@ -98,7 +99,8 @@ async def serve_forever(config: TinkerFrontConfig) -> None:
     app = create_app(service, settings.keys())
     sock = bind(server.host, server.port)
     port = sock.getsockname()[1]
-    web = uvicorn.Server(uvicorn.Config(app, log_level=server.log_level, access_log=False))
+    web = uvicorn.Server(uvicorn.Config(app, log_level=server.log_level, access_log=False,
+                                        timeout_keep_alive=KEEP_ALIVE_S))
     # SIGTERM / SIGINT end the front gracefully with exit code 0, as the gRPC services do (uvicorn's own
     # handlers re-raise the signal after shutting down, so the process would die of it).
     web.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]

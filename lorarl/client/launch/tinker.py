@@ -43,6 +43,7 @@ def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str |
     """The front on a thread of its own (its own event loop), until the block ends; yields its base URL."""
     import uvicorn
 
+    from lorarl.common.http_keepalive import KEEP_ALIVE_S
     from lorarl.tinker.app import create_app
     from lorarl.tinker.server import bind
     from lorarl.tinker.service import TinkerService
@@ -54,7 +55,8 @@ def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str |
     def run() -> None:
         async def main() -> None:
             app = create_app(TinkerService(models, trainer, rollout, token=token), [api_key])
-            web = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+            web = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                timeout_keep_alive=KEEP_ALIVE_S))
             started.set_result(web)
             await web.serve(sockets=[sock])
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
+from lorarl.common.http_keepalive import KEEP_ALIVE_S
 from lorarl.common.server import StartupError
 from lorarl.common.server_config import TlsConfig
 from lorarl.contract.chat import ChatRenderer
@@ -67,7 +68,8 @@ async def start_openai_server(core: RolloutCore, host: str, port: int, token: st
         secure = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
         if tls.client_ca_file:
             secure.update(ssl_ca_certs=tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    config = uvicorn.Config(create_app(endpoint), log_level="warning", lifespan="off", access_log=False, **secure)
+    config = uvicorn.Config(create_app(endpoint), log_level="warning", lifespan="off", access_log=False,
+                            timeout_keep_alive=KEEP_ALIVE_S, **secure)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:

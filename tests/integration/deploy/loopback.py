@@ -41,12 +41,18 @@ def duration_s(text: str | None, default: float) -> float:
     return sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(str(text)))
 
 
-
-
 def image_entrypoint(dockerfile: Path) -> list[str]:
     """The exec-form ENTRYPOINT of a Dockerfile."""
     lines = [line for line in dockerfile.read_text().splitlines() if line.startswith("ENTRYPOINT")]
     return json.loads(lines[-1].removeprefix("ENTRYPOINT"))
+
+
+def unused_port(taken: set[int]) -> int:
+    """A free port none of ``taken``: the kernel can hand out the same free port twice in a row (two services of
+    one project then met on one port)."""
+    while (port := free_port()) in taken:
+        pass
+    return port
 
 
 @dataclass
@@ -74,8 +80,8 @@ class Loopback:
             if args.command == "serve":
                 config = service_config(service, args, service_secrets)
                 for port in (config.server.port, config.server.metrics_port):
-                    if port and port > 0:
-                        self.ports.setdefault(port, free_port())
+                    if port and port > 0 and port not in self.ports:
+                        self.ports[port] = unused_port(set(self.ports.values()))
             for volume in service.get("volumes") or []:
                 source, target = volume.split(":")[:2]
                 mounts[target] = self.workdir / "volumes" / source if "/" not in source else Path(source)
