@@ -63,17 +63,22 @@ def test_models_name_the_base(client: openai.OpenAI) -> None:
 def test_an_idle_connection_outlives_the_clients_own_idle_expiry(served) -> None:
     """httpx (and so `openai`) keeps an idle connection for 5 s; the server keeps it longer, so a request the client
     sends on a connection it still holds is never met by the server closing it (ReadError)."""
-    import socket
+    import http.client
     import time
 
     _, server = served
-    request = (f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n").encode()
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
-        for _ in range(2):
-            conn.sendall(request)
-            reply = conn.recv(65536)
-            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
-            time.sleep(httpx.Limits().keepalive_expiry + 1)  # idle past the client's expiry: still open
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        sockets = []
+        for idle_s in (0.0, httpx.Limits().keepalive_expiry + 1):  # then idle past the client's own expiry
+            time.sleep(idle_s)
+            conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
+            reply = conn.getresponse()  # a closed connection: RemoteDisconnected
+            assert reply.status == 200 and b"qwen3-tiny" in reply.read()
+            sockets.append(conn.sock)
+        assert sockets[0] is sockets[1]  # one connection, still open
+    finally:
+        conn.close()
 
 
 def test_a_chat_completion_is_what_the_engine_generates_and_the_session_keeps_it(served, client) -> None:
