@@ -2,7 +2,7 @@
 
 A model directory whose tokenizer is a plain fast tokenizer (`tokenizer.json`, class `PreTrainedTokenizerFast`,
 no added BOS/EOS, no clean-up of spaces, one chat template) is served by `tokenizers` and jinja2 directly: the
-same ids and text as transformers' AutoTokenizer (tests/unit/contract/test_tokenizer.py holds the two together
+same ids and text as transformers' AutoTokenizer (tests/unit/test_tokenizer.py holds the two together
 on every shipped model). Any other directory gets AutoTokenizer itself.
 
 Hand-written for start-up time: loading a tokenizer through transformers 5 imports torch, torch.distributed's
@@ -37,6 +37,13 @@ def load_tokenizer(model_path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
+def import_in_advance(model_path: str | Path) -> None:
+    """Imports transformers' tokenizer classes where load_tokenizer will need them (a caller runs this in the
+    background while other work goes on); reads only the small config files, never tokenizer.json."""
+    if _lean_settings(Path(model_path)) is None:
+        from transformers import AutoTokenizer  # noqa: F401
+
+
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken's dict."""
     if isinstance(value, dict):
@@ -58,35 +65,12 @@ class LeanTokenizer:
     @classmethod
     def from_dir(cls, path: Path) -> LeanTokenizer | None:
         """None where the files ask for anything the lean path does not reproduce."""
-        files = path / "tokenizer.json", path / "tokenizer_config.json"
-        if not all(f.is_file() for f in files):
+        settings = _lean_settings(path)
+        if settings is None:
             return None
-        try:
-            config = json.loads(files[1].read_text())
-            mapped = json.loads((path / "special_tokens_map.json").read_text()) \
-                if (path / "special_tokens_map.json").is_file() else {}
-        except (OSError, ValueError):
-            return None
-        if not isinstance(config, dict) or not isinstance(mapped, dict):
-            return None
-        if config.get("tokenizer_class") not in LEAN_CLASSES or config.get("add_bos_token") or \
-                config.get("add_eos_token") or config.get("clean_up_tokenization_spaces"):
-            return None
-        special = {}
-        for name in SPECIAL_TOKENS:
-            value, other = _token_text(config.get(name)), _token_text(mapped.get(name))
-            if name in mapped and other != value:
-                return None  # the two files disagree: transformers' merge decides, not a guess here
-            if value is not None:
-                special[name] = value
-        template = config.get("chat_template")
-        if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
-            return None
-        if template is not None and not isinstance(template, str):
-            return None  # named templates: transformers chooses among them
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_file(str(files[0])), special, template)
+        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), *settings)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -108,6 +92,37 @@ class LeanTokenizer:
             messages=list(conversation), tools=list(tools) if tools is not None else None, documents=documents,
             add_generation_prompt=add_generation_prompt, **{**self.special_tokens_map, **kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _lean_settings(path: Path) -> tuple[dict[str, str], str | None] | None:
+    """The special tokens and chat template of a directory the lean path reproduces; None for any other."""
+    files = path / "tokenizer.json", path / "tokenizer_config.json"
+    if not all(f.is_file() for f in files):
+        return None
+    try:
+        config = json.loads(files[1].read_text())
+        mapped = json.loads((path / "special_tokens_map.json").read_text()) \
+            if (path / "special_tokens_map.json").is_file() else {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not isinstance(mapped, dict):
+        return None
+    if config.get("tokenizer_class") not in LEAN_CLASSES or config.get("add_bos_token") or \
+            config.get("add_eos_token") or config.get("clean_up_tokenization_spaces"):
+        return None
+    special = {}
+    for name in SPECIAL_TOKENS:
+        value, other = _token_text(config.get(name)), _token_text(mapped.get(name))
+        if name in mapped and other != value:
+            return None  # the two files disagree: transformers' merge decides, not a guess here
+        if value is not None:
+            special[name] = value
+    template = config.get("chat_template")
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return None
+    if template is not None and not isinstance(template, str):
+        return None  # named templates: transformers chooses among them
+    return special, template
 
 
 @functools.lru_cache(maxsize=8)

@@ -29,6 +29,7 @@ from lorarl.client.rl.recovery import ActivationFailedError, RecoveryExhaustedEr
 from lorarl.common.channel import ClientTls
 from lorarl.common.config import ConfigError
 from lorarl.common.preload import in_background
+from lorarl.contract.tokenizer import import_in_advance
 
 #: What ends a run with a one-line message instead of a traceback (anything else is a bug: traceback).
 RUN_ENDING_ERRORS = (ServiceCallError, RecoveryExhaustedError, ActivationFailedError, RuntimeError, ServiceFailedError)
@@ -152,12 +153,6 @@ def run_many(args: argparse.Namespace, files: list[str]) -> int:
         return report(e, Path(cfgs[0].output.dir))
 
 
-def load_tokenizer(model_path: str) -> Any:
-    from lorarl.contract.tokenizer import load_tokenizer as load
-
-    return load(model_path)
-
-
 def stop_on_sigterm() -> None:
     """SIGTERM (scancel, kubectl delete, a supervisor) stops the run as Ctrl-C does: services stopped, resumable."""
     import signal
@@ -214,9 +209,9 @@ def run_command(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stack = launch_stack(cfg, out)
     stop_on_sigterm()
-    # The loop renders prompts with the model's tokenizer: load it while the services start (where it needs
-    # transformers' tokenizer classes, ~6 s of imports; lorarl.contract.tokenizer).
-    in_background(load_tokenizer, cfg.model.path)
+    # The loop renders prompts with the model's tokenizer: where that needs transformers' tokenizer classes
+    # (~6 s of imports; lorarl.contract.tokenizer), import them while the services start.
+    in_background(import_in_advance, cfg.model.path)
     try:
         with stack:
             rollouts = stack.addresses("rollout")
