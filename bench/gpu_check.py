@@ -131,9 +131,10 @@ def main() -> int:
     report: list[str] = []
     failed = 0
     with tempfile.TemporaryDirectory(prefix="lorarl-gpu-check-") as tmp:
-        for title, part in (("trainer memory and step time", lambda: trainer_rows(args.device, args.quick, Path(tmp))),
-                            ("megatron engine", lambda: megatron_rows(args.device, args.quick)),
-                            ("rollout engine", lambda: rollout_rows(args.device, args.quick, Path(tmp)))):
+        parts = (("trainer memory and step time", lambda: trainer_rows(args.device, args.quick, Path(tmp))),
+                 ("megatron engine", lambda: megatron_rows(args.device, args.quick)),
+                 ("rollout engine", lambda: rollout_rows(args.device, args.quick, Path(tmp))))
+        for done, (title, part) in enumerate(parts, 1):
             started = time.perf_counter()
             try:
                 lines = part()
@@ -142,11 +143,17 @@ def main() -> int:
                 lines = ["FAILED:", "", "```", *traceback.format_exc().strip().splitlines()[-8:], "```"]
             report += [f"**{title}** ({time.perf_counter() - started:.0f} s)", "", *lines, ""]
             print("\n".join(report[-len(lines) - 3:]), flush=True)
-    if not args.no_write:
-        from bench.results import write_results
-
-        write_results(HEADING, f"### {time.strftime('%Y-%m-%d')}, {args.device}", report)
+            # written after every part: a device lease that ends mid-run keeps the parts that finished
+            left = ", ".join(name for name, _ in parts[done:])
+            if not args.no_write:
+                write(args.device, report + ([f"**not run**: the run stopped before {left}"] if left else []))
     return 1 if failed else 0
+
+
+def write(device: str, report: list[str]) -> None:
+    from bench.results import write_results
+
+    write_results(HEADING, f"### {time.strftime('%Y-%m-%d')}, {device}", report)
 
 
 if __name__ == "__main__":

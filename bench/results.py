@@ -66,8 +66,11 @@ def provenance_record(argv: list[str] | None = None) -> dict[str, Any]:
         machine += f", {sys.modules['torch'].cuda.get_device_name(0)}"
     command = " ".join(["python", *(argv if argv is not None else [os.path.relpath(sys.argv[0], ROOT),
                                                                     *sys.argv[1:]])])
-    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown",
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    commit = git("rev-parse", "--short", "HEAD")
+    # a device machine receives a copy of the tree without its git history: the caller names the commit it
+    # copied (clean), LORARL_SOURCE_COMMIT, else the run's commit is unknown
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else False
+    return {"commit": commit or os.environ.get("LORARL_SOURCE_COMMIT", "unknown"), "dirty": dirty,
             "date": datetime.date.today().isoformat(), "machine": machine, "versions": versions(),
             "command": command}
 
