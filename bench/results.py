@@ -66,11 +66,12 @@ def provenance_record(argv: list[str] | None = None) -> dict[str, Any]:
         machine += f", {sys.modules['torch'].cuda.get_device_name(0)}"
     command = " ".join(["python", *(argv if argv is not None else [os.path.relpath(sys.argv[0], ROOT),
                                                                     *sys.argv[1:]])])
-    commit = git("rev-parse", "--short", "HEAD")
-    # a device machine receives a copy of the tree without its git history: the caller names the commit it
-    # copied (clean), LORARL_SOURCE_COMMIT, else the run's commit is unknown
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else False
-    return {"commit": commit or os.environ.get("LORARL_SOURCE_COMMIT", "unknown"), "dirty": dirty,
+    # a device machine receives a copy of the tree whose git state need not be the tree's (one such copy's
+    # HEAD named a commit 8 behind): the caller names the clean commit it copied, LORARL_SOURCE_COMMIT
+    named = os.environ.get("LORARL_SOURCE_COMMIT")
+    commit = named or git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = False if named else bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": commit, "dirty": dirty,
             "date": datetime.date.today().isoformat(), "machine": machine, "versions": versions(),
             "command": command}
 
