@@ -10,7 +10,9 @@ shared demo run) are budgeted under their own name (``fixture:NAME``), not under
 to need them first, so the figures do not move with test order or selection.
 
 `--budget-record PATH` writes the measured seconds of a run as the new record (keeps the headroom
-settings). Hand-written as a small plugin: pytest's own `--durations` reports but does not enforce.
+settings); ``python -m tests.support.budget OUT RECORD...`` writes several runs' records as one, each file at
+its slowest (what tests/budget.json holds: one run's record fails the next run where a file's time varies).
+Hand-written as a small plugin: pytest's own `--durations` reports but does not enforce.
 """
 
 from __future__ import annotations
@@ -83,6 +85,16 @@ class Budget:
         """This run's figures as a new record, the settings kept."""
         return {"headroom": self.headroom, "slack_s": self.slack_s, "default_s": self.default_s,
                 "unmarked_s": self.unmarked_s, "files": {n: round(s, 1) for n, s in sorted(measured.items())}}
+
+    @classmethod
+    def slowest(cls, records: list[Budget]) -> Budget:
+        """One record from several runs' records: each name at its slowest, over the names of the last run (a
+        file some runs took twice as long as others, e.g. the README recipe's 45 and 93 s, is not held to its
+        fast run), the last run's settings kept."""
+        last = records[-1]
+        files = {n: max(r.files.get(n, 0.0) for r in records) for n in last.files}
+        return cls(files=files, headroom=last.headroom, slack_s=last.slack_s, default_s=last.default_s,
+                   unmarked_s=last.unmarked_s)
 
 
 NEAREST_SHOWN = 12
@@ -217,3 +229,20 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(BudgetPlugin(budget, record), "lorarl-budget")
     if not distributing:  # where the tests run: an xdist worker or the only process
         config.pluginmanager.register(FixtureClock(), "lorarl-fixture-clock")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="several runs' --budget-record files as one budget, each file at "
+                                                 "its slowest")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("records", type=Path, nargs="+", help="oldest first; the last one's files and settings")
+    args = parser.parse_args(argv)
+    merged = Budget.slowest([Budget.load(path) for path in args.records])
+    args.out.write_text(json.dumps(merged.recorded(merged.files), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

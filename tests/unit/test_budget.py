@@ -148,3 +148,15 @@ def test_marked():
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*NOT MARKED SLOW test_marks.py::test_unmarked: 0.5* s*"])
     assert "test_marked:" not in result.stdout.str()
+
+
+def test_several_runs_make_one_record_each_file_at_its_slowest(tmp_path: Path) -> None:
+    runs = [budget_file(tmp_path / "a.json", {"tests/a.py": 45.0, "tests/gone.py": 9.0, "tests/b.py": 30.0}),
+            budget_file(tmp_path / "b.json", {"tests/a.py": 93.1, "tests/b.py": 20.0, "tests/new.py": 5.0})]
+    from tests.support.budget import main
+
+    assert main([str(tmp_path / "out.json"), *map(str, runs)]) == 0
+    merged = Budget.load(tmp_path / "out.json")
+    # the last run's names; each at the slowest any run took (a file gone from the suite is dropped)
+    assert merged.files == {"tests/a.py": 93.1, "tests/b.py": 30.0, "tests/new.py": 5.0}
+    assert (merged.headroom, merged.slack_s) == (1.0, 0.0)  # the settings kept

@@ -54,7 +54,9 @@ async def start_openai_server(core: RolloutCore, host: str, port: int, token: st
     certificate when ``tls`` is on (and client certificates required for mutual TLS, as there); StartupError
     when it cannot listen."""
     model_dir = Path(core.info.model_path)
-    endpoint = Endpoint(core, ChatRenderer(str(model_dir)), SessionStore(max_sessions), token, model_dir.name)
+    # the core's renderer where it has one: one tokenizer per rollout process, whichever API asks
+    renderer = core.renderer.chat if core.renderer is not None else ChatRenderer(str(model_dir))
+    endpoint = Endpoint(core, renderer, SessionStore(max_sessions), token, model_dir.name)
     _ = endpoint.renderer.tokenizer  # loaded before the first request
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
