@@ -507,6 +507,13 @@ def test_pause_resume_and_abort(service: RolloutHarness) -> None:
 
     unary = service.stub.Generate.future(rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=PROMPT)], sampling=greedy(450), request_id="unary"), timeout=60)
+    # the unary call in the engine before the stream starts: once the stream has a token, the engine has stepped
+    # the unary request too, so its abort below returns a partial (a busy CI machine once delivered the unary
+    # call after the stream's first token, and it was aborted with none)
+    deadline = time.monotonic() + 30
+    while service.stub.GetReplicaStatus(rollout_pb2.GetReplicaStatusRequest()).requests_in_flight < 1:
+        assert time.monotonic() < deadline and not unary.done(), "the unary request never reached the engine"
+        time.sleep(0.01)
     stream = service.stub.GenerateStream(rollout_pb2.GenerateStreamRequest(
         prompt=rollout_pb2.Prompt(token_ids=PROMPT), sampling=greedy(450), request_id="long"), timeout=60)
     first = next(stream)
