@@ -17,8 +17,7 @@ from lorarl.contract.chat import ChatRenderer
 
 class PromptRenderer:
     def __init__(self, model_path: str | Path) -> None:
-        self.model_path = str(model_path)
-        self.chat = ChatRenderer(self.model_path)
+        self.chat = ChatRenderer(str(model_path))
 
     @property
     def tokenizer(self) -> Any:
