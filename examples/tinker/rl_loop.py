@@ -92,6 +92,7 @@ def main(steps: int = 20) -> int:
     after = accuracy(sampler, tokenizer, test)
     print(f"held-out greedy accuracy after:  {after:.3f} ({100 * (after - before):+.1f} points, "
           f"{time.perf_counter() - started:.0f} s)", flush=True)
+    service.close("success")  # ends the session: the front frees its job on the trainer and its adapters
     return 0
 
 

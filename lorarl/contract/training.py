@@ -348,6 +348,64 @@ class OptimizerSpec:
                    micro_batch_tokens=cfg.micro_batch_tokens)
 
 
+#: The OptimizerSpec fields a caller may set for one optim_step (the Tinker API's AdamParams sends all of them on
+#: every step): Adam's betas and eps, the weight decay and the clipping norm. The learning rate goes per step too,
+#: as OptimStepRequest.learning_rate (it overrides the schedule).
+STEP_OPTIMIZER_FIELDS = ("beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """One optim_step's Adam hyperparameters, where the caller sets them (None: the job's OptimizerSpec value).
+
+    The optimizer (its moments, its step count) is the job's; its hyperparameters are the caller's, step by step,
+    as Tinker's ``optim_step(AdamParams(...))`` sends them. A step that names none runs with the job's own: an
+    override lasts one step. Bounds are OptimizerSpec's (``applied_to`` builds one), so a bad value is a
+    SpecError naming ``optimizer.<field>`` as anywhere else."""
+
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        _finite("optimizer", self, STEP_OPTIMIZER_FIELDS)
+
+    def overrides(self) -> dict[str, float]:
+        return {name: value for name in STEP_OPTIMIZER_FIELDS if (value := getattr(self, name)) is not None}
+
+    def applied_to(self, spec: OptimizerSpec) -> OptimizerSpec:
+        """``spec`` with this step's values in place (validated: SpecError names the field)."""
+        return replace(spec, **self.overrides()) if self.overrides() else spec
+
+    def to_json(self) -> dict[str, float]:
+        return self.overrides()
+
+    @classmethod
+    def from_json(cls, raw: Any) -> AdamStep | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict) or set(raw) - set(STEP_OPTIMIZER_FIELDS):
+            raise SpecError("optimizer", "step", f"expected an object with keys among {STEP_OPTIMIZER_FIELDS}, "
+                                                 f"got {raw!r}")
+        for name, value in raw.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise SpecError("optimizer", name, f"must be a number, got {value!r}")
+        return cls(**{name: float(value) for name, value in raw.items()})
+
+    def to_proto(self, request: trainer_pb2.OptimStepRequest) -> trainer_pb2.OptimStepRequest:
+        """Sets this step's fields on ``request`` (proto3 optional: unset stays unset) and returns it."""
+        for name, value in self.overrides().items():
+            setattr(request, name, value)
+        return request
+
+    @classmethod
+    def from_proto(cls, request: trainer_pb2.OptimStepRequest) -> AdamStep | None:
+        values = {name: getattr(request, name) for name in STEP_OPTIMIZER_FIELDS if request.HasField(name)}
+        return cls(**values) if values else None
+
+
 CHECKPOINTING_NAMES = {
     trainer_pb2.ACTIVATION_CHECKPOINTING_UNSPECIFIED: "auto",
     trainer_pb2.ACTIVATION_CHECKPOINTING_AUTO: "auto",

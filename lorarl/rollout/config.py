@@ -56,6 +56,11 @@ class RolloutSettings:
     )
     max_lora_rank: int = setting(16, doc=f"Largest adapter rank the engine accepts; one of {VLLM_LORA_RANKS}.")
     max_loras: int = setting(4, check=in_range(1), doc="Adapters the engine holds at once (all jobs together).")
+    shared: bool = setting(
+        False, doc="Several jobs sample from this engine (a Tinker front, `lorarl run A B`): a version that would "
+        "replace its base weights (a merged job, or an adapter it cannot serve as one) is refused, never merged over "
+        "the others (lorarl.contract.sharing). false: one job's rollout, which may merge its adapter locally."
+    )
     adapter_window: int | None = setting(
         None, check=in_range(1), doc="Versions of one job kept loaded (>= staleness bound + 2); null: max_loras."
     )

@@ -131,6 +131,11 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
     servicer = RolloutServicer(config.rollout, core)
     agent = openai = None
     ready_extra: dict[str, object] = {}
+    if core is not None:  # what the engine serves as adapters: a launcher's stack.json, for jobs that attach
+        info = core.info
+        ready_extra["lora"] = {"supports_lora": info.supports_lora, "engine": info.engine,
+                               "max_lora_rank": info.max_lora_rank if info.supports_lora else 0,
+                               "reason": info.lora_reason}
 
     async def connect(running: RunningServer) -> None:
         """Once the port is bound, before the ready file: subscribe to weight sync with the address clients

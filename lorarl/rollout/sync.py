@@ -29,7 +29,7 @@ def replica_capabilities(core: RolloutCore, backends: list[str]) -> weightsync_p
         supports_lora=info.supports_lora, max_lora_rank=info.max_lora_rank if info.supports_lora else 0,
         max_loras=info.max_loras if info.supports_lora else 0, base_model_fingerprint=core.fingerprint,
         engine=info.engine, collective_backends=[BACKENDS[b] for b in backends],
-        receiving_ranks=receiving_ranks(core))
+        receiving_ranks=receiving_ranks(core), shared=core.settings.shared)
 
 
 def receiving_ranks(core: RolloutCore) -> int:

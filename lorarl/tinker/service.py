@@ -3,9 +3,9 @@ served by the rollout for sampling sessions. Plain async methods returning JSON 
 `app.py` puts them on HTTP and `futures.py` runs them in each model's order.
 
 What the front does not serve is refused by name (a "user" error the SDK raises), never dropped:
-image chunks, sparse or 2-D targets, losses other than cross_entropy / importance_sampling / ppo, optimizer
-settings other than those a model was created with (lorarl fixes Adam's betas, eps, weight decay and
-clipping per job; the learning rate goes per step), top-k logprobs. The unembedding is not adapted
+image chunks, sparse or 2-D targets, losses other than cross_entropy / importance_sampling / ppo, optimizers other
+than Adam. Adam's learning rate, betas, eps, weight decay and clipping go per optim_step as the SDK sends them
+(the optimizer's moments are the job's, its hyperparameters the caller's). The unembedding is not adapted
 (lorarl adapts decoder linears): `train_unembed` is accepted and logged, since the SDK sends it by default.
 """
 
@@ -15,7 +15,7 @@ import itertools
 import logging
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import grpc
 
 from lorarl.common.channel import aio_channel
 from lorarl.contract.lora import LoraSpec
-from lorarl.contract.training import LossSpec, OptimizerSpec, TrainingSpec
+from lorarl.contract.training import AdamStep, LossSpec, OptimizerSpec, TrainingSpec
 from lorarl.tinker import wire
 from lorarl.tinker.futures import UserError
 from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -34,6 +34,9 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 #: What a Tinker model's Adam runs with unless a step says otherwise (the SDK's AdamParams defaults).
 TINKER_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+#: AdamParams' names -> lorarl's per-step optimizer fields (lorarl.contract.training.AdamStep).
+ADAM_FIELDS = {"beta1": "beta1", "beta2": "beta2", "eps": "eps", "weight_decay": "weight_decay",
+               "grad_clip_norm": "max_grad_norm"}
 
 
 @dataclass
@@ -43,7 +46,6 @@ class Model:
     base_model: str
     rank: int
     version: int = 0  # the trainer's, after this model's last optim_step (0: untrained, the base's outputs)
-    adam: dict[str, float] = field(default_factory=lambda: dict(TINKER_ADAM))
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ class TinkerService:
         return {"session_id": session_id}
 
     async def finish_session(self, session_id: str) -> None:
-        """A session's end (the client's close): its models' jobs leave the trainer, freeing their slots and
-        memory; what they saved stays loadable (create_training_client_from_state_with_optimizer)."""
+        """A session's end (the client's close): its models' jobs leave the trainer and their adapters the rollout,
+        freeing their slots and memory (on a shared rollout the adapters of finished sessions would otherwise
+        fill every slot); what they saved stays loadable (create_training_client_from_state_with_optimizer)."""
         for model_id in sorted(self.sessions.pop(session_id, set())):
             model = self.models.pop(model_id, None)
             if model is None:
@@ -119,6 +122,17 @@ class TinkerService:
                 await self.trainer.DeleteJob(trainer_pb2.DeleteJobRequest(job_id=model.job_id))
             except grpc.aio.AioRpcError as e:
                 logger.warning("session %s: could not delete job %s: %s", session_id, model.job_id, e.details())
+            await self._unload(model.job_id)
+
+    async def _unload(self, job_id: str) -> None:
+        """Every version of ``job_id`` off the rollout (each once its requests have finished)."""
+        if self.rollout is None:
+            return
+        try:
+            await self.rollout.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id=job_id))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it never sampled
+                logger.warning("could not unload job %s from the rollout: %s", job_id, e.details())
 
     def _session(self, session_id: str) -> set[str]:
         if session_id not in self.sessions:
@@ -216,14 +230,14 @@ class TinkerService:
         lr = float(params.get("learning_rate", 1e-4))
         if not (math.isfinite(lr) and 0 < lr <= 10):
             raise UserError(f"adam_params.learning_rate must be in (0, 10], got {lr}")
-        for key, fixed in model.adam.items():
-            value = float(params.get(key, fixed))
-            if not math.isclose(value, fixed, rel_tol=1e-9, abs_tol=1e-15):
-                raise UserError(f"adam_params.{key} {value}: this model's Adam runs with {key} {fixed}, fixed when it "
-                                "was created (lorarl sets a job's betas, eps, weight decay and clipping once; only "
-                                "the learning rate goes per step)")
-        reply = await self._call(self.trainer.OptimStep, trainer_pb2.OptimStepRequest(job_id=model.job_id,
-                                                                                      learning_rate=lr))
+        try:
+            adam = AdamStep(**{name: float(params[key]) for key, name in ADAM_FIELDS.items()
+                               if params.get(key) is not None})
+            adam.applied_to(OptimizerSpec())  # OptimizerSpec's bounds, named: "optimizer.beta1 must be in [0, 1)"
+        except (TypeError, ValueError) as e:
+            raise UserError(f"adam_params: {e}") from None
+        reply = await self._call(self.trainer.OptimStep, adam.to_proto(trainer_pb2.OptimStepRequest(
+            job_id=model.job_id, learning_rate=lr)))
         model.version = int(reply.version)
         metrics = {f"{k}:mean": float(v) for k, v in reply.metrics.values.items() if math.isfinite(v)}
         return {"metrics": metrics, "type": "optim_step"}

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from lorarl.v1 import common_pb2 as lorarl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lorarl/v1/rollout.proto\x12\tlorarl.v1\x1a\x16lorarl/v1/common.proto\"1\n\x0ePolicySelector\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"F\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x03 \x01(\x08\"\xa1\x01\n\x0fGenerateRequest\x12\"\n\x07prompts\x18\x01 \x03(\x0b\x32\x11.lorarl.v1.Prompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.lorarl.v1.SamplingParams\x12)\n\x06policy\x18\x03 \x01(\x0b\x32\x19.lorarl.v1.PolicySelector\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xee\x02\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x03 \x03(\x04\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.lorarl.v1.FinishReason\x12\x0c\n\x04text\x18\x05 \x01(\t\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.lorarl.v1.TopLogprobs\x12\x30\n\x0erouted_experts\x18\x07 \x01(\x0b\x32\x18.lorarl.v1.RoutedExperts\x12J\n\x13policy_fingerprints\x18\x08 \x03(\x0b\x32-.lorarl.v1.Completion.PolicyFingerprintsEntry\x1a\x39\n\x17PolicyFingerprintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa7\x01\n\x11PromptCompletions\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12*\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x15.lorarl.v1.Completion\x12\x17\n\x0fprompt_logprobs\x18\x03 \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18\x04 \x03(\x0b\x32\x16.lorarl.v1.TopLogprobs\"A\n\x10GenerateResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.lorarl.v1.PromptCompletions\"\xa6\x01\n\x15GenerateStreamRequest\x12!\n\x06prompt\x18\x01 \x01(\x0b\x32\x11.lorarl.v1.Prompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.lorarl.v1.SamplingParams\x12)\n\x06policy\x18\x03 \x01(\x0b\x32\x19.lorarl.v1.PolicySelector\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xc2\x01\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x04 \x03(\x04\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.lorarl.v1.FinishReason\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.lorarl.v1.TopLogprobs\"\x18\n\x16GetCapabilitiesRequest\"\x90\x02\n\x17GetCapabilitiesResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x15\n\rsupports_lora\x18\x02 \x01(\x08\x12\x15\n\rmax_lora_rank\x18\x03 \x01(\r\x12\x11\n\tmax_loras\x18\x04 \x01(\r\x12\"\n\x05modes\x18\x05 \x03(\x0e\x32\x13.lorarl.v1.SyncMode\x12\x1e\n\x16\x62\x61se_model_fingerprint\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_window\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\"\x19\n\x17GetReplicaStatusRequest\"~\n\x0cLoadedPolicy\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12!\n\x04mode\x18\x03 \x01(\x0e\x32\x13.lorarl.v1.SyncMode\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x0e\n\x06\x61\x63tive\x18\x05 \x01(\x08\"\xbd\x01\n\x18GetReplicaStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12)\n\x08policies\x18\x02 \x03(\x0b\x32\x17.lorarl.v1.LoadedPolicy\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x17\n\x0frequests_queued\x18\x05 \x01(\r\x12\x1d\n\x15peak_running_requests\x18\x06 \x01(\r\"w\n\x12LoadWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.lorarl.v1.WeightManifestH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.lorarl.v1.WeightChunkH\x00\x42\t\n\x07payload\"6\n\x13LoadWeightsResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"7\n\x14UnloadAdapterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x17\n\x15UnloadAdapterResponse\"\x0e\n\x0cPauseRequest\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r2\xc0\x05\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.lorarl.v1.GenerateRequest\x1a\x1b.lorarl.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12 .lorarl.v1.GenerateStreamRequest\x1a!.lorarl.v1.GenerateStreamResponse0\x01\x12X\n\x0fGetCapabilities\x12!.lorarl.v1.GetCapabilitiesRequest\x1a\".lorarl.v1.GetCapabilitiesResponse\x12[\n\x10GetReplicaStatus\x12\".lorarl.v1.GetReplicaStatusRequest\x1a#.lorarl.v1.GetReplicaStatusResponse\x12N\n\x0bLoadWeights\x12\x1d.lorarl.v1.LoadWeightsRequest\x1a\x1e.lorarl.v1.LoadWeightsResponse(\x01\x12R\n\rUnloadAdapter\x12\x1f.lorarl.v1.UnloadAdapterRequest\x1a .lorarl.v1.UnloadAdapterResponse\x12:\n\x05Pause\x12\x17.lorarl.v1.PauseRequest\x1a\x18.lorarl.v1.PauseResponse\x12=\n\x06Resume\x12\x18.lorarl.v1.ResumeRequest\x1a\x19.lorarl.v1.ResumeResponse\x12:\n\x05\x41\x62ort\x12\x17.lorarl.v1.AbortRequest\x1a\x18.lorarl.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lorarl/v1/rollout.proto\x12\tlorarl.v1\x1a\x16lorarl/v1/common.proto\"1\n\x0ePolicySelector\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"F\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x03 \x01(\x08\"\xa1\x01\n\x0fGenerateRequest\x12\"\n\x07prompts\x18\x01 \x03(\x0b\x32\x11.lorarl.v1.Prompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.lorarl.v1.SamplingParams\x12)\n\x06policy\x18\x03 \x01(\x0b\x32\x19.lorarl.v1.PolicySelector\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xee\x02\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x03 \x03(\x04\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.lorarl.v1.FinishReason\x12\x0c\n\x04text\x18\x05 \x01(\t\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.lorarl.v1.TopLogprobs\x12\x30\n\x0erouted_experts\x18\x07 \x01(\x0b\x32\x18.lorarl.v1.RoutedExperts\x12J\n\x13policy_fingerprints\x18\x08 \x03(\x0b\x32-.lorarl.v1.Completion.PolicyFingerprintsEntry\x1a\x39\n\x17PolicyFingerprintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa7\x01\n\x11PromptCompletions\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12*\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x15.lorarl.v1.Completion\x12\x17\n\x0fprompt_logprobs\x18\x03 \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18\x04 \x03(\x0b\x32\x16.lorarl.v1.TopLogprobs\"A\n\x10GenerateResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.lorarl.v1.PromptCompletions\"\xa6\x01\n\x15GenerateStreamRequest\x12!\n\x06prompt\x18\x01 \x01(\x0b\x32\x11.lorarl.v1.Prompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.lorarl.v1.SamplingParams\x12)\n\x06policy\x18\x03 \x01(\x0b\x32\x19.lorarl.v1.PolicySelector\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xc2\x01\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x04 \x03(\x04\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.lorarl.v1.FinishReason\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.lorarl.v1.TopLogprobs\"\x18\n\x16GetCapabilitiesRequest\"\xa0\x02\n\x17GetCapabilitiesResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x15\n\rsupports_lora\x18\x02 \x01(\x08\x12\x15\n\rmax_lora_rank\x18\x03 \x01(\r\x12\x11\n\tmax_loras\x18\x04 \x01(\r\x12\"\n\x05modes\x18\x05 \x03(\x0e\x32\x13.lorarl.v1.SyncMode\x12\x1e\n\x16\x62\x61se_model_fingerprint\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_window\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06shared\x18\x0c \x01(\x08\"\x19\n\x17GetReplicaStatusRequest\"~\n\x0cLoadedPolicy\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12!\n\x04mode\x18\x03 \x01(\x0e\x32\x13.lorarl.v1.SyncMode\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x0e\n\x06\x61\x63tive\x18\x05 \x01(\x08\"\xbd\x01\n\x18GetReplicaStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12)\n\x08policies\x18\x02 \x03(\x0b\x32\x17.lorarl.v1.LoadedPolicy\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x17\n\x0frequests_queued\x18\x05 \x01(\r\x12\x1d\n\x15peak_running_requests\x18\x06 \x01(\r\"w\n\x12LoadWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.lorarl.v1.WeightManifestH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.lorarl.v1.WeightChunkH\x00\x42\t\n\x07payload\"6\n\x13LoadWeightsResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"7\n\x14UnloadAdapterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x17\n\x15UnloadAdapterResponse\"\x0e\n\x0cPauseRequest\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r2\xc0\x05\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.lorarl.v1.GenerateRequest\x1a\x1b.lorarl.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12 .lorarl.v1.GenerateStreamRequest\x1a!.lorarl.v1.GenerateStreamResponse0\x01\x12X\n\x0fGetCapabilities\x12!.lorarl.v1.GetCapabilitiesRequest\x1a\".lorarl.v1.GetCapabilitiesResponse\x12[\n\x10GetReplicaStatus\x12\".lorarl.v1.GetReplicaStatusRequest\x1a#.lorarl.v1.GetReplicaStatusResponse\x12N\n\x0bLoadWeights\x12\x1d.lorarl.v1.LoadWeightsRequest\x1a\x1e.lorarl.v1.LoadWeightsResponse(\x01\x12R\n\rUnloadAdapter\x12\x1f.lorarl.v1.UnloadAdapterRequest\x1a .lorarl.v1.UnloadAdapterResponse\x12:\n\x05Pause\x12\x17.lorarl.v1.PauseRequest\x1a\x18.lorarl.v1.PauseResponse\x12=\n\x06Resume\x12\x18.lorarl.v1.ResumeRequest\x1a\x19.lorarl.v1.ResumeResponse\x12:\n\x05\x41\x62ort\x12\x17.lorarl.v1.AbortRequest\x1a\x18.lorarl.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,33 +57,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCAPABILITIESREQUEST']._serialized_start=1373
   _globals['_GETCAPABILITIESREQUEST']._serialized_end=1397
   _globals['_GETCAPABILITIESRESPONSE']._serialized_start=1400
-  _globals['_GETCAPABILITIESRESPONSE']._serialized_end=1672
-  _globals['_GETREPLICASTATUSREQUEST']._serialized_start=1674
-  _globals['_GETREPLICASTATUSREQUEST']._serialized_end=1699
-  _globals['_LOADEDPOLICY']._serialized_start=1701
-  _globals['_LOADEDPOLICY']._serialized_end=1827
-  _globals['_GETREPLICASTATUSRESPONSE']._serialized_start=1830
-  _globals['_GETREPLICASTATUSRESPONSE']._serialized_end=2019
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=2021
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=2140
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=2142
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=2196
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2198
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2253
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2255
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2278
-  _globals['_PAUSEREQUEST']._serialized_start=2280
-  _globals['_PAUSEREQUEST']._serialized_end=2294
-  _globals['_PAUSERESPONSE']._serialized_start=2296
-  _globals['_PAUSERESPONSE']._serialized_end=2311
-  _globals['_RESUMEREQUEST']._serialized_start=2313
-  _globals['_RESUMEREQUEST']._serialized_end=2328
-  _globals['_RESUMERESPONSE']._serialized_start=2330
-  _globals['_RESUMERESPONSE']._serialized_end=2346
-  _globals['_ABORTREQUEST']._serialized_start=2348
-  _globals['_ABORTREQUEST']._serialized_end=2383
-  _globals['_ABORTRESPONSE']._serialized_start=2385
-  _globals['_ABORTRESPONSE']._serialized_end=2417
-  _globals['_ROLLOUTSERVICE']._serialized_start=2420
-  _globals['_ROLLOUTSERVICE']._serialized_end=3124
+  _globals['_GETCAPABILITIESRESPONSE']._serialized_end=1688
+  _globals['_GETREPLICASTATUSREQUEST']._serialized_start=1690
+  _globals['_GETREPLICASTATUSREQUEST']._serialized_end=1715
+  _globals['_LOADEDPOLICY']._serialized_start=1717
+  _globals['_LOADEDPOLICY']._serialized_end=1843
+  _globals['_GETREPLICASTATUSRESPONSE']._serialized_start=1846
+  _globals['_GETREPLICASTATUSRESPONSE']._serialized_end=2035
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=2037
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=2156
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=2158
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=2212
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2214
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2269
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2271
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2294
+  _globals['_PAUSEREQUEST']._serialized_start=2296
+  _globals['_PAUSEREQUEST']._serialized_end=2310
+  _globals['_PAUSERESPONSE']._serialized_start=2312
+  _globals['_PAUSERESPONSE']._serialized_end=2327
+  _globals['_RESUMEREQUEST']._serialized_start=2329
+  _globals['_RESUMEREQUEST']._serialized_end=2344
+  _globals['_RESUMERESPONSE']._serialized_start=2346
+  _globals['_RESUMERESPONSE']._serialized_end=2362
+  _globals['_ABORTREQUEST']._serialized_start=2364
+  _globals['_ABORTREQUEST']._serialized_end=2399
+  _globals['_ABORTRESPONSE']._serialized_start=2401
+  _globals['_ABORTRESPONSE']._serialized_end=2433
+  _globals['_ROLLOUTSERVICE']._serialized_start=2436
+  _globals['_ROLLOUTSERVICE']._serialized_end=3140
 # @@protoc_insertion_point(module_scope)

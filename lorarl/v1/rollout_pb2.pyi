@@ -123,7 +123,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("engine", "supports_lora", "max_lora_rank", "max_loras", "modes", "base_model_fingerprint", "vocab_size", "max_model_len", "reason", "adapter_window", "dtype")
+    __slots__ = ("engine", "supports_lora", "max_lora_rank", "max_loras", "modes", "base_model_fingerprint", "vocab_size", "max_model_len", "reason", "adapter_window", "dtype", "shared")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class GetCapabilitiesResponse(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     engine: str
     supports_lora: bool
     max_lora_rank: int
@@ -146,7 +147,8 @@ class GetCapabilitiesResponse(_message.Message):
     reason: str
     adapter_window: int
     dtype: str
-    def __init__(self, engine: _Optional[str] = ..., supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., modes: _Optional[_Iterable[_Union[_common_pb2.SyncMode, str]]] = ..., base_model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reason: _Optional[str] = ..., adapter_window: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    shared: bool
+    def __init__(self, engine: _Optional[str] = ..., supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., modes: _Optional[_Iterable[_Union[_common_pb2.SyncMode, str]]] = ..., base_model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reason: _Optional[str] = ..., adapter_window: _Optional[int] = ..., dtype: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class GetReplicaStatusRequest(_message.Message):
     __slots__ = ()

@@ -337,12 +337,22 @@ class ForwardBackwardResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("job_id", "learning_rate")
+    __slots__ = ("job_id", "learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     learning_rate: float
-    def __init__(self, job_id: _Optional[str] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    max_grad_norm: float
+    def __init__(self, job_id: _Optional[str] = ..., learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("version", "step", "metrics")

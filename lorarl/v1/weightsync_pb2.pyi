@@ -90,7 +90,7 @@ class UploadWeightsResponse(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class ReplicaCapabilities(_message.Message):
-    __slots__ = ("supports_lora", "max_lora_rank", "max_loras", "base_model_fingerprint", "engine", "collective_backends", "receiving_ranks")
+    __slots__ = ("supports_lora", "max_lora_rank", "max_loras", "base_model_fingerprint", "engine", "collective_backends", "receiving_ranks", "shared")
     SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class ReplicaCapabilities(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     RECEIVING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     supports_lora: bool
     max_lora_rank: int
     max_loras: int
@@ -105,7 +106,8 @@ class ReplicaCapabilities(_message.Message):
     engine: str
     collective_backends: _containers.RepeatedScalarFieldContainer[_common_pb2.CollectiveBackend]
     receiving_ranks: int
-    def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., collective_backends: _Optional[_Iterable[_Union[_common_pb2.CollectiveBackend, str]]] = ..., receiving_ranks: _Optional[int] = ...) -> None: ...
+    shared: bool
+    def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., collective_backends: _Optional[_Iterable[_Union[_common_pb2.CollectiveBackend, str]]] = ..., receiving_ranks: _Optional[int] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("replica_id", "job_ids", "capabilities", "host", "active_versions", "serve_address")
@@ -241,20 +243,22 @@ class GetSyncStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("replica_id", "active_version", "staged_version", "connected", "last_error", "serve_address")
+    __slots__ = ("replica_id", "active_version", "staged_version", "connected", "last_error", "serve_address", "capabilities")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     SERVE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     active_version: int
     staged_version: int
     connected: bool
     last_error: str
     serve_address: str
-    def __init__(self, replica_id: _Optional[str] = ..., active_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., connected: _Optional[bool] = ..., last_error: _Optional[str] = ..., serve_address: _Optional[str] = ...) -> None: ...
+    capabilities: ReplicaCapabilities
+    def __init__(self, replica_id: _Optional[str] = ..., active_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., connected: _Optional[bool] = ..., last_error: _Optional[str] = ..., serve_address: _Optional[str] = ..., capabilities: _Optional[_Union[ReplicaCapabilities, _Mapping]] = ...) -> None: ...
 
 class JobSyncStatus(_message.Message):
     __slots__ = ("job_id", "latest_version", "mode", "replicas", "active_version", "mode_reason")

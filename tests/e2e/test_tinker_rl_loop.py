@@ -1,7 +1,8 @@
 """End to end: the demo job's services (real vLLM rollout, weight sync) and the Tinker front over them; the
 cookbook-style loop in examples/tinker/rl_loop.py, on the official `tinker` client only, learns the demo task;
 the same front samples with prompt logprobs (compute_logprobs) that agree with the trainer's, and with the top
-alternatives of each prompt and sampled token."""
+alternatives of each prompt and sampled token; two users on its one engine, one at the SDK's default rank, cannot
+change what the other samples."""
 
 from __future__ import annotations
 
@@ -56,3 +57,47 @@ def test_the_cookbook_style_loop_learns_through_the_tinker_front(tmp_path: Path)
         assert [top[0][0] for top in sequence.topk_logprobs] == sequence.tokens  # greedy: the top token each time
         assert all(len(top) == 3 for top in sequence.topk_logprobs)
         service.close("success")
+        users_on_one_engine_cannot_change_what_the_other_samples(front)
+
+
+def users_on_one_engine_cannot_change_what_the_other_samples(front) -> None:
+    """Tenants issue: user A trains a rank-8 adapter and samples; user B, another session, takes the SDK's default
+    rank (32), trains and saves. B's adapter is served as an adapter (`lorarl tinker` sizes its shared rollout for
+    the SDK's default), A's sampler answers with the same logprobs after B's save, and a rank the rollout cannot
+    serve as an adapter is refused at creation naming the limit and the setting, never merged over the base."""
+    import tinker
+    from tinker import types
+
+    def datum(tokens: list[int]) -> types.Datum:
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64")})
+
+    def trained_sampler(client, tokens: list[int]):
+        for _ in range(2):
+            client.forward_backward([datum(tokens)], "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        return client.save_weights_and_get_sampling_client().result()
+
+    user_a = tinker.ServiceClient(base_url=front.base_url, api_key=front.api_key)
+    user_b = tinker.ServiceClient(base_url=front.base_url, api_key=front.api_key)
+    try:
+        a = user_a.create_lora_training_client(base_model=front.base_model, rank=8).result()
+        tokens = a.get_tokenizer().encode("12+34=46")
+        sampler_a = trained_sampler(a, tokens)
+        prompt = types.ModelInput.from_ints(tokens)
+        before = sampler_a.compute_logprobs(prompt).result()
+        b = user_b.create_lora_training_client(base_model=front.base_model).result()  # the SDK's default rank
+        assert b.get_info().lora_rank == 32
+        sampler_b = trained_sampler(b, tokens[::-1])
+        theirs = sampler_b.compute_logprobs(prompt).result()
+        after = sampler_a.compute_logprobs(prompt).result()
+        assert after[1:] == pytest.approx(before[1:], abs=1e-5), (before, after)  # B changed nothing of A's
+        assert theirs[1:] != pytest.approx(before[1:], abs=1e-3)  # B samples its own adapter
+        refusal = (r"LoRA rank 64 is above the rank this shared rollout serves \(rollout\.max_lora_rank=32\).*"
+                   r"rollout\.max_lora_rank=64")
+        with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match=refusal):
+            user_b.create_lora_training_client(base_model=front.base_model, rank=64).result()
+        assert sampler_a.compute_logprobs(prompt).result()[1:] == pytest.approx(before[1:], abs=1e-5)
+    finally:
+        user_a.close("success")
+        user_b.close("success")

@@ -28,6 +28,10 @@ SERVICES = {
     "tinker": "lorarl.tinker.server",
 }
 
+#: How long a service whose launcher died has to stop as on SIGTERM before it exits regardless: the launcher's
+#: services must be gone within seconds of it (a launcher's stop gives them server.shutdown_grace_s, 5 s).
+ORPHAN_GRACE_S = 8.0
+
 #: Flag destination -> dotted config key it overrides.
 FLAG_KEYS = {
     "host": "server.host",
@@ -85,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     from lorarl.common.parent_watch import watch_if_marked
     from lorarl.common.server import ServiceDiedError, StartupError
 
-    watch_if_marked()  # started by a Ray actor (lorarl.client.launch.ray_host): gone with it, even by SIGKILL
+    # Started by a launcher (lorarl.client.launch.local) or a Ray actor (ray_host): gone with it, even by SIGKILL,
+    # stopping as on SIGTERM (its engine core and files released) within ORPHAN_GRACE_S.
+    watch_if_marked(grace_s=ORPHAN_GRACE_S)
 
     module: ModuleType = importlib.import_module(SERVICES[args.service])
     prefix = f"lorarl serve {args.service}"

@@ -3,7 +3,8 @@
 It prints TINKER_BASE_URL and TINKER_API_KEY for the official `tinker` client (examples/tinker/rl_loop.py).
 The job file says the model (served under its folder's name) and how the services run; its loop, data and
 reward are not used: the client brings those. `lorarl serve tinker` runs the front alone, over services
-started elsewhere.
+started elsewhere. Ctrl-C and SIGTERM stop the front and its services; a launcher killed by SIGKILL leaves none
+running either (each service watches it: lorarl.common.parent_watch).
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lorarl.client.commands.run import stop_on_sigterm
     from lorarl.client.launch.tinker import local_front
 
-    with local_front(args.config, args.overrides) as front:
-        print(f"export TINKER_BASE_URL={front.base_url}\nexport TINKER_API_KEY={front.api_key}\n"
-              f"# base_model {front.base_model!r}; Ctrl-C stops the services", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            threading.Event().wait()
+    stop_on_sigterm()  # a supervisor's stop ends the front and its services as Ctrl-C does
+    try:
+        with local_front(args.config, args.overrides) as front:
+            print(f"export TINKER_BASE_URL={front.base_url}\nexport TINKER_API_KEY={front.api_key}\n"
+                  f"# base_model {front.base_model!r}; Ctrl-C stops the services", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                threading.Event().wait()
+    except KeyboardInterrupt:  # stopped while the services started: what did start is stopped
+        return 130
     return 0

@@ -2,15 +2,15 @@
 
 The owner writes its services' addresses beside their token (``RUN_DIR/services/stack.json`` and ``token``,
 lorarl.client.launch.local). An attached run reads them, checks its job can share those services (the same base
-model, dtype and rollout engine as the owner's job, adapter mode) and runs its loop against them like
-`lorarl train`. While it runs it holds a lease (``services/attached/JOB_ID``, its pid): when the owner's own
-jobs end, the owner keeps the services up until every lease's process has exited, so an attached job is never
-cut off by the run that started the stack (a run that attaches while the owner is already stopping finds the
-services gone and fails naming them). An attached job syncs adapters (a merged version would
-replace the base every other job samples from), so its rank must fit the rollout's (the owner's
-``rollout.max_lora_rank``). The rollout's adapter slots are the owner's
-(``rollout.max_loras``); a job that finds none free is refused by the rollout with RESOURCE_EXHAUSTED naming
-the slots, and the owner can be started with room to spare.
+model, dtype, engines and rollout shape as the owner's job, adapter mode, a rank the owner's rollout serves as
+an adapter: lorarl.contract.sharing) and runs its loop against them like `lorarl train`. While it runs it holds
+a lease (``services/attached/JOB_ID``, its pid): when the owner's own jobs end, the owner keeps the services up
+until every lease's process has exited, so an attached job is never cut off by the run that started the stack
+(a run that attaches while the owner is already stopping finds the services gone and fails naming them). An
+attached job syncs adapters (a merged version would replace the base every other job samples from), so its
+rank must fit the rollout's (the owner's ``rollout.max_lora_rank``) and the owner's rollout must serve LoRA.
+The rollout's adapter slots are the owner's (``rollout.max_loras``); a job that finds none free is refused by
+the rollout with RESOURCE_EXHAUSTED naming the slots, and the owner can be started with room to spare.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lorarl.common.config import ConfigError
+from lorarl.common.config import ConfigError, to_dict
+from lorarl.contract import sharing
+from lorarl.contract.sharing import EngineLora
 
 LEASES = "attached"
 WAIT_S = 1.0
@@ -44,29 +46,24 @@ def stack_addresses(run_dir: str | Path) -> dict[str, Any]:
 
 
 def check_attachable(cfg: Any, run_dir: str | Path) -> None:
-    """ConfigError when ``cfg`` cannot share the owner's services (its job file as the owner ran it, the
-    rollout's LoRA rank)."""
+    """ConfigError when ``cfg`` cannot share the owner's services: the jobs disagree on what the services are
+    built from (the owner's job file as it ran), or the owner's rollout cannot serve this job's adapter as one
+    (lorarl.contract.sharing: the rule `lorarl run A B` and the Tinker front apply too)."""
     owner_file = Path(run_dir) / "config.json"
     if not owner_file.is_file():
         raise ConfigError("--attach", f"{owner_file} is missing: the owner's job has not started yet")
     owner = json.loads(owner_file.read_text())
-    mine = {"model.path": str(Path(cfg.model.path).resolve()), "model.dtype": cfg.model.dtype,
-            "rollout.engine": cfg.rollout.engine, "trainer.device": cfg.trainer.device}
-    theirs = {"model.path": str(Path(owner["model"]["path"]).resolve()), "model.dtype": owner["model"]["dtype"],
-              "rollout.engine": owner["rollout"]["engine"], "trainer.device": owner["trainer"]["device"]}
-    for key, value in mine.items():
-        if value != theirs[key]:
-            raise ConfigError(key, f"the stack in {run_dir!s} serves {theirs[key]!r}, this job asks for {value!r}")
-    if cfg.sync.mode == "merged" or owner["sync"]["mode"] == "merged":
-        raise ConfigError("sync.mode", "a merged job's rollout serves its own weights in place of the base: "
-                                       "jobs share a stack in adapter mode only")
-    served_rank = stack_addresses(run_dir).get("max_lora_rank")
-    if served_rank and cfg.trainer.lora.rank > served_rank:
-        raise ConfigError("trainer.lora.rank", f"{cfg.trainer.lora.rank} is above the rank the stack's rollout "
-                                               f"serves ({served_rank}): start the owner with "
-                                               f"rollout.max_lora_rank={cfg.trainer.lora.rank} or more")
     if cfg.job_id == owner["job_id"]:
         raise ConfigError("job_id", f"{cfg.job_id!r} is the owner's job: give this one a job id of its own")
+    if problem := sharing.disagreement([(owner["job_id"], owner), (cfg.job_id, to_dict(cfg))]):
+        key, why = problem
+        raise ConfigError(key, f"the stack in {run_dir!s}: {why}")
+    stack = stack_addresses(run_dir)
+    served = stack.get("lora") or {"supports_lora": True, "max_lora_rank": stack.get("max_lora_rank") or 0}
+    engine = EngineLora(bool(served["supports_lora"]), int(served["max_lora_rank"]), True,
+                        str(served.get("engine", "")), str(served.get("reason", "")))
+    if why := sharing.sharing_refusal(engine, cfg.trainer.lora.rank):
+        raise ConfigError("trainer.lora.rank", f"the stack in {run_dir!s}: {why}")
 
 
 @contextlib.contextmanager

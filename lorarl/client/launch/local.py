@@ -9,6 +9,8 @@ SIGTERM first (services drain in-flight RPCs), SIGKILL after a bound.
 config (the same storage, the same replica id), after a growing pause, a bounded number of times.
 Whatever it left behind (a vLLM engine core, trainer ranks: its process group) is killed first, so
 no child outlives its service. The loop meanwhile waits the restart out (lorarl.client.rl.recovery).
+Each service watches the launcher (lorarl.common.parent_watch): a launcher killed by SIGKILL, which can stop
+nothing, still leaves no service behind.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import yaml
 
 from lorarl.client.calls import TOKEN_FILE_ENV
 from lorarl.client.launch.log_files import LogRetention, LogRotator
+from lorarl.common.parent_watch import child_env
 from lorarl.common.ports import free_port
 from lorarl.common.ready import wait_for_ready_file
 from lorarl.common.server_config import DEFAULT_TOKEN_ENV
@@ -147,6 +150,8 @@ class LocalStack(Stack):
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # Each service leaves when this launcher dies, by any signal (lorarl.common.parent_watch).
+        env.update(child_env())
         # Three processes share the CPU: one OpenMP thread each. Two threads per process on a
         # 2-core machine made a training step 20x slower (threads spinning against each other).
         env.setdefault("OMP_NUM_THREADS", str(self.threads_per_service))
@@ -201,8 +206,11 @@ class LocalStack(Stack):
         addresses = {"trainer": self.address("trainer") if "trainer" in self.processes else None,
                      "weightsync": self.address("weightsync") if "weightsync" in self.processes else None,
                      "rollout": self.addresses("rollout"), "openai": self.openai_urls(),
-                     # what a job that attaches must fit in: the rollout's LoRA rank and adapter slots
-                     **{key: self.sections.get("rollout", {}).get(key) for key in ("max_lora_rank", "max_loras")}}
+                     # what a job that attaches must fit in: the rollout's LoRA rank and adapter slots, and what
+                     # its engine serves as adapters (its ready file's word: lorarl.contract.sharing.EngineLora)
+                     **{key: self.sections.get("rollout", {}).get(key) for key in ("max_lora_rank", "max_loras")},
+                     "lora": next((p.info["lora"] for p in self.processes.values()
+                                   if p.service == "rollout" and "lora" in p.info), None)}
         (self.workdir / "stack.json").write_text(json.dumps(addresses, indent=1) + "\n")
 
     def _launch(self, name: str, section: dict[str, Any], service: str = "", port: int = 0) -> ServiceProcess:

@@ -23,55 +23,45 @@ from lorarl.client.job.config import serving_length
 from lorarl.client.launch.attach import wait_for_attached
 from lorarl.client.launch.local import lorarl_command
 from lorarl.client.launch.services import decode_wave, local_stack, stack_sections
-from lorarl.common.config import ConfigError
-from lorarl.contract import staleness
+from lorarl.common.config import ConfigError, to_dict
+from lorarl.contract import sharing, staleness
+from lorarl.contract.lora import serving_rank
 
-#: What every job on one stack must agree on: the services are started once, from these.
-SHARED_KEYS = ("model.path", "model.dtype", "rollout.engine", "rollout.dtype", "rollout.tensor_parallel_size",
-               "rollout.replicas", "rollout.block_size", "rollout.enable_lora", "trainer.device", "trainer.engine",
-               "sync.collective", "launcher.kind")
 POLL_S = 0.5
 
 
-def _value(cfg: Any, dotted: str) -> Any:
-    value = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return str(Path(value).resolve()) if dotted == "model.path" else value
-
-
 def check_shareable(cfgs: Sequence[Any]) -> None:
-    """ConfigError naming the first setting the jobs disagree on, or what a shared stack cannot run."""
-    first = cfgs[0]
+    """ConfigError naming the first setting the jobs disagree on, or what a shared stack cannot run (the rule is
+    lorarl.contract.sharing's, which attach, the Tinker front and the trainer apply too)."""
     for cfg in cfgs:
         if cfg.launcher.kind != "local" or cfg.placement.nodes > 1:
             raise ConfigError("launcher.kind", f"job {cfg.job_id}: several jobs share a stack on this host only "
                                                "(launcher.kind=local, placement.nodes=1)")
-        if cfg.sync.mode == "merged":
-            raise ConfigError("sync.mode", f"job {cfg.job_id}: a merged job's rollout serves its own weights in "
-                                           "place of the base, which other jobs cannot share; use sync.mode=adapter")
-        for key in SHARED_KEYS:
-            if _value(cfg, key) != _value(first, key):
-                raise ConfigError(key, f"jobs {first.job_id} and {cfg.job_id} differ ({_value(first, key)!r} vs "
-                                       f"{_value(cfg, key)!r}); jobs on one stack share the services built from it")
+    if problem := sharing.disagreement([(cfg.job_id, to_dict(cfg)) for cfg in cfgs]):
+        raise ConfigError(*problem)
     for seen, name in ((set(), "job_id"), (set(), "output.dir")):
         for cfg in cfgs:
-            value = _value(cfg, name) if name == "job_id" else str(Path(cfg.output.dir).resolve())
+            value = cfg.job_id if name == "job_id" else str(Path(cfg.output.dir).resolve())
             if value in seen:
                 raise ConfigError(name, f"two jobs have {name} {value!r}; each job needs its own")
             seen.add(value)
 
 
-def shared_sections(cfgs: Sequence[Any], out: Path) -> dict[str, dict[str, Any]]:
-    """The first job's service sections, with the rollout sized for every job."""
+def shared_sections(cfgs: Sequence[Any], out: Path, min_rank: int = 0) -> dict[str, dict[str, Any]]:
+    """The first job's service sections, with the rollout sized for every job (the one formula for a rollout that
+    several jobs share): adapter slots for every job's staleness window, the largest rank (at least
+    ``min_rank``: a Tinker front's clients pick theirs later), every job's batch in one decode wave; and marked
+    shared, so that nothing is ever merged over the base they all sample from."""
     sections = stack_sections(cfgs[0], out)
     rollout = sections["rollout"]
     windows = [staleness.adapter_window(cfg.loop.max_staleness) for cfg in cfgs]
     rollout["adapter_window"] = max(windows)
     rollout["max_loras"] = max(sum(window + 1 for window in windows), *(cfg.rollout.max_loras for cfg in cfgs))
-    rollout["max_lora_rank"] = max(cfg.serving_lora_rank for cfg in cfgs)
+    rollout["max_lora_rank"] = max(serving_rank(min_rank) if min_rank else 0,
+                                   *(cfg.serving_lora_rank for cfg in cfgs))
     rollout["kv_cache_gib"] = max(cfg.rollout.kv_cache_gib for cfg in cfgs)
     rollout["max_num_seqs"] = sum(decode_wave(cfg) for cfg in cfgs)
+    rollout["shared"] = True
     if lengths := [length for cfg in cfgs if (length := serving_length(cfg))]:
         rollout["max_model_len"] = max(lengths)
     if any(cfg.rollout.openai for cfg in cfgs):

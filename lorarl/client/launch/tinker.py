@@ -5,7 +5,9 @@
 
 The job file says the model (served to clients as ``model.path``'s folder name, and under its path) and how
 the services run (rollout engine, LoRA slots); its own loop, data and reward are not used: the Tinker
-client brings those.
+client brings those. The rollout is one that several jobs share (rollout.shared): it serves adapters up to
+the larger of the job file's rank and the SDK's default (32), and a client asking for more is refused at
+create_lora_training_client, naming the limit and rollout.max_lora_rank, never merged over the others.
 """
 
 from __future__ import annotations
@@ -81,10 +83,14 @@ def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str |
 def local_front(config: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None) -> Iterator[Front]:
     """The job file's three services (as `lorarl run` starts them) and the front over them."""
     from lorarl.client.job.config import load_job_config
+    from lorarl.client.launch.many_jobs import shared_sections
     from lorarl.client.launch.services import local_stack
+    from lorarl.contract.sharing import TINKER_SDK_DEFAULT_RANK
 
     cfg = load_job_config(str(config), list(overrides))
-    stack = local_stack(cfg, Path(out or cfg.output.dir))
+    out = Path(out or cfg.output.dir)
+    # Many clients' jobs on one rollout: sized and marked as a shared one, serving the SDK's default rank.
+    stack = local_stack(cfg, out, sections=shared_sections([cfg], out, min_rank=TINKER_SDK_DEFAULT_RANK))
     api_key = f"tml-{secrets.token_urlsafe(24)}"
     with stack:
         trainer, rollout = stack.address("trainer"), stack.addresses("rollout")[0]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from lorarl.contract.training import (  # noqa: F401
     DTYPES,
     ENGINES,
+    AdamStep,
     LimitsSpec,
     LossSpec,
     MegatronSpec,
@@ -72,8 +73,9 @@ class TrainEngine(abc.ABC):
                                   "(forward_only / return_logprobs); use the torch engine on one rank")
 
     @abc.abstractmethod
-    def optim_step(self, lr: float | None = None) -> Metrics:
-        """Applies accumulated gradients (``lr`` overrides the schedule for this step); bumps version."""
+    def optim_step(self, lr: float | None = None, adam: AdamStep | None = None) -> Metrics:
+        """Applies accumulated gradients (``lr`` overrides the schedule for this step, ``adam`` the job's betas,
+        eps, weight decay and clipping for this step); bumps version."""
 
     def warm_up(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
         """Pays one-time costs before the first step; changes nothing a step computes. A no-op here."""

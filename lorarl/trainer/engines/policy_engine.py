@@ -26,6 +26,7 @@ from torch import nn
 from lorarl.contract import versions
 from lorarl.trainer.engines import checkpoint as ckpt
 from lorarl.trainer.engines.api import (
+    AdamStep,
     CheckpointInfo,
     Metrics,
     OptimizerSpec,
@@ -280,8 +281,11 @@ class PolicyEngine(TrainEngine):
             self.optimizer.zero_grad(set_to_none=True)
             self._pending_grads = False
 
-    def optim_step(self, lr: float | None = None) -> Metrics:
-        """Clips, steps AdamW and bumps the version; a non-finite gradient skips the update instead."""
+    def optim_step(self, lr: float | None = None, adam: AdamStep | None = None) -> Metrics:
+        """Clips, steps AdamW and bumps the version; a non-finite gradient skips the update instead. ``adam``: this
+        step's betas, eps, weight decay and clipping where the caller sets them (the job's OptimizerSpec
+        otherwise, every step: an override lasts one step)."""
+        settings = adam.applied_to(self.spec.optimizer) if adam is not None else self.spec.optimizer
         if not self._pending_grads:
             raise EngineStateError("no accumulated gradients: call forward_backward before optim_step")
         start = time.perf_counter()
@@ -291,13 +295,13 @@ class PolicyEngine(TrainEngine):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.rl.reducer.sync_gradients(self._trainable)
-        max_norm = self.spec.optimizer.max_grad_norm
+        max_norm = settings.max_grad_norm
         grad_norm = self._clip_gradients(max_norm if max_norm > 0 else math.inf)
         value = lr if lr is not None and lr > 0 else scheduled_lr(self.spec.optimizer, self._step)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             for group in self.optimizer.param_groups:
-                group["lr"] = value
+                group.update(lr=value, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay)
             self.optimizer.step()
             self._step += 1
             self._version = versions.next_version(self._version)

@@ -24,6 +24,7 @@ from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.contract.peft_files import read_peft_tensors
 from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import (
+    AdamStep,
     CheckpointInfo,
     EngineStateError,
     LossSpec,
@@ -181,9 +182,9 @@ class TorchEngine(PolicyEngine):
         with self.base.turn(self):
             return super().forward_with_logprobs(batch, loss, forward_only)
 
-    def optim_step(self, lr: float | None = None) -> Metrics:
+    def optim_step(self, lr: float | None = None, adam: AdamStep | None = None) -> Metrics:
         with self.base.turn(self):
-            return super().optim_step(lr)
+            return super().optim_step(lr, adam)
 
     def train_step(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         with self.base.turn(self):

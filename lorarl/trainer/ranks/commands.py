@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorarl.contract.errors import SpecError
 from lorarl.contract.routes import RoutedExperts
 from lorarl.trainer.engines.api import (
+    AdamStep,
     LimitsSpec,
     MegatronSpec,
     MemorySpec,
@@ -37,7 +39,7 @@ OPS = ("create", "call", "iter", "close", "ping", "stop")
 CALLS: dict[str, tuple[str, ...]] = {
     "forward_backward": ("batch", "loss"),
     "train_step": ("batch", "loss"),
-    "optim_step": ("lr",),
+    "optim_step": ("lr", "adam"),
     "compute_logprobs": ("batch", "reference"),
     "save_checkpoint": ("path", "data_cursor"),
     "load_checkpoint": ("path",),
@@ -155,6 +157,7 @@ _ENCODERS: dict[str, Any] = {
     "batch": lambda v: [record_to_json(r) for r in v],
     "loss": loss_to_json,
     "lr": lambda v: None if v is None else float(v),
+    "adam": lambda v: None if v is None else v.to_json(),
     "reference": bool,
     "path": str,
     "version": int,
@@ -172,6 +175,11 @@ def _decode_value(name: str, raw: Any) -> Any:
         if raw is not None and (isinstance(raw, bool) or not isinstance(raw, float | int)):
             raise CommandError(f"lr must be a number or null, got {raw!r}")
         return None if raw is None else float(raw)
+    if name == "adam":
+        try:
+            return AdamStep.from_json(raw)
+        except SpecError as e:
+            raise CommandError(f"adam: {e}") from None
     if name == "reference":
         if not isinstance(raw, bool):
             raise CommandError(f"reference must be true or false, got {raw!r}")

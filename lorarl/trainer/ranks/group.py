@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorarl.common.errors import FailedPreconditionError, InternalError, InvalidArgumentError, UnavailableError
-from lorarl.trainer.engines.api import CheckpointInfo, Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
+from lorarl.trainer.engines.api import AdamStep, CheckpointInfo, Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.ranks.commands import Command, decode, encode
 from lorarl.trainer.ranks.control import ControlChannel
 from lorarl.trainer.ranks.launch import FollowerProcesses, RankWorld, join_groups
@@ -260,8 +260,8 @@ class LockstepEngine(TrainEngine):
     def forward_backward(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         return self._call("forward_backward", batch=list(batch), loss=loss)
 
-    def optim_step(self, lr: float | None = None) -> Metrics:
-        return self._call("optim_step", lr=lr)
+    def optim_step(self, lr: float | None = None, adam: AdamStep | None = None) -> Metrics:
+        return self._call("optim_step", lr=lr, adam=adam)
 
     def train_step(self, batch: Sequence[TrajectoryRecord], loss: LossSpec | None = None) -> Metrics:
         return self._call("train_step", batch=list(batch), loss=loss)

@@ -33,8 +33,9 @@ from lorarl.common.gc_heap import freeze_long_lived
 from lorarl.common.malloc_arenas import limit_malloc_arenas
 from lorarl.common.validation import check_id
 from lorarl.contract import versions
+from lorarl.contract.errors import SpecError
 from lorarl.contract.peft_files import read_peft_config
-from lorarl.trainer.engines.api import Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
+from lorarl.trainer.engines.api import AdamStep, Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.service import fit
 from lorarl.trainer.service.fair_share import FairShare
@@ -405,10 +406,16 @@ class JobManager:
                 except NotImplementedError as e:
                     raise FailedPreconditionError(str(e)) from None
 
-    async def optim_step(self, job_id: str, lr: float | None) -> tuple[Metrics, int, int]:
+    async def optim_step(self, job_id: str, lr: float | None, adam: AdamStep | None = None
+                         ) -> tuple[Metrics, int, int]:
         job = self.get(job_id)
+        if adam is not None:
+            try:
+                adam.applied_to(job.spec.optimizer)  # refused before the engine thread, naming the field
+            except SpecError as e:
+                raise InvalidArgumentError(e.field, f"{e.field} {e.problem}") from None
         try:
-            metrics = await self._run(job, job.engine.optim_step, lr)
+            metrics = await self._run(job, job.engine.optim_step, lr, adam)
         except RuntimeError as e:
             raise FailedPreconditionError(str(e)) from None
         return metrics, job.engine.version, job.engine.step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import time
@@ -26,6 +27,9 @@ from lorarl.common.log import configure_logging
 from lorarl.common.metrics import RpcMetrics
 from lorarl.common.server import Register, RunningServer, StartupError, serve
 from lorarl.common.validation import check_path
+from lorarl.contract.errors import SpecError
+from lorarl.contract.sharing import EngineLora, sharing_refusal
+from lorarl.contract.training import AdamStep
 from lorarl.trainer.service import convert
 from lorarl.trainer.service.config import TrainerServiceConfig, TrainerSettings
 from lorarl.trainer.service.job_metrics import JobsCollector
@@ -38,6 +42,8 @@ from lorarl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 NAME = "trainer"
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 CONFIG_TYPE = TrainerServiceConfig
+
+logger = logging.getLogger(__name__)
 
 
 def job_status(job: Job) -> trainer_pb2.JobStatus:
@@ -113,6 +119,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         """PERMISSION_DENIED when the caller's per-job key does not cover ``job_id`` (service.tenancy)."""
         self.tenants.check(context.invocation_metadata(), job_id)
 
+    async def _check_shared_rollouts(self, job_id: str, spec) -> None:
+        """FAILED_PRECONDITION at creation, not at the first publish, for a job that a rollout several jobs share
+        could serve only by writing over its base (lorarl.contract.sharing): the replicas weight sync knows, as
+        they subscribed. Weight sync out of reach: not checked here; its registration refuses the same."""
+        if not self.settings.weightsync_address:
+            return
+        try:
+            status = await self.publisher().status_now()
+        except grpc.aio.AioRpcError as e:
+            logger.warning("job %s: weight sync unreachable (%s); the shared-rollout check waits for its "
+                           "registration", job_id, e.code().name)
+            return
+        for replica in status.fleet:
+            caps = replica.capabilities
+            if caps.shared and (why := sharing_refusal(EngineLora.of(caps), spec.lora.rank,
+                                                       merged=spec.full_finetune)):
+                raise FailedPreconditionError(f"job {job_id!r} cannot sample from rollout {replica.replica_id}: {why}")
+
     async def CreateJob(self, request, context):
         self._scoped(context, request.job_id)
         spec = convert.job_spec(request.config, self.settings.device)
@@ -121,6 +145,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             check_own_paths(tenant, {"config.base_model_path": spec.base_model_path,
                                      "config.init_adapter_path": spec.init_adapter_path},
                             [self.settings.checkpoint_dir, self.settings.export_dir])
+        await self._check_shared_rollouts(request.job_id, spec)
         job, attached = await self.jobs.create(request.job_id, spec, attach=request.attach)
         if self.settings.weightsync_address:
             self.publisher().connect()  # the first publish should not pay for the import and the handshake
@@ -170,7 +195,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if not (math.isfinite(request.learning_rate) and request.learning_rate >= 0):
             raise InvalidArgumentError("learning_rate", f"must be a finite number >= 0 (0 keeps the schedule), "
                                                         f"got {request.learning_rate}")
-        metrics, version, step = await self.jobs.optim_step(request.job_id, request.learning_rate or None)
+        try:
+            adam = AdamStep.from_proto(request)
+        except SpecError as e:
+            raise InvalidArgumentError(e.field, str(e)) from None
+        metrics, version, step = await self.jobs.optim_step(request.job_id, request.learning_rate or None, adam)
         return trainer_pb2.OptimStepResponse(version=version, step=step, metrics=convert.step_metrics(metrics))
 
     async def ComputeLogprobs(self, request, context):

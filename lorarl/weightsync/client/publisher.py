@@ -381,5 +381,9 @@ class WeightPublisher:
         weight-sync restart (UNAVAILABLE) until then."""
         return ActivationResult.from_proto(await await_outcome(self.stub, job_id, version, timeout_s))
 
+    async def status_now(self, timeout_s: float = 5.0) -> weightsync_pb2.GetSyncStatusResponse:
+        """Every job and the fleet (each replica's capabilities), or the call's error within ``timeout_s``."""
+        return await self.stub.GetSyncStatus(weightsync_pb2.GetSyncStatusRequest(), timeout=timeout_s)
+
     async def status(self, job_id: str = "") -> weightsync_pb2.GetSyncStatusResponse:
         return await self.stub.GetSyncStatus(weightsync_pb2.GetSyncStatusRequest(job_id=job_id), timeout=30)

@@ -35,7 +35,8 @@ def sync_status(jobs: list[JobSyncStatus], fleet: Sequence[ReplicaSyncStatus] = 
                 ) -> weightsync_pb2.GetSyncStatusResponse:
     response = weightsync_pb2.GetSyncStatusResponse()
     for r in fleet:
-        response.fleet.add(replica_id=r.replica_id, connected=r.connected, serve_address=r.serve_address)
+        response.fleet.add(replica_id=r.replica_id, connected=r.connected, serve_address=r.serve_address,
+                           capabilities=r.capabilities)
     for job in jobs:
         entry = response.jobs.add(job_id=job.job_id, latest_version=job.latest_version, mode=job.mode,
                                   active_version=job.active_version, mode_reason=job.mode_reason)

@@ -29,8 +29,8 @@ from lorarl.common.validation import check_address, check_id
 from lorarl.contract import versions
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.config import WeightSyncSettings
-from lorarl.weightsync.service.modes import choose_mode
-from lorarl.weightsync.service.planning import fingerprint_blocker, inline_transport, plan_catch_up, plan_publish
+from lorarl.weightsync.service.modes import choose_mode, registration_refusal
+from lorarl.weightsync.service.planning import inline_transport, plan_catch_up, plan_publish, replica_blocker
 from lorarl.weightsync.service.registry import JobRecord, VersionRecord, VersionRegistry
 from lorarl.weightsync.service.replicas import Replica, ReplicaDirectory
 from lorarl.weightsync.service.results import (
@@ -107,6 +107,8 @@ class WeightSyncCore:
     def register_job(self, request: weightsync_pb2.RegisterJobRequest) -> RegisteredJob:
         self.registry.check_registration(request)
         caps = {r.replica_id: r.capabilities for r in self.directory.subscribers(request.job_id)}
+        if why := registration_refusal(request.mode, request.lora, caps):
+            raise FailedPreconditionError(f"job {request.job_id!r} cannot be served: {why}")
         job, new = self.registry.register(request, choose_mode(request.mode, request.lora, caps))
         if new:
             logger.info("registered job %s: %s", job.job_id, job.reason,
@@ -134,7 +136,7 @@ class WeightSyncCore:
         return Published(plan.trainer_manifest)
 
     def _eligible(self, replica: Replica, job: JobRecord) -> bool:
-        why = fingerprint_blocker(replica, job)
+        why = replica_blocker(replica, job)
         if why:
             replica.state(job.job_id).last_error = why
             return False
@@ -279,7 +281,7 @@ class WeightSyncCore:
         for replica in self.directory.subscribers(job_id):
             rid = replica.replica_id
             if (replica.state(job_id).active_version >= job.active_version or self.coordinator.busy(rid, job_id)
-                    or fingerprint_blocker(replica, job) or now < self._retry.get((rid, job_id), (0.0, 0.0))[0]):
+                    or replica_blocker(replica, job) or now < self._retry.get((rid, job_id), (0.0, 0.0))[0]):
                 continue
             self.coordinator.submit(plan_catch_up(self.settings, job, record, replica), now)
 
@@ -302,7 +304,7 @@ class WeightSyncCore:
 
     def fleet(self) -> list[ReplicaSyncStatus]:
         """Every replica ever subscribed, job-independent: who serves, where (versions left 0)."""
-        return [ReplicaSyncStatus(r.replica_id, 0, 0, r.connected, "", r.serve_address)
+        return [ReplicaSyncStatus(r.replica_id, 0, 0, r.connected, "", r.serve_address, r.capabilities)
                 for _, r in sorted(self.directory.replicas.items())]
 
     def status(self, job_id: str = "") -> list[JobSyncStatus]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from lorarl.contract.transfer_ranks import ranks_for_version
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.service.config import WeightSyncSettings
-from lorarl.weightsync.service.modes import serve_mode
+from lorarl.weightsync.service.modes import serve_mode, sharing_blocker
 from lorarl.weightsync.service.registry import JobRecord, VersionRecord
 from lorarl.weightsync.service.replicas import Replica
 from lorarl.weightsync.service.rounds import Member, Round
@@ -33,11 +33,13 @@ class PublishPlan:
     trainer_manifest: common_pb2.WeightManifest
 
 
-def fingerprint_blocker(replica: Replica, job: JobRecord) -> str | None:
+def replica_blocker(replica: Replica, job: JobRecord) -> str | None:
+    """Why ``replica`` is left out of ``job``'s rounds: another base model, or a shared engine the job would write
+    over (lorarl.weightsync.service.modes.sharing_blocker); None when it takes part."""
     theirs = replica.capabilities.base_model_fingerprint
     if theirs and theirs != job.spec.fingerprint:
         return f"replica serves base model {theirs}, job {job.job_id} needs {job.spec.fingerprint}"
-    return None
+    return sharing_blocker(replica.capabilities, job.mode, job.spec.lora)
 
 
 def _with_transport(manifest: common_pb2.WeightManifest, transport: common_pb2.Transport) -> common_pb2.WeightManifest:

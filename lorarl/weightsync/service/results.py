@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lorarl.v1 import common_pb2
+from lorarl.v1 import common_pb2, weightsync_pb2
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class ReplicaSyncStatus:
     connected: bool
     last_error: str
     serve_address: str = ""
+    capabilities: weightsync_pb2.ReplicaCapabilities | None = None  # what it subscribed with (the fleet's view)
 
 
 @dataclass(frozen=True)

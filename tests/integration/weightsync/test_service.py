@@ -132,6 +132,26 @@ def test_auto_mode_with_a_replica_that_cannot_run_lora_is_merged_and_says_why(tm
     run(scenario())
 
 
+def test_a_shared_replica_refuses_a_job_that_would_write_its_base(tmp_path: Path) -> None:
+    """A replica several jobs share (caps.shared, e.g. the Tinker front's) with no LoRA: a job that would be merged
+    into it is refused at registration (FAILED_PRECONDITION naming the replica), never served merged; the fleet
+    shows what each replica subscribed with (the trainer's CreateJob reads it to refuse such a job earlier)."""
+    async def scenario() -> None:
+        shared = caps(lora=False, engine="vllm-cpu")
+        shared.shared = True
+        async with (running_service(tmp_path) as (running, _), agent(running.address, "moe", capabilities=shared),
+                    WeightPublisher(running.address, token=TOKEN) as pub):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await registered(pub, TinyTrainer(), "j", common_pb2.SYNC_MODE_AUTO)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "replica moe: this rollout is shared by several jobs and its engine (vllm-cpu) does not support " \
+                   "LoRA" in refused.value.details()
+            [replica] = (await pub.status_now()).fleet
+            assert replica.capabilities.shared and not replica.capabilities.supports_lora
+
+    run(scenario())
+
+
 def test_mixed_transports_late_joiner_and_local_merge(tmp_path: Path) -> None:
     """One collective and one inline-only replica in the same round; a late joiner of a MERGED job gets
     the durable adapter inline with serve_mode MERGED (merge locally)."""

@@ -34,16 +34,20 @@ def test_the_examples_jobs_share_a_stack_sized_for_both(tmp_path: Path) -> None:
     assert rollout["max_lora_rank"] == 16 > alone["max_lora_rank"]
     assert rollout["max_num_seqs"] == 2 * alone["max_num_seqs"]
     assert rollout["max_model_len"] == 4096 > alone["max_model_len"]
-    assert {k: v for k, v in rollout.items() if k not in ("max_loras", "adapter_window", "max_lora_rank",
-                                                          "max_num_seqs", "max_model_len")} == \
-        {k: v for k, v in alone.items() if k not in ("max_loras", "adapter_window", "max_lora_rank", "max_num_seqs",
-                                                      "max_model_len")}
+    # a shared rollout: nothing is ever merged over the base both jobs sample from (lorarl.contract.sharing)
+    assert rollout["shared"] is True and "shared" not in alone
+    sized = ("max_loras", "adapter_window", "max_lora_rank", "max_num_seqs", "max_model_len", "shared")
+    assert {k: v for k, v in rollout.items() if k not in sized} == {k: v for k, v in alone.items() if k not in sized}
+    # the Tinker front's rollout: the same formula for one job, serving at least the SDK's default rank
+    assert shared_sections([tools], tmp_path, min_rank=32)["rollout"]["max_lora_rank"] == 32
+    assert shared_sections([tools], tmp_path, min_rank=20)["rollout"]["max_lora_rank"] == 32
 
 
 @pytest.mark.parametrize(("override", "message"), [
     ("model.dtype=bfloat16", "model.dtype: jobs tools and sort differ"),
     ("rollout.engine=hf", "rollout.engine: jobs tools and sort differ"),
-    ("sync.mode=merged", "a merged job's rollout serves its own weights"),
+    ("sync.mode=merged", "job sort: a merged job's versions replace the base weights every other job"),
+    ("rollout.replicas=2", "rollout.replicas: jobs tools and sort differ"),
     ("job_id=tools", "two jobs have job_id 'tools'"),
     ("launcher.kind=ray", "on this host only"),
 ])
@@ -79,4 +83,4 @@ def test_dry_run_checks_each_job_and_that_they_can_share(capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert out.count("config OK") == 2 and "jobs sort, tools can share one stack" in out
     assert main(["run", *files, "--dry-run", "sync.mode=merged"]) == 2
-    assert "a merged job's rollout serves its own weights" in capsys.readouterr().err
+    assert "a merged job's versions replace the base weights" in capsys.readouterr().err

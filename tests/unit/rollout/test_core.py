@@ -321,6 +321,28 @@ def test_local_merge_of_an_adapter_for_a_replica_without_lora(files: ModelFiles,
     run(main)
 
 
+def test_a_shared_engine_never_writes_its_base_and_says_why(files: ModelFiles, adapter: dict) -> None:
+    """rollout.shared: several jobs sample from this engine, so neither an adapter merged locally nor merged
+    weights is staged (the base every other job samples from stays as it was); adapters still are."""
+    async def main() -> None:
+        engine = FakeEngine(files, supports_lora=False)
+        core = make_core(files, engine, shared=True)
+        with pytest.raises(FailedPreconditionError, match=r"a v1 would replace this shared engine's base weights "
+                                                          r"\(an adapter merged locally\).*serves adapters only"):
+            await core.stage(PolicyPayload("a", 1, Mode.ADAPTER, Mode.MERGED, "sha256:base", adapter, LORA))
+        with pytest.raises(FailedPreconditionError, match=r"\(merged weights\)"):
+            await core.stage(merged_payload(files, "m", 1))
+        assert engine.staged == {}
+        lora_core = make_core(files, shared=True)
+        await lora_core.load(adapter_payload("a", 1, adapter))
+        assert [p.version for p in lora_core.status().policies if p.job_id == "a"] == [1]
+        from lorarl.rollout.convert import capabilities
+
+        assert capabilities(lora_core.info, lora_core.settings, "sha256:base").shared  # what clients are told
+
+    run(main)
+
+
 def test_pause_holds_generation_until_resume(files: ModelFiles) -> None:
     async def main() -> None:
         engine = FakeEngine(files)

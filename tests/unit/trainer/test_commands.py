@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.trainer.engines.api import LimitsSpec, MegatronSpec, OptimizerSpec, TrainingSpec, TrajectoryRecord
+from lorarl.trainer.engines.api import AdamStep, LimitsSpec, MegatronSpec, OptimizerSpec, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.ranks.commands import CALLS, ITERATORS, Command, CommandError, decode, encode
 from lorarl.trainer.rl.lora import LoraConfig
 from lorarl.trainer.rl.losses import LossSpec
@@ -53,8 +53,9 @@ def test_paths_numbers_cursors_and_none_round_trip(tmp_path: Path) -> None:
     assert back.args == {"path": tmp_path, "data_cursor": None}
     for method in ("load_checkpoint", "export_adapter", "export_merged"):
         assert roundtrip(Command("call", "e", method, {"path": tmp_path})).args == {"path": tmp_path}
-    assert roundtrip(Command("call", "e", "optim_step", {"lr": None})).args == {"lr": None}
-    assert roundtrip(Command("call", "e", "optim_step", {"lr": 1e-7})).args == {"lr": 1e-7}
+    assert roundtrip(Command("call", "e", "optim_step", {"lr": None, "adam": None})).args == {"lr": None, "adam": None}
+    step = AdamStep(beta1=0.5, eps=1e-12, max_grad_norm=0.0)
+    assert roundtrip(Command("call", "e", "optim_step", {"lr": 1e-7, "adam": step})).args == {"lr": 1e-7, "adam": step}
     assert roundtrip(Command("call", "e", "renumber", {"version": 12})).args == {"version": 12}
     for method in ITERATORS:
         assert roundtrip(Command("iter", "e", method)) == Command("iter", "e", method)
@@ -89,8 +90,12 @@ def good(**change: object) -> bytes:
     (good(args={"batch": [{**json.loads(good())["args"]["batch"][0], "prompt_token_ids": ["a"]}], "loss": None}),
      "batch[0].prompt_token_ids must hold integers"),
     (good(args={"batch": [], "loss": {"name": "nope"}}), "loss:"),
-    (json.dumps({"op": "call", "engine": "e", "method": "optim_step", "args": {"lr": "fast"}}).encode(),
+    (json.dumps({"op": "call", "engine": "e", "method": "optim_step", "args": {"lr": "fast", "adam": None}}).encode(),
      "lr must be a number"),
+    (json.dumps({"op": "call", "engine": "e", "method": "optim_step",
+                 "args": {"lr": 1.0, "adam": {"beta3": 0.5}}}).encode(), "adam: optimizer.step expected"),
+    (json.dumps({"op": "call", "engine": "e", "method": "optim_step",
+                 "args": {"lr": 1.0, "adam": {"eps": "tiny"}}}).encode(), "adam: optimizer.eps must be a number"),
     (json.dumps({"op": "call", "engine": "e", "method": "load_checkpoint", "args": {"path": ""}}).encode(),
      "path must be a non-empty string"),
     (json.dumps({"op": "create", "engine": "e", "args": {"spec": {"base_model_path": "x"}}}).encode(), "spec"),

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lorarl.trainer.engines.api import EngineStateError, OptimizerSpec, TrajectoryRecord
+from lorarl.trainer.engines.api import AdamStep, EngineStateError, OptimizerSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs, scheduled_lr
 from lorarl.trainer.rl.batching import pack
@@ -230,6 +230,31 @@ def test_gradients_add_up_over_forward_backward_calls_and_lr_override(dense_dir:
     for n in once:
         torch.testing.assert_close(twice[n], 2 * once[n])
     assert engine.optim_step(lr=0.123)["lr"] == pytest.approx(0.123)
+
+
+def test_a_steps_adam_settings_train_as_a_job_created_with_them_and_last_one_step(dense_dir: Path) -> None:
+    """Tinker's optim_step(AdamParams(...)) sends betas, eps, weight decay and clipping with every step: a job
+    stepped with them trains exactly as one created with them (its optimizer moments its own), and a later
+    step that names none runs with the job's own settings again."""
+    settings = {"beta1": 0.5, "beta2": 0.95, "eps": 1e-3, "weight_decay": 0.3, "max_grad_norm": 1e-3}
+    made = TorchEngine(make_spec(dense_dir, optimizer=settings))
+    stepped = TorchEngine(make_spec(dense_dir))
+    plain = TorchEngine(make_spec(dense_dir))
+    for seed in (1, 2):
+        for engine in (made, stepped, plain):
+            engine.forward_backward(synthetic_batch(seed))
+        made.optim_step()
+        assert stepped.optim_step(adam=AdamStep(**settings))["grad_norm"] > 1e-3  # so the clip bites
+        plain.optim_step()
+    for name, p in made.named_trainable_parameters().items():
+        torch.testing.assert_close(stepped.named_trainable_parameters()[name], p, rtol=0, atol=0)
+        assert not torch.equal(plain.named_trainable_parameters()[name], p), name
+    stepped.forward_backward(synthetic_batch(3))
+    stepped.optim_step()
+    group = stepped.optimizer.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.999), 1e-8, 0.0)
+    with pytest.raises(ValueError, match=r"optimizer.beta2 must be in \[0, 1\)"):
+        AdamStep(beta2=1.5).applied_to(OptimizerSpec())
 
 
 def test_lr_schedule_warms_up_then_decays_by_cosine() -> None:
