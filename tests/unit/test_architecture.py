@@ -139,6 +139,10 @@ FORBIDDEN = [
     # the rollout's segment runner reads the policy table and never loads a version itself
     ("lorarl.rollout.segments", "lorarl.rollout.policy_manager"),
     ("lorarl.rollout.segments", "lorarl.rollout.core"),
+    # platform facts (lorarl.platform) sit below everything: they import no lorarl package but themselves
+    *(("lorarl.platform", other) for other in ("lorarl.common", "lorarl.contract", "lorarl.trainer",
+                                               "lorarl.rollout", "lorarl.weightsync", "lorarl.tinker",
+                                               "lorarl.client")),
     # the trainer's layers, lowest first: rl < engines < ranks < service
     ("lorarl.trainer.rl", "lorarl.trainer.engines"),
     ("lorarl.trainer.rl", "lorarl.trainer.ranks"),
@@ -200,6 +204,15 @@ SINGLE_DEFINITIONS = {
     # the RL step: the one caller of the policy loss and of group advantages
     "policy loss call": (re.compile(r"(?<!def )\bpolicy_loss\("), "lorarl.trainer.rl.step"),
     "advantages call": (re.compile(r"(?<!def )\bcompute_advantages\("), "lorarl.trainer.rl.step"),
+    # which jobs share a stack and what a shared rollout may be given: the launchers, attach, the trainer's
+    # CreateJob, weight sync and the Tinker front all ask lorarl.contract.sharing
+    "shared-stack rule": (re.compile(r"SHARED_KEYS\s*=|def (sharing_refusal|disagreement)\b|"
+                                     r"replace the base weights every other job"), "lorarl.contract.sharing"),
+    # platform facts: the one import of torch_npu, the one device -> collective backend map
+    "torch_npu import": (re.compile(r"^\s*(import torch_npu|from torch_npu)"), "lorarl.platform.devices"),
+    "device backend map": (re.compile(r"[\"']cuda[\"']\s*:\s*[\"']nccl[\"']"), "lorarl.platform.devices"),
+    # a child that leaves with its starter: the mark is set and read in one place
+    "parent-watch mark": (re.compile(r"LORARL_WATCH_PARENT"), "lorarl.common.parent_watch"),
 }
 
 

@@ -59,7 +59,7 @@ def read_adapter(directory: Path) -> tuple[dict, dict]:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from lorarl.client.commands.run import load
+    from lorarl.client.commands.run import load, stop_on_sigterm
     from lorarl.client.launch.local import LocalStack
     from lorarl.client.launch.services import stack_sections
 
@@ -75,8 +75,13 @@ def eval_command(args: argparse.Namespace) -> int:
     targets = [None] * (args.base or not adapters) + adapters
     out = Path(cfg.output.dir) / "eval"
     sections = stack_sections(cfg, Path(cfg.output.dir))
-    with LocalStack(out / "services", {"rollout": sections["rollout"]}, services=("rollout",)) as stack:
-        results = asyncio.run(evaluate(cfg, stack.address("rollout"), stack.token, targets))
+    stop_on_sigterm()  # a supervisor's stop ends the evaluation and stops its rollout, as Ctrl-C does
+    try:
+        with LocalStack(out / "services", {"rollout": sections["rollout"]}, services=("rollout",)) as stack:
+            results = asyncio.run(evaluate(cfg, stack.address("rollout"), stack.token, targets))
+    except KeyboardInterrupt:
+        print("lorarl eval: interrupted; its rollout is stopped", file=sys.stderr)
+        return 130
     for name, result in zip(names, results, strict=True):
         print(json.dumps({**result, "target": name}))
     return 0

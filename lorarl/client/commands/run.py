@@ -263,6 +263,10 @@ def attach_run(args: argparse.Namespace, files: list[str]) -> int:
 
 
 def train_command(args: argparse.Namespace) -> int:
+    from lorarl.client.commands.serve import ORPHAN_GRACE_S
+    from lorarl.common.parent_watch import watch_if_marked
+
+    watch_if_marked(grace_s=ORPHAN_GRACE_S)  # one job of `lorarl run A B`: it stops (resumable) with its launcher
     cfg = load(args)
     if cfg is None:
         return 2

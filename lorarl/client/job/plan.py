@@ -279,26 +279,38 @@ def routing_replay_line(cfg, shape: dict[str, Any], experts: int, sequence_token
             f"position is never computed, so it has no route)")
 
 
-def sync_choice(cfg, shape: dict[str, Any], is_moe: bool, environ: Any = None) -> tuple[str, str]:
-    """The sync mode the job will run in and why, and whether its rollouts start vLLM with LoRA and why:
-    the rule the rollout's engine applies at start (lorarl.common.vllm_lora), with the job's own settings."""
+def rollout_lora_blocker(cfg, shape: dict[str, Any] | None = None, is_moe: bool | None = None,
+                         environ: Any = None) -> str:
+    """Why this job's rollouts will start without LoRA layers ("" when they serve adapters): the rule the
+    rollout's engine applies at start (lorarl.common.vllm_lora), with the job's own settings."""
     import os
 
     from lorarl.common.vllm_lora import lora_blocker
 
+    if shape is None:
+        shape = model_shape(cfg)
+        is_moe = bool(count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)["experts"])
     environ = os.environ if environ is None else environ
     device_type = cfg.trainer.device.split(":", 1)[0]
-    blocker = lora_blocker(is_moe, device_type, shape, environ) if cfg.rollout.engine == "vllm" else ""
+    blocker = lora_blocker(bool(is_moe), device_type, shape, environ) if cfg.rollout.engine == "vllm" else ""
     if blocker:
-        cannot = blocker
-    elif cfg.rollout.enable_lora is False:
-        cannot = "rollout.enable_lora is false"
-    elif cfg.rollout.enable_lora is None and cfg.sync.mode == "merged":
-        cannot = "a merged job's rollouts need no LoRA layers; rollout.enable_lora: true keeps them"
-    else:
-        cannot = ""
+        return blocker
+    if cfg.rollout.enable_lora is False:
+        return "rollout.enable_lora is false"
+    if cfg.rollout.enable_lora is None and cfg.sync.mode == "merged":
+        return "a merged job's rollouts need no LoRA layers; rollout.enable_lora: true keeps them"
+    return ""
+
+
+def sync_choice(cfg, shape: dict[str, Any], is_moe: bool, environ: Any = None) -> tuple[str, str]:
+    """The sync mode the job will run in and why, and whether its rollouts start vLLM with LoRA and why. An
+    adapter job whose rollouts have no LoRA merges each version locally on every replica (its own rollout only:
+    a shared one refuses it, lorarl.contract.sharing)."""
+    cannot = rollout_lora_blocker(cfg, shape, is_moe, environ)
     if cfg.sync.mode == "merged":
         mode = "merged (sync.mode)"
+    elif cfg.sync.mode == "adapter" and cannot:
+        mode = f"adapter (sync.mode), merged locally on each replica because {cannot}"
     elif cfg.sync.mode == "adapter":
         mode = "adapter (sync.mode)"
     elif cannot:

@@ -11,6 +11,7 @@ services, so one job's failure or exit is its own, and each resumes from its own
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -20,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.job.config import serving_length
+from lorarl.client.job.plan import rollout_lora_blocker
 from lorarl.client.launch.attach import wait_for_attached
 from lorarl.client.launch.local import lorarl_command
 from lorarl.client.launch.services import decode_wave, local_stack, stack_sections
 from lorarl.common.config import ConfigError, to_dict
+from lorarl.common.parent_watch import child_env
 from lorarl.contract import sharing, staleness
 from lorarl.contract.lora import serving_rank
 
@@ -39,6 +42,14 @@ def check_shareable(cfgs: Sequence[Any]) -> None:
                                                "(launcher.kind=local, placement.nodes=1)")
     if problem := sharing.disagreement([(cfg.job_id, to_dict(cfg)) for cfg in cfgs]):
         raise ConfigError(*problem)
+    for cfg in cfgs:  # a rollout without LoRA would merge each job's adapter over the base they all sample from
+        try:
+            cannot = rollout_lora_blocker(cfg)
+        except ValueError:  # no model shape to read: the job's own plan says so
+            continue
+        if cannot:
+            engine = sharing.EngineLora(False, 0, True, cfg.rollout.engine, cannot)
+            raise ConfigError("rollout.enable_lora", f"job {cfg.job_id}: {sharing.sharing_refusal(engine, 0)}")
     for seen, name in ((set(), "job_id"), (set(), "output.dir")):
         for cfg in cfgs:
             value = cfg.job_id if name == "job_id" else str(Path(cfg.output.dir).resolve())
@@ -96,7 +107,7 @@ def run_jobs(cfgs: Sequence[Any], config_paths: Sequence[str], overrides: Sequen
                            *(["--openai", ",".join(stack.openai_urls())] if cfg.rollout.openai else []),
                            *(["--fresh"] if fresh else [])]
                 child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         bufsize=1)
+                                         bufsize=1, env={**os.environ, **child_env()})  # gone with this launcher
                 threading.Thread(target=_relay, args=(child.stdout, f"[{cfg.job_id}] "), daemon=True).start()
                 children.append((cfg.job_id, child))
             while any(child.poll() is None for _, child in children):

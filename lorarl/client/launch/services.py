@@ -11,6 +11,7 @@ from typing import Any
 from lorarl.client.job.config import records_routes, serving_length
 from lorarl.client.launch.log_files import LogRetention
 from lorarl.contract import staleness
+from lorarl.platform import backend_for
 
 
 def rollout_lora(cfg) -> bool | None:
@@ -33,7 +34,7 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     """Service config sections for a local stack serving this job."""
     window = staleness.adapter_window(cfg.loop.max_staleness)
     # Weights move over the accelerator's own collective when there is one (untested here: CPU only).
-    backend = {"cuda": "nccl", "npu": "hccl"}.get(cfg.trainer.device.split(":", 1)[0], "gloo")
+    backend = backend_for(cfg.trainer.device)
     return {
         "weightsync": {"storage_dir": str(out / "weightsync" / f"launch-{int(time.time())}"),
                        "collective_backend": backend},

@@ -1,5 +1,5 @@
-"""Accelerator specifics in one place: which torch module drives a device type, binding a rank to its
-device, and the accelerator RNG states a bit-exact resume needs.
+"""The trainer's accelerator specifics: binding a rank to its device, and the accelerator RNG states a bit-exact
+resume needs (which torch module drives a device type is lorarl.platform's).
 
 CUDA and Ascend NPU (torch_npu registers `torch.npu`, with the same device/RNG API as `torch.cuda`)
 differ here only in the module. The NPU path is UNTESTED on hardware: CPU tests run it against a
@@ -8,23 +8,11 @@ stand-in module (tests/unit/trainer/test_devices.py); bench/npu_check.py runs it
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 import torch
 
-ACCELERATORS = ("cuda", "npu")
-
-
-def accelerator(device_type: str) -> ModuleType | None:
-    """torch.cuda / torch.npu when that accelerator is usable in this process, else None."""
-    if device_type == "npu":
-        try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
-        except ImportError:
-            return None
-    module = getattr(torch, device_type, None) if device_type in ACCELERATORS else None
-    return module if module is not None and module.is_available() else None
+from lorarl.platform import ACCELERATORS, accelerator
 
 
 def bind_device(device: str) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lorarl.common.tcp_store import client_store, master_store
+from lorarl.platform import backend_for, device_kind, load_npu
 from lorarl.trainer.engines.api import (
     CheckpointInfo,
     EngineStateError,
@@ -35,19 +36,13 @@ from lorarl.trainer.engines.torch_engine import TorchEngine, device_for
 from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.rl.step import BatchTotals
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-
-
-def backend_for(device: str) -> str:
-    return BACKENDS[device.split(":", 1)[0]]
-
 
 def init_distributed(device: str, rank: int, world_size: int, init_method: str | None = None,
                      timeout_s: float = 300.0, store: dist.Store | None = None) -> None:
     """Joins the default process group with the backend the device needs, on ``store`` (see rank_store)
     or at ``init_method`` (e.g. env:// under a launcher that hosts the store itself)."""
-    if device.startswith("npu"):
-        import torch_npu  # noqa: F401  (registers hccl)
+    if device_kind(device) == "npu":
+        load_npu()  # registers hccl
     bind_device(device)  # nccl and hccl bind each rank to its current device
     if store is not None:
         # init_method rendezvous prefixes its keys "default_pg/": ranks joining through init_method (followers)

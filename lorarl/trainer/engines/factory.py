@@ -25,12 +25,9 @@ def check_device(device: str, layer_devices: int = 1) -> None:
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     else:
-        try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
-        except ImportError:
-            count = 0
-        else:
-            count = torch.npu.device_count()
+        from lorarl.platform import load_npu
+
+        count = torch.npu.device_count() if load_npu() else 0
     if count == 0:
         raise FailedPreconditionError(f"this trainer has no {kind} device (torch {torch.__version__}); "
                                       "use device 'cpu' or a trainer on an accelerator")

@@ -133,7 +133,9 @@ def free_device_bytes(device: Any) -> int:
         import torch
 
         if kind == "npu":
-            import torch_npu  # noqa: F401  (registers torch.npu)
+            from lorarl.platform import load_npu
+
+            load_npu()  # registers torch.npu
         free, _ = getattr(torch, kind).mem_get_info(device)
         return int(free)
     try:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lorarl.contract import versions
+from lorarl.platform import torch_device
 from lorarl.trainer.engines import checkpoint as ckpt
 from lorarl.trainer.engines.api import (
     AdamStep,
@@ -55,14 +56,12 @@ ENTROPY_CHUNK_ROWS = 256
 
 
 def device_for(name: str) -> torch.device:
-    """The torch device for ``name``; imports torch_npu first for Ascend.
+    """The torch device for ``name`` (lorarl.platform loads torch_npu first for Ascend).
 
     The NPU path (``npu``, ``npu:N``) exists for Ascend deployments and is untested in this
     repository: CI has no Ascend card.
     """
-    if name.startswith("npu"):
-        import torch_npu  # noqa: F401  (registers the "npu" device with torch)
-    return torch.device(name)
+    return torch_device(name)
 
 
 def seed_everything(seed: int) -> None:

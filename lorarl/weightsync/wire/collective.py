@@ -66,9 +66,9 @@ def _process_group(backend: str, store: dist.Store, rank: int, world_size: int,
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
     if backend == "hccl":  # Ascend; needs torch_npu and CANN. Untested here (no Ascend hardware).
-        import torch_npu  # noqa: F401  (registers the npu device and ProcessGroupHCCL)
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        from lorarl.platform import hccl_process_group_class
 
+        ProcessGroupHCCL = hccl_process_group_class()
         options = ProcessGroupHCCL.Options()
         options._timeout = timeout
         return ProcessGroupHCCL(store, rank, world_size, options)

@@ -56,6 +56,22 @@ def test_jobs_that_cannot_share_are_refused_naming_the_setting(override: str, me
         check_shareable([example("tools"), example("sort", override)])
 
 
+def test_a_rollout_without_lora_cannot_be_shared_and_one_jobs_plan_says_it_merges_locally(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The shipped MoE on vLLM's CPU backend runs no LoRA: alone, an adapter job's plan says each version is merged
+    locally on its replica and why; two such jobs on one stack are refused (it would merge one job's adapter over
+    the base the other samples from)."""
+    from lorarl.client.cli import main
+
+    moe = ["model.path=lorarl/assets/models/qwen3-moe-tiny", "sync.mode=adapter", "trainer.device=cpu"]
+    first, second = example("tools", *moe), example("sort", *moe)
+    with pytest.raises(ConfigError, match=r"rollout.enable_lora: job tools: this rollout is shared by several jobs "
+                                          r"and its engine \(vllm\) does not support LoRA"):
+        check_shareable([first, second])
+    assert main(["run", str(ROOT / "examples/moe-merged.yaml"), "--dry-run", "sync.mode=adapter"]) == 0
+    assert "adapter (sync.mode), merged locally on each replica because" in capsys.readouterr().out
+
+
 def test_each_job_trains_and_evaluates_on_its_own_shipped_task() -> None:
     for name in ("tools", "sort"):
         cfg = example(name)

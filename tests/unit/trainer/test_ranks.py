@@ -20,13 +20,13 @@ from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 class FailsOnRankOne(TorchEngine):
     """A torch engine whose optim_step fails on rank 1 only (as an out-of-memory there would)."""
 
-    def optim_step(self, lr: float | None = None):
+    def optim_step(self, lr: float | None = None, adam=None):
         import torch.distributed as dist
 
         if dist.get_rank() == 1:
             self._pending_grads = False
             raise RuntimeError("boom on rank 1")
-        return super().optim_step(lr)
+        return super().optim_step(lr, adam)
 
     def save_checkpoint(self, path, data_cursor=None):
         """Rank 0 writes (the ranks hold the same weights, as under DataParallelEngine): two ranks renaming

@@ -1,0 +1,92 @@
+"""Nothing left behind: each launcher (`lorarl run`, `lorarl run A B`, `lorarl tinker`, `lorarl eval`), killed by
+SIGKILL (the OOM killer, a lost SSH session: it can stop nothing) or stopped by SIGTERM (a supervisor) once its
+services are up, leaves within 15 s no process it started — services, `lorarl train` jobs, vLLM's engine core —
+and no file in shared memory of theirs (a /dev/shm entry that is new and names lorarl or one of their pids).
+
+The services watch their launcher (lorarl.common.parent_watch) and stop as on SIGTERM when it is gone. The real
+vLLM engine runs in the `lorarl run` case (its engine core is a child of the rollout); the others run the HF
+engine, which starts in seconds, to keep the file's time down."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[2]
+GONE_WITHIN_S = 15.0
+QUIET = ["output.tensorboard=false", "output.progress=false"]
+MULTITENANT = ROOT / "examples" / "multitenant"
+SHM = "/dev/shm"
+
+
+def lorarl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lorarl.client.cli", *args]
+
+
+def launchers(out: Path) -> dict[str, tuple[list[str], Path]]:
+    """name -> (command, the stack.json that says its services are up)."""
+    from tests.e2e.test_multitenant import job_file
+
+    out.mkdir(parents=True)
+    many = [str(job_file(out, name)) for name in ("tools", "sort")]  # each with its output dir under ``out``
+    return {
+        "run": (lorarl("run", str(ROOT / "examples/demo.yaml"), *QUIET, f"output.dir={out}"),
+                out / "services" / "stack.json"),
+        "tinker": (lorarl("tinker", str(ROOT / "examples/demo.yaml"), "rollout.engine=hf", f"output.dir={out}"),
+                   out / "services" / "stack.json"),
+        "run-many": (lorarl("run", *many, *QUIET, "rollout.engine=hf"), out / "tools" / "services" / "stack.json"),
+        "eval": (lorarl("eval", str(ROOT / "examples/demo.yaml"), "rollout.engine=hf", f"output.dir={out}"),
+                 out / "eval" / "services" / "stack.json"),
+    }
+
+
+CASES = [("run", signal.SIGKILL), ("tinker", signal.SIGTERM), ("tinker", signal.SIGKILL),
+         ("run-many", signal.SIGKILL), ("run-many", signal.SIGTERM), ("eval", signal.SIGKILL), ("eval", signal.SIGTERM)]
+
+
+@pytest.mark.parametrize(("launcher", "sig"), CASES, ids=[f"{name}-{sig.name}" for name, sig in CASES])
+def test_a_launcher_that_dies_leaves_no_process_and_no_shared_memory(tmp_path: Path, launcher: str,
+                                                                      sig: signal.Signals) -> None:
+    shm_before = set(os.listdir(SHM))
+    command, up = launchers(tmp_path / "out")[launcher]
+    log = (tmp_path / "launcher.log").open("w")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(MULTITENANT), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               env=env)
+    started: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 200
+        while not up.exists():
+            assert process.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the services did not come up"
+            time.sleep(0.2)
+        started = psutil.Process(process.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()[2:5]) for p in started)
+        assert names.count("serve") >= (1 if launcher == "eval" else 3), names
+        if launcher == "run":  # vLLM's engine core, forked by the rollout: a process of its own
+            assert len(started) >= 4, names
+        os.kill(process.pid, sig)
+        process.wait(timeout=60)
+        _, alive = psutil.wait_procs(started, timeout=GONE_WITHIN_S)
+        assert not alive, f"left running after {sig.name}: {[p.cmdline()[:6] for p in alive]}"
+        pids = {str(p.pid) for p in started} | {str(process.pid)}
+        theirs = [name for name in set(os.listdir(SHM)) - shm_before
+                  if "lorarl" in name or any(pid in name for pid in pids)]
+        assert not theirs, f"left in shared memory: {theirs}"
+        if sig == signal.SIGTERM:  # a supervisor's stop: the launcher itself stops in order, not killed
+            assert process.returncode in (0, 130) and "Traceback" not in (tmp_path / "launcher.log").read_text()
+    finally:
+        for p in [psutil.Process(process.pid) if process.poll() is None else None, *started]:
+            if p is not None:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        log.close()
