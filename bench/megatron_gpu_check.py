@@ -71,7 +71,7 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 def check_parity(models: dict[str, Path], device: str) -> dict[str, float]:
     from lorarl.trainer.engines.megatron.engine import MegatronEngine
-    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.engines.torch.engine import TorchEngine
     from lorarl.trainer.rl.lora import load_peft_state_dict
 
     out = {}
@@ -137,7 +137,7 @@ def best_step_time(make: Callable[[], object], records: list, steps: int, device
 
 def step_times(path: Path, device: str, dtype: str, steps: int, tokens: tuple[int, int]) -> dict[str, float]:
     from lorarl.trainer.engines.megatron.engine import MegatronEngine
-    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.engines.torch.engine import TorchEngine
 
     vocab = 250
     records = batch(4, vocab, groups=2, group_size=4, prompt=tokens[0], completion=tokens[1])

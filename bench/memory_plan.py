@@ -75,7 +75,7 @@ def measure(row: Row, model_dir: str, device: str) -> dict[str, float]:
     import torch
 
     from lorarl.trainer.engines.api import MemorySpec, OptimizerSpec, TrainingSpec, TrajectoryRecord
-    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.engines.torch.engine import TorchEngine
     from lorarl.trainer.rl.lora import LoraConfig
 
     spec = TrainingSpec(base_model_path=model_dir, device=device, dtype=row.dtype,

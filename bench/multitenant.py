@@ -4,7 +4,7 @@ A random-init model at the Qwen3-0.6B layer shape (``--layers`` decoder layers, 
 vocabulary, fp32) is built once. For each N in ``--jobs``:
 
 - shared: one process, N jobs in one trainer JobManager (lorarl.trainer.service.jobs), ranks ``--ranks`` in
-  turn, on one resident base (lorarl.trainer.engines.shared_base): created as CreateJob creates them, then
+  turn, on one resident base (lorarl.trainer.engines.torch.shared_base): created as CreateJob creates them, then
   trained at once as the trainer service trains them (each job's engine thread, turns at the base by weighted
   fair share, one malloc arena from the second job on).
 - separate: N processes, one JobManager with one job each, training at the same time.

@@ -3,7 +3,7 @@
 Three TorchEngines on the shipped tiny dense Qwen3 (``lorarl/assets/models/qwen3-tiny``), identical but for
 ``share_prompts`` / ``pack_completions``: plain (every row's prompt+completion), shared prompts with
 the completions in padded rows, and shared prompts with the completions packed into lines
-(lorarl.trainer.engines.prefix_sharing picks packing by its cost estimate; the table says which layout
+(lorarl.trainer.engines.torch.prefix_sharing picks packing by its cost estimate; the table says which layout
 ran). They train on the same demo-shaped batch: the first ``--groups`` prompts of the shipped train
 split, chat-rendered as the demo sends them (14-18 tokens; ``--prompt-tokens N`` uses random prompts
 of N tokens instead), ``--group-size`` completions of ``--completion-tokens`` random tokens each, or
@@ -78,7 +78,7 @@ TITLES = {"plain": "plain (prompt per completion)", "padded": "shared prompt, pa
 def engine(variant: str, micro_batch_tokens: int):
     from lorarl.assets.paths import DENSE_MODEL_DIR
     from lorarl.trainer.engines.api import OptimizerSpec, TrainingSpec
-    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.engines.torch.engine import TorchEngine
     from lorarl.trainer.rl.lora import LoraConfig
 
     spec = TrainingSpec(base_model_path=str(DENSE_MODEL_DIR), lora=LoraConfig(rank=8, alpha=16),
@@ -103,7 +103,11 @@ def packed_micro_batches(batch: list, micro_batch_tokens: int, model: torch.nn.M
                          ) -> tuple[int, int, float]:
     """(micro-batches the packed engine packs, micro-batches, seconds to plan them and build their
     packed inputs and masks, best of ``repeats``): the layout's own overhead, measured apart from the step."""
-    from lorarl.trainer.engines.prefix_sharing import attention_cost, packed_completion_inputs, plan_prefix_sharing
+    from lorarl.trainer.engines.torch.prefix_sharing import (
+        attention_cost,
+        packed_completion_inputs,
+        plan_prefix_sharing,
+    )
     from lorarl.trainer.rl.batching import micro_batches, pack
 
     weight = attention_cost(model)

@@ -112,7 +112,7 @@ def current_bytes(device: str) -> int:
 
 def run_variant(args: argparse.Namespace) -> dict:
     from lorarl.trainer.engines.api import OptimizerSpec, TrainingSpec
-    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.engines.torch.engine import TorchEngine
     from lorarl.trainer.rl.lora import LoraConfig
 
     if args.threads:

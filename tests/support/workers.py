@@ -23,7 +23,7 @@ from lorarl.common.ports import free_port
 ROOT = Path(__file__).resolve().parents[2]
 #: What the fork server imports before its first fork: what the workers of the multi-rank tests need.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "lorarl.trainer.engines.megatron.engine",
-           "lorarl.trainer.engines.torch_engine", "lorarl.weightsync.wire.collective", "tests.support.workers",
+           "lorarl.trainer.engines.torch.engine", "lorarl.weightsync.wire.collective", "tests.support.workers",
            "tests.support.megatron_workers"]
 #: A free port is chosen, closed, then bound by rank 0 moments later: another process of the suite (the other
 #: xdist worker's services) can take it in between. Such a start is tried again.

@@ -150,6 +150,9 @@ FORBIDDEN = [
     ("lorarl.trainer.engines", "lorarl.trainer.ranks"),
     ("lorarl.trainer.engines", "lorarl.trainer.service"),
     ("lorarl.trainer.ranks", "lorarl.trainer.service"),
+    # the two engines in rooms of their own over a shared floor: neither reaches into the other
+    ("lorarl.trainer.engines.megatron", "lorarl.trainer.engines.torch"),
+    ("lorarl.trainer.engines.torch", "lorarl.trainer.engines.megatron"),
 ]
 
 
@@ -208,6 +211,8 @@ SINGLE_DEFINITIONS = {
     # CreateJob, weight sync and the Tinker front all ask lorarl.contract.sharing
     "shared-stack rule": (re.compile(r"SHARED_KEYS\s*=|def (sharing_refusal|disagreement)\b|"
                                      r"replace the base weights every other job"), "lorarl.contract.sharing"),
+    # routing replay (R3): which experts a replaying router takes, one rule for both engines
+    "R3 expert selection": (re.compile(r"\.sort\(-1\)\.values\s*!="), "lorarl.trainer.rl.routing"),
     # platform facts: the one import of torch_npu, the one device -> collective backend map
     "torch_npu import": (re.compile(r"^\s*(import torch_npu|from torch_npu)"), "lorarl.platform.devices"),
     "device backend map": (re.compile(r"[\"']cuda[\"']\s*:\s*[\"']nccl[\"']"), "lorarl.platform.devices"),
@@ -247,7 +252,7 @@ def test_trainer_modules_all_sit_in_a_layer() -> None:
     """Every trainer module lives in one of its four layers (so the layer rules above bind)."""
     names = [n for n in modules() if _under(n, "lorarl.trainer") and n != "lorarl.trainer"]
     assert names and all(n.split(".")[2] in ("rl", "engines", "ranks", "service") for n in names), names
-    for module in ("rl.lora", "rl.losses", "engines.api", "engines.torch_engine", "ranks.group", "service.server"):
+    for module in ("rl.lora", "rl.losses", "engines.api", "engines.torch.engine", "ranks.group", "service.server"):
         assert f"lorarl.trainer.{module}" in names
 
 

@@ -220,7 +220,7 @@ def trainer_memory(cfg, shape: dict[str, Any], n: dict[str, int], free_bytes: fl
     memory = cfg.trainer.memory
     layers = -(-shape["num_hidden_layers"] // par.pipeline)
     if cfg.trainer.engine == "torch" and par.pipeline > 1:
-        # The torch engine's layer split (lorarl.trainer.engines.layer_split): whole layers per device, the
+        # The torch engine's layer split (lorarl.trainer.engines.torch.layer_split): whole layers per device, the
         # embeddings and head on the first; the fullest device is the one that counts.
         total_layers = shape["num_hidden_layers"]
         per_layer = (n["base"] - n["outside_layers"]) / total_layers
@@ -366,7 +366,7 @@ def print_plan(cfg) -> int:
           f"(activations kept {human_bytes(step.kept)}, then the larger of one recomputed layer "
           f"{human_bytes(step.recompute)} and the logits chunk {human_bytes(step.logits)}) "
           f"= {human_bytes(trainer.total)}")
-    if cfg.trainer.engine == "torch":  # jobs on one base share it in one trainer (lorarl.trainer.engines.shared_base)
+    if cfg.trainer.engine == "torch":  # jobs on one base share it in one trainer (engines.torch.shared_base)
         print(f"trainer, shared: the base ({human_bytes(trainer.weights)} per device) is resident once for every "
               f"job on it; each more job like this one adds {human_bytes(trainer.adapters + trainer.adam)} "
               f"(adapter, gradients, Adam), and the step's activations while it computes")

@@ -32,7 +32,7 @@ from lorarl.trainer.engines.api import (
     TrajectoryRecord,
 )
 from lorarl.trainer.engines.devices import bind_device
-from lorarl.trainer.engines.torch_engine import TorchEngine, device_for
+from lorarl.trainer.engines.torch.engine import TorchEngine, device_for
 from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.rl.step import BatchTotals
 

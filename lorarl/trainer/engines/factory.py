@@ -9,7 +9,7 @@ from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.trainer.engines.api import TrainEngine, TrainingSpec
 
 if TYPE_CHECKING:
-    from lorarl.trainer.engines.shared_base import BaseRegistry
+    from lorarl.trainer.engines.torch.shared_base import BaseRegistry
 
 
 def check_device(device: str, layer_devices: int = 1) -> None:
@@ -42,10 +42,10 @@ def check_device(device: str, layer_devices: int = 1) -> None:
 
 def create_engine(spec: TrainingSpec, bases: BaseRegistry | None = None) -> TrainEngine:
     """The engine named by ``spec.engine``, imported lazily (torch is heavy, Megatron optional). ``bases``: the
-    trainer's resident bases, which a torch-engine job shares (lorarl.trainer.engines.shared_base)."""
+    trainer's resident bases, which a torch-engine job shares (lorarl.trainer.engines.torch.shared_base)."""
     check_device(spec.device, spec.layer_devices)
     if spec.engine == "torch":
-        from lorarl.trainer.engines.torch_engine import TorchEngine
+        from lorarl.trainer.engines.torch.engine import TorchEngine
 
         return TorchEngine.create(spec, bases)
     if spec.engine == "megatron":

@@ -60,7 +60,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, mode: ExportM
                       base_model: str | Path | None = None) -> Path:
     """Writes ``mode`` (adapter: PEFT; merged: HF) for ``checkpoint`` to ``out_dir``; CheckpointError if the
     checkpoint is missing, corrupt or foreign to the base model."""
-    from lorarl.trainer.engines.torch_engine import TorchEngine
+    from lorarl.trainer.engines.torch.engine import TorchEngine
 
     path = Path(checkpoint)
     manifest = ckpt.read_manifest(path)

@@ -5,7 +5,7 @@ Activation checkpointing. A transformers decoder layer with LoRA saves ~189 KiB 
 backward at the Qwen3-8B shape; checkpointed, it keeps only its input (hidden size x dtype bytes)
 and recomputes the rest when the backward pass reaches it (one layer's activations alive at a time).
 transformers' own ``gradient_checkpointing_enable`` drops the KV cache, which the shared-prompt
-forward (lorarl.trainer.engines.prefix_sharing) needs: its completion pass attends to the prompt pass's
+forward (lorarl.trainer.engines.torch.prefix_sharing) needs: its completion pass attends to the prompt pass's
 keys and values. `enable_activation_checkpointing` therefore wraps each layer itself
 (``torch.utils.checkpoint``, non-reentrant) and hands the recomputation a cache that replays what the
 layer saw the first time — the keys and values before the layer's own update — without writing the

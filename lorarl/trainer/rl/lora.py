@@ -7,7 +7,7 @@ low-rank update is computed in the activation dtype (fp32 master weights, as in 
 
     y = x W^T + scale * dropout(x) A^T B^T,   scale = alpha / r   (rsLoRA: alpha / sqrt(r))
 
-Several jobs may train adapters on one resident base (lorarl.trainer.engines.shared_base): each LoRA layer
+Several jobs may train adapters on one resident base (lorarl.trainer.engines.torch.shared_base): each LoRA layer
 holds the base once and, at any time, one job's adapter (``attach``); a job's adapters across the model are
 its ``AdapterSlot``, attached as a whole by ``activate`` before the job computes. Jobs may differ in rank,
 alpha, dropout and targets: a layer no attached job adapts runs the base alone.

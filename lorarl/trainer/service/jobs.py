@@ -127,8 +127,8 @@ class JobManager:
         self.max_jobs = max_jobs
         self.max_job_tokens_in_flight = max_job_tokens_in_flight
         self.model_roots = [Path(r) for r in model_roots]
-        # Torch-engine jobs on one base share its one resident copy (lorarl.trainer.engines.shared_base).
-        from lorarl.trainer.engines.shared_base import BaseRegistry
+        # Torch-engine jobs on one base share its one resident copy (lorarl.trainer.engines.torch.shared_base).
+        from lorarl.trainer.engines.torch.shared_base import BaseRegistry
 
         self.bases = BaseRegistry()
         self.free_bytes = free_bytes or fit.free_on
@@ -198,7 +198,7 @@ class JobManager:
             raise InvalidArgumentError("config.init_adapter_path", "; ".join(problems))
 
     def _base_resident(self, spec: TrainingSpec) -> bool:
-        from lorarl.trainer.engines.shared_base import BaseKey
+        from lorarl.trainer.engines.torch.shared_base import BaseKey
 
         return spec.engine == "torch" and not spec.full_finetune and self.bases.get(BaseKey.of(spec)) is not None
 
@@ -305,7 +305,7 @@ class JobManager:
         """The turns of the jobs on ``job``'s base: torch-engine jobs on one base (shared_base.BaseKey) share
         it and its turns; any other job has a base, and turns, of its own. Looked up once, at creation
         (``job.turns``)."""
-        from lorarl.trainer.engines.shared_base import BaseKey
+        from lorarl.trainer.engines.torch.shared_base import BaseKey
 
         spec = job.spec
         key = BaseKey.of(spec) if spec.engine == "torch" and not spec.full_finetune else job.job_id

@@ -292,7 +292,7 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
     if world.world_size == 1:
         from lorarl.common.preload import import_in_background
 
-        import_in_background("lorarl.trainer.engines.torch_engine")  # transformers' auto classes: ~5 s, before a job
+        import_in_background("lorarl.trainer.engines.torch.engine")  # transformers' auto classes: ~5 s, before a job
         servicer = TrainerServicer(settings, token=server_token(server.auth, host=server.host),
                                    peer_tls=peer_tls(server.peer_tls))
         await serve(NAME, server, registration(servicer), on_shutdown=servicer.close,

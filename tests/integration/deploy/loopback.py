@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from lorarl.client.launch.local import LocalStack, ServiceProcess, lorarl_command
+from lorarl.common.parent_watch import child_env
 from lorarl.common.ports import free_port
 from tools.compose_check import IMAGE_ROOT, ROOT, environment, parse_command, secret_mounts, service_config
 
@@ -174,8 +175,8 @@ class LoopbackStack:
         log_path = self.loopback.workdir / f"{name}.log"
         with log_path.open("ab") as log:
             process = subprocess.Popen(self.loopback.command(name), cwd=self.loopback.working_dir(name),
-                                       env=self.loopback.environment(name), stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+                                       env={**self.loopback.environment(name), **child_env()}, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)  # gone with this test
         started = self.stack.processes[name] = ServiceProcess(name, process, "", log_path)
         self.wait_healthy(name)
         return started

@@ -16,7 +16,7 @@ from lorarl.contract.routes import RoutedExperts
 from lorarl.contract.training import CorrectionSpec
 from lorarl.rollout.config import RolloutSettings
 from lorarl.trainer.engines.api import TrainingSpec, TrajectoryRecord
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.correction import correct
 from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import RolloutHarness

@@ -144,8 +144,8 @@ def trainer_routes(model_dir: Path, prompt: tuple[int, ...], completions: list) 
     """The experts the trainer's own routers choose on each completion's tokens (transformers, fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from lorarl.trainer.engines import routing_replay
     from lorarl.trainer.engines.api import TrajectoryRecord
+    from lorarl.trainer.engines.torch import routing_replay
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     routing_replay.install(model)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from lorarl.trainer.engines.distributed import DataParallelEngine, init_distributed, shard_by_group
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.losses import LossSpec
 from tests.support.workers import run_workers
 from tests.unit.trainer.collective_dtypes import assert_no_float64, recorded_dtypes

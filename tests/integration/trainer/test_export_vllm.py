@@ -10,7 +10,7 @@ import torch
 
 from lorarl.assets import DENSE_MODEL_DIR
 from lorarl.trainer.engines.api import TrainingSpec
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig, lora_parameters
 from tests.integration.trainer.vllm_parity import assert_engine_logprobs, vllm_greedy_with_and_without
 

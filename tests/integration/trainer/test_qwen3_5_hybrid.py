@@ -28,7 +28,7 @@ from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.contract.lora import LoraSpec
 from lorarl.rollout.config import RolloutSettings
 from lorarl.trainer.engines.api import TrajectoryRecord
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.lora import LINEAR_ATTENTION_TARGETS, LoraConfig, LoRALinear, lora_modules, lora_parameters
 from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import RolloutHarness, generate, greedy, load_requests

@@ -13,7 +13,7 @@ from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines import checkpoint as ckpt
 from lorarl.trainer.engines.api import TrainingSpec
 from lorarl.trainer.engines.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 from tests.unit.trainer.tiny import dense_model

@@ -1,4 +1,4 @@
-"""The torch engine's layer split (lorarl.trainer.engines.layer_split): the stage sizes are the best
+"""The torch engine's layer split (lorarl.trainer.engines.torch.layer_split): the stage sizes are the best
 contiguous split, inputs follow each layer to its device, and a split engine trains, scores, merges and
 checkpoints what a one-device engine does. On CPU every "device" is the CPU, so the hooks run but move
 nothing; across real accelerators the split is UNTESTED here (no multi-device machine was lent)."""
@@ -14,9 +14,9 @@ import torch
 
 from lorarl.common.errors import InvalidArgumentError
 from lorarl.trainer.engines.api import MemorySpec, TrainingSpec
-from lorarl.trainer.engines.layer_split import split_devices, to_device
 from lorarl.trainer.engines.memory import stage_sizes
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
+from lorarl.trainer.engines.torch.layer_split import split_devices, to_device
 from lorarl.trainer.ranks.rank_engines import check_job_fits
 from lorarl.trainer.service.convert import job_config, job_spec
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lorarl.trainer.engines.api import LimitsSpec, MemorySpec, TrajectoryRecord
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.batching import group_index
 from lorarl.trainer.rl.lora import lora_parameters
 from lorarl.trainer.rl.losses import LossSpec, group_advantages

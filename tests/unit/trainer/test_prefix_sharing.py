@@ -1,4 +1,4 @@
-"""Shared-prompt forward (lorarl.trainer.engines.prefix_sharing) gives the plain forward's logprobs, entropies,
+"""Shared-prompt forward (lorarl.trainer.engines.torch.prefix_sharing) gives the plain forward's logprobs, entropies,
 LoRA gradients and whole train steps, on the shipped tiny dense and MoE Qwen3 checkpoints, with the
 completion pass in padded rows and in packed lines."""
 
@@ -13,15 +13,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lorarl.assets.paths import DENSE_MODEL_DIR, MOE_MODEL_DIR
-from lorarl.trainer.engines import prefix_sharing
 from lorarl.trainer.engines.api import TrajectoryRecord
-from lorarl.trainer.engines.prefix_sharing import (
+from lorarl.trainer.engines.torch import prefix_sharing
+from lorarl.trainer.engines.torch.engine import TorchEngine, completion_logprobs
+from lorarl.trainer.engines.torch.prefix_sharing import (
     attention_cost,
     plan_prefix_sharing,
     shared_prefix_hidden,
     supports_prefix_sharing,
 )
-from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs
 from lorarl.trainer.rl.batching import micro_batches, pack
 from lorarl.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
 from lorarl.trainer.rl.losses import LossSpec

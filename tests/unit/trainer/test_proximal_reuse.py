@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lorarl.trainer.engines.api import OptimizerSpec
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig
 from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch

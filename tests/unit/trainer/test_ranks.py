@@ -12,7 +12,7 @@ import torch
 from lorarl.assets import DENSE_MODEL_DIR
 from lorarl.common.errors import FailedPreconditionError, InternalError
 from lorarl.trainer.engines.api import CheckpointInfo, TrainingSpec
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from tests.support.workers import run_workers
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 

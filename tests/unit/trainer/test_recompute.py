@@ -20,7 +20,7 @@ from lorarl.trainer.engines.recompute import (
     disable_activation_checkpointing,
     enable_activation_checkpointing,
 )
-from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs
+from lorarl.trainer.engines.torch.engine import TorchEngine, completion_logprobs
 from lorarl.trainer.rl.batching import pack
 from lorarl.trainer.rl.lora import LoraConfig, inject_lora, lora_parameters
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch

@@ -12,7 +12,7 @@ import torch
 
 from lorarl.contract.errors import SpecError
 from lorarl.contract.training import CorrectionSpec, LossSpec, MegatronSpec, TrainingSpec
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.batching import micro_batches
 from lorarl.trainer.rl.correction import correct, current_kl
 from lorarl.trainer.rl.losses import LossInputs, policy_loss

@@ -13,9 +13,9 @@ import torch
 
 from lorarl.contract.routes import NOT_RECORDED, RoutedExperts
 from lorarl.contract.training import MemorySpec
-from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import LimitsSpec, TrajectoryRecord
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch import routing_replay
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.ranks.commands import record_from_json, record_to_json
 from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.service.validation import InvalidTrajectory, RouteRule, validate_trajectory

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorarl.trainer.engines.shared_base import BaseRegistry
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
+from lorarl.trainer.engines.torch.shared_base import BaseRegistry
 from lorarl.trainer.rl.lora import LoraConfig, lora_modules
 from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch

@@ -13,7 +13,7 @@ import torch
 
 from lorarl.contract.errors import SpecError
 from lorarl.contract.training import LossSpec
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.losses import LossInputs, policy_loss
 from lorarl.trainer.rl.trajectory import TrajectoryRecord
 from lorarl.trainer.service.validation import InvalidTrajectory, check_advantages_fit

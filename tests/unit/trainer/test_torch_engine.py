@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from lorarl.trainer.engines.api import AdamStep, EngineStateError, OptimizerSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
-from lorarl.trainer.engines.torch_engine import TorchEngine, completion_logprobs, scheduled_lr
+from lorarl.trainer.engines.torch.engine import TorchEngine, completion_logprobs, scheduled_lr
 from lorarl.trainer.rl.batching import pack
 from lorarl.trainer.rl.lora import LoraConfig, iter_merged_weights, lora_parameters
 from lorarl.trainer.rl.losses import LossSpec

@@ -16,7 +16,7 @@ import torch
 from lorarl.client.cli import main
 from lorarl.common.errors import InvalidArgumentError
 from lorarl.contract.lora import LoraSpec
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig, peft_state_dict
 from lorarl.trainer.service.jobs import JobManager
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch

@@ -33,7 +33,6 @@ from safetensors import safe_open
 
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.trainer.engines import checkpoint as ckpt
-from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import CheckpointInfo, Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.megatron.data_parallel import MegatronDataParallel, MegatronReducer
 from lorarl.trainer.engines.megatron.export import iter_hf_weights, peft_tensors, save_merged, save_peft
@@ -43,6 +42,7 @@ from lorarl.trainer.engines.megatron.parallel import ParallelSettings
 from lorarl.trainer.engines.megatron.routing_replay import RouterReplays, routing_counts
 from lorarl.trainer.engines.megatron.routing_replay import install as install_replay
 from lorarl.trainer.engines.policy_engine import TORCH_DTYPES, PolicyEngine, device_for, seed_everything, token_logprobs
+from lorarl.trainer.rl import routing
 from lorarl.trainer.rl.batching import PackedBatch, micro_batches, pack
 from lorarl.trainer.rl.losses import LossSpec
 from lorarl.trainer.rl.step import LossFn, empty_batch
@@ -206,7 +206,7 @@ class MegatronEngine(PolicyEngine):
         if self.replay.shape is None:
             return {}
         pp_group = self.dp.pp_group if self.dp.pp_size > 1 else None
-        return routing_replay.metrics_from_counts(
+        return routing.metrics_from_counts(
             routing_counts(self.replay, batch, self.device, pp_group, self.dp.all_reduce_ints))
 
     def set_training(self, training: bool) -> None:

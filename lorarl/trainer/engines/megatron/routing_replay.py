@@ -1,6 +1,6 @@
 """Routing replay (R3) in the Megatron engine: megatron's MoE routers use the experts the rollout chose.
 
-What is replayed, and the rule, are the torch engine's (lorarl.trainer.engines.routing_replay): a batch's
+What is replayed, and the rule, are the torch engine's (lorarl.trainer.engines.torch.routing_replay): a batch's
 routes (PackedBatch.routes [B, L, MoE layers, k], -1 where not recorded) name each token's experts per MoE
 layer; a router takes the recorded experts where a row has a route, their weights from its LIVE scores (so
 gradients still reach the router), and keeps its live top-k where the row is -1 (padding, not recorded).
@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from lorarl.contract.routes import RoutedExperts
 from lorarl.trainer.engines.megatron.model import compute_logits
-from lorarl.trainer.engines.routing_replay import record_counts
+from lorarl.trainer.rl.routing import record_counts, select_experts
 from lorarl.trainer.rl.trajectory import TrajectoryRecord
 
 if TYPE_CHECKING:
@@ -95,11 +95,7 @@ class RecordedTopk:
         target = self.target_topk_idx
         if target is None:
             return values, live
-        if target.shape != live.shape:
-            raise RuntimeError(f"routing replay of {list(target.shape)} for a router call of {list(live.shape)}")
-        recorded = target[:, 0] >= 0
-        indices = torch.where(recorded.unsqueeze(1), target, live)
-        differs = (live.sort(-1).values != indices.sort(-1).values).any(-1) & recorded
+        indices, recorded, differs = select_experts(live, target)
         # keyed by the forward: a recomputed layer (activation checkpointing) overwrites, never adds; kept on the
         # device (no sync per layer) until `RouterReplays.take`
         self.seen[self.pass_id] = Seen(recorded.detach(), differs.detach())

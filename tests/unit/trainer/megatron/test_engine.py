@@ -15,7 +15,7 @@ from lorarl.trainer.engines import checkpoint as ckpt
 from lorarl.trainer.engines.api import MegatronSpec, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig, load_peft_state_dict
 from lorarl.trainer.rl.losses import LossSpec
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch

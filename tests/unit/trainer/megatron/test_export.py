@@ -14,7 +14,7 @@ from lorarl.assets import DENSE_MODEL_DIR, MOE_MODEL_DIR
 from lorarl.trainer.engines.megatron import convert
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from lorarl.trainer.engines.megatron.model import compute_logits
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.lora import LoraConfig
 from tests.unit.trainer.engine_utils import make_spec, synthetic_batch
 

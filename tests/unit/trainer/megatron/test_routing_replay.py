@@ -21,7 +21,7 @@ from lorarl.trainer.engines.api import MegatronSpec, MemorySpec, TrainingSpec, T
 from lorarl.trainer.engines.megatron.engine import MegatronEngine
 from lorarl.trainer.engines.megatron.routing_replay import live_routes
 from lorarl.trainer.engines.recompute import disable_activation_checkpointing, enable_activation_checkpointing
-from lorarl.trainer.engines.torch_engine import TorchEngine
+from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.batching import micro_batches
 from lorarl.trainer.rl.lora import LoraConfig, load_peft_state_dict
 from lorarl.trainer.rl.losses import LossSpec

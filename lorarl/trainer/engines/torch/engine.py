@@ -22,7 +22,6 @@ from transformers import AutoModelForCausalLM
 from lorarl.contract import versions
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.contract.peft_files import read_peft_tensors
-from lorarl.trainer.engines import routing_replay
 from lorarl.trainer.engines.api import (
     AdamStep,
     CheckpointInfo,
@@ -34,7 +33,6 @@ from lorarl.trainer.engines.api import (
 )
 from lorarl.trainer.engines.export import save_merged_model, save_peft_adapter
 from lorarl.trainer.engines.head_logprobs import head_token_logprobs
-from lorarl.trainer.engines.layer_split import place_by_layers, split_devices
 from lorarl.trainer.engines.policy_engine import (  # noqa: F401  (re-exported: the torch engine's public names)
     ENTROPY_CHUNK_ROWS,
     TORCH_DTYPES,
@@ -44,14 +42,17 @@ from lorarl.trainer.engines.policy_engine import (  # noqa: F401  (re-exported: 
     seed_everything,
     token_logprobs,
 )
-from lorarl.trainer.engines.prefix_sharing import (
+from lorarl.trainer.engines.recompute import DEFAULT_LOGITS_CHUNK_TOKENS
+from lorarl.trainer.engines.torch import routing_replay
+from lorarl.trainer.engines.torch.layer_split import place_by_layers, split_devices
+from lorarl.trainer.engines.torch.prefix_sharing import (
     attention_cost,
     plan_prefix_sharing,
     shared_prefix_hidden,
     supports_prefix_sharing,
 )
-from lorarl.trainer.engines.recompute import DEFAULT_LOGITS_CHUNK_TOKENS
-from lorarl.trainer.engines.shared_base import BaseKey, BaseRegistry, RngState, SharedBase
+from lorarl.trainer.engines.torch.shared_base import BaseKey, BaseRegistry, RngState, SharedBase
+from lorarl.trainer.rl import routing
 from lorarl.trainer.rl.batching import PackedBatch
 from lorarl.trainer.rl.lora import (
     AdapterSlot,
@@ -72,7 +73,7 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool
     Runs the decoder, then the LM head only at the positions predicting completion tokens (the
     prompt's logits are never built), ``logits_chunk_tokens`` rows at a time (lorarl.trainer.engines.head_logprobs).
     Rows repeating a prompt (a GRPO group) share one forward of it when ``share_prompts``
-    (lorarl.trainer.engines.prefix_sharing; same numbers, less work), and their completions skip padding by
+    (lorarl.trainer.engines.torch.prefix_sharing; same numbers, less work), and their completions skip padding by
     packing when ``pack_completions`` and the layout estimate says it pays.
     """
     plan = None
@@ -92,7 +93,7 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool
 
 class TorchEngine(PolicyEngine):
     """TrainEngine with transformers + lorarl.trainer.rl.lora, on one device or, with ``spec.layer_devices``,
-    its decoder layers split across several (lorarl.trainer.engines.layer_split).
+    its decoder layers split across several (lorarl.trainer.engines.torch.layer_split).
 
     ``share_prompts`` (default on) runs a repeated prompt once per micro-batch; off gives the plain forward.
     ``pack_completions`` (default on) lets that shared forward pack completions instead of padding them.
@@ -104,7 +105,7 @@ class TorchEngine(PolicyEngine):
     def __init__(self, spec: TrainingSpec, reducer: GradientReducer | None = None,
                  bases: BaseRegistry | None = None) -> None:
         """``reducer``: how ranks that share the step combine it (engines.distributed); None: one process.
-        ``bases``: the trainer's resident bases (lorarl.trainer.engines.shared_base): a job on one of them
+        ``bases``: the trainer's resident bases (lorarl.trainer.engines.torch.shared_base): a job on one of them
         adds only its adapter; None, or a full fine-tune (which trains the base): a base of its own."""
         self.spec = spec
         self.device = device_for(spec.device)
@@ -225,8 +226,8 @@ class TorchEngine(PolicyEngine):
         return routing_replay.route_shape(self.model)
 
     def routing_metrics(self, batch: Sequence[TrajectoryRecord]) -> Metrics:
-        counts = [*routing_replay.take_counts(self.model), *routing_replay.record_counts(batch)]
-        return routing_replay.metrics_from_counts(self._reduce_routing_counts(counts))
+        counts = [*routing_replay.take_counts(self.model), *routing.record_counts(batch)]
+        return routing.metrics_from_counts(self._reduce_routing_counts(counts))
 
     def _reduce_routing_counts(self, counts: list[int]) -> list[int]:
         """``counts`` over every rank holding a share of the batch: this process's alone here."""

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from lorarl.trainer.engines import routing_replay
+from lorarl.trainer.engines.torch import routing_replay
 from lorarl.trainer.rl.batching import PackedBatch
 
 #: Model types whose decoder this module was checked against (full attention, per-position K/V cache).
@@ -266,7 +266,7 @@ def shared_prefix_hidden(decoder: nn.Module, batch: PackedBatch, plan: PrefixPla
     flat = [prompt_hidden.flatten(0, 1)]
     row_len = plan.prompt_lengths.index_select(0, plan.row_prompt).unsqueeze(1)  # [B, 1]
     if layout.slots > 0:
-        # Each layer's cache is on that layer's device (lorarl.trainer.engines.layer_split).
+        # Each layer's cache is on that layer's device (lorarl.trainer.engines.torch.layer_split).
         per_line = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, layout.line_prompt.to(layer.keys.device)),
                                                  layer.values.index_select(0, layout.line_prompt.to(layer.keys.device)))
                                                 for layer in cache.layers])

@@ -4,7 +4,7 @@ A trajectory's routes (lorarl.contract.routes: experts per position and MoE laye
 into PackedBatch.routes [B, L, layers, k] (int16, aligned with input_ids). Each decoder call of the engine then
 passes ``routing_replay`` [layers, rows, k] for its own token layout (rows = the call's [batch, seq] flattened):
 the plain forward's rows, or the shared-prompt forward's prompt pass and completion pass
-(lorarl.trainer.engines.prefix_sharing), whose slots map back to (row, position) here.
+(lorarl.trainer.engines.torch.prefix_sharing), whose slots map back to (row, position) here.
 
 Installed once per base model (``install``):
 
@@ -16,14 +16,15 @@ Installed once per base model (``install``):
                     renormalised as ``norm_topk_prob`` says, so gradients still reach the router. Rows without
                     a route (-1: padding, not recorded) keep the live top-k.
 
+Which experts a replaying row takes is lorarl.trainer.rl.routing's rule (the Megatron engine applies the same).
 Each replaying call also counts how often the live router would have chosen another expert set (per token and
-layer, and per token in any layer): `take_counts` reads them, and
-`metrics_from_counts` makes the step's ``routing_*`` metrics of them.
+layer, and per token in any layer): `take_counts` reads them, and lorarl.trainer.rl.routing.metrics_from_counts
+makes the step's ``routing_*`` metrics of them.
 Routers are transformers' top-k routers (Qwen3-MoE's ``Qwen3MoeTopKRouter``): ``weight``, ``top_k``,
 ``num_experts``, ``norm_topk_prob``, forward -> (logits, weights, indices).
 
 The Megatron engine replays the same routes by the same rule through megatron-core's router hook
-(lorarl.trainer.engines.megatron.routing_replay), and reports its figures with `metrics_from_counts`.
+(lorarl.trainer.engines.megatron.routing_replay).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import nn
 from lorarl.contract.routes import RoutedExperts
 from lorarl.trainer.engines.recompute import decoder_layers
 from lorarl.trainer.rl.batching import PackedBatch
+from lorarl.trainer.rl.routing import select_experts
 from lorarl.trainer.rl.trajectory import TrajectoryRecord
 
 _INSTALLED = "_lorarl_routing_replay"
@@ -89,14 +91,8 @@ def _replaying_router_forward(self: nn.Module, hidden_states: torch.Tensor) -> t
         self._lorarl_capture.append(indices.detach().cpu())
     replay = self._lorarl_replay
     if replay is not None:
-        if replay.shape != indices.shape:
-            raise RuntimeError(f"routing replay of {list(replay.shape)} for a router call of {list(indices.shape)}")
-        replay = replay.to(indices.device, torch.long)
-        recorded = replay[:, 0] >= 0
-        live = indices
-        indices = torch.where(recorded.unsqueeze(1), replay, live)
+        indices, recorded, differs = select_experts(indices, replay)
         values = probs.gather(-1, indices)
-        differs = (live.sort(-1).values != indices.sort(-1).values).any(-1) & recorded
         # keyed by the forward (`_pass_key`): a recomputed layer (activation checkpointing) overwrites
         self._lorarl_seen[self._lorarl_key] = _Seen(recorded.detach().cpu(), differs.detach().cpu())
     if self.norm_topk_prob:
@@ -171,39 +167,6 @@ def take_counts(model: nn.Module) -> tuple[int, int, int, int]:
         tokens += int(rows.sum())
         any_differs += int(differs.any(0).sum())
     return pairs, differing, tokens, any_differs
-
-
-def replayed_counts(records: Sequence[TrajectoryRecord]) -> tuple[int, int]:
-    """(policy tokens whose predicting position (the one before each) has a recorded route, policy tokens)."""
-    routed = total = 0
-    for r in records:
-        prompt = len(r.prompt_token_ids)
-        for j, trained in enumerate(r.trained()):
-            if not trained:
-                continue
-            total += 1
-            p = prompt - 1 + j
-            routed += r.routes is not None and p < r.routes.positions and bool(r.routes.ids[p, :, 0].min() >= 0)
-    return routed, total
-
-
-def record_counts(records: Sequence[TrajectoryRecord]) -> list[int]:
-    """[policy tokens with a recorded route, policy tokens, records with routes] of ``records``: the batch's half
-    of the counts `metrics_from_counts` takes (ranks holding shards sum them first)."""
-    return [*replayed_counts(records), sum(r.routes is not None for r in records)]
-
-
-def metrics_from_counts(counts: Sequence[int]) -> dict[str, float]:
-    """Every ``routing_*`` metric from `take_counts` + `record_counts` (multi-rank engines sum them over their
-    ranks first): ``routing_replayed_tokens``, ``routing_disagreement`` (replayed (token, layer) pairs whose live
-    top-k set differs), ``routing_token_disagreement`` (replayed tokens where any layer's differs) when anything
-    was replayed, and ``routing_replayed_fraction`` when any record carried routes."""
-    pairs, differing, tokens, any_differs, routed, total, with_routes = counts
-    stats = {} if not pairs else {"routing_replayed_tokens": float(tokens), "routing_disagreement": differing / pairs,
-                                  "routing_token_disagreement": any_differs / max(tokens, 1)}
-    if with_routes:
-        stats["routing_replayed_fraction"] = routed / total if total else 0.0
-    return stats
 
 
 @torch.no_grad()
