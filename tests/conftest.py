@@ -32,6 +32,7 @@ INDEPENDENT = frozenset({
     "tests/e2e/test_sdk.py",
     "tests/e2e/test_own_job.py",
     "tests/e2e/test_faults.py",
+    "tests/e2e/test_launcher_exit.py",
     "tests/unit/test_bench_scripts.py",
 })
 #: Servers on fixed loopback ports (README's recipe, the Slurm stand-ins): one worker, one after another.

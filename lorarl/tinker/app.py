@@ -6,6 +6,7 @@ for minutes, so none is sent for a caller's mistake or an unknown route (404).""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -102,7 +103,7 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         body = await body_of(request)
-        if body.get("session_id") not in service.sessions:
+        if not service.heartbeat(str(body.get("session_id", ""))):  # unknown, finished or expired
             return JSONResponse({"detail": "unknown session"}, status_code=410)  # the SDK stops heartbeating
         return {}
 
@@ -192,8 +193,22 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
             return Response(outcome.proto, media_type=PROTOBUF)
         return JSONResponse(outcome.json)
 
+    async def expire_sessions() -> None:
+        """Sessions whose client went silent (crashed, killed, cut off) are finished, freeing what they hold."""
+        while True:
+            await asyncio.sleep(min(30.0, max(0.1, service.session_ttl_s / 4)))
+            try:
+                await service.expire_silent()
+            except Exception:
+                logger.exception("tinker: expiring silent sessions failed")
+
+    @app.on_event("startup")
+    async def startup() -> None:
+        app.state.expiry = asyncio.create_task(expire_sessions(), name="tinker-session-expiry")
+
     @app.on_event("shutdown")
     async def shutdown() -> None:
+        app.state.expiry.cancel()
         await futures.close()
         await service.close()
 

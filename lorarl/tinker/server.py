@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorarl.common.auth import resolve_token
-from lorarl.common.config import ConfigError, existing_file, setting
+from lorarl.common.config import ConfigError, existing_file, in_range, setting
 from lorarl.common.http_keepalive import KEEP_ALIVE_S
 from lorarl.common.ready import remove_ready_file, write_ready_file
 from lorarl.common.server_config import ServerConfig
+from lorarl.tinker.service import SESSION_TTL_S
 
 logger = logging.getLogger(__name__)
 KEY_PREFIX = "tml-"
@@ -46,6 +47,8 @@ class TinkerSettings:
                                   f"{KEY_PREFIX!r}, as the Tinker SDK requires); prefer api_key_file.")
     api_key_file: str | None = setting(None, check=existing_file, doc="File with one key per line.")
     token_file: str | None = setting(None, check=existing_file, doc="The services' token (else $LORARL_AUTH_TOKEN).")
+    session_ttl_s: float = setting(SESSION_TTL_S, check=in_range(1.0), doc="A session silent this long (no heartbeat"
+                                   ", no call: a crashed client) expires: its models leave the trainer and rollout.")
 
     def validate(self) -> None:
         if not self.trainer:
@@ -95,7 +98,8 @@ async def serve_forever(config: TinkerFrontConfig) -> None:
 
     settings, server = config.tinker, config.server
     token = resolve_token(token_file=settings.token_file)
-    service = TinkerService(settings.models, settings.trainer, settings.rollout, token=token)
+    service = TinkerService(settings.models, settings.trainer, settings.rollout, token=token,
+                            session_ttl_s=settings.session_ttl_s)
     app = create_app(service, settings.keys())
     sock = bind(server.host, server.port)
     port = sock.getsockname()[1]

@@ -14,7 +14,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,10 @@ class Saved:
     lora: dict[str, Any]
 
 
+#: How long a session may go without a heartbeat or a call before it expires and frees what it holds. The SDK
+#: heartbeats every 10 s and warns its user after 120 s without one that "the session will be terminated".
+SESSION_TTL_S = 300.0
+
 #: The most top logprobs per token a sample returns (the rollout's bound, OpenAI's too).
 MAX_TOPK = 20
 
@@ -84,8 +90,10 @@ class Sampler:
 class TinkerService:
     """Sessions, models and samplers over a trainer (and a rollout, for sampling)."""
 
-    def __init__(self, models: dict[str, str], trainer: str, rollout: str = "", token: str | None = None) -> None:
-        """``models``: Tinker base-model name -> the model's directory on the trainer and rollout."""
+    def __init__(self, models: dict[str, str], trainer: str, rollout: str = "", token: str | None = None,
+                 session_ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        """``models``: Tinker base-model name -> the model's directory on the trainer and rollout;
+        ``session_ttl_s``: silence after which a session expires (`expire_silent`)."""
         self.base_models = dict(models)
         self._trainer_channel = aio_channel(trainer, token=token)
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
@@ -97,6 +105,8 @@ class TinkerService:
         self.saved: dict[str, Saved] = {}  # tinker://<model_id>/weights/<name> -> the trainer's checkpoint
         self._lora_of: dict[str, dict[str, Any]] = {}  # model_id -> its create_model lora_config
         self._sampler_ids = itertools.count()
+        self.session_ttl_s, self._clock = session_ttl_s, clock
+        self._last_seen: dict[str, float] = {}  # session_id -> when it last heartbeat or called
 
     async def close(self) -> None:
         await self._trainer_channel.close()
@@ -108,12 +118,33 @@ class TinkerService:
     def create_session(self) -> dict[str, Any]:
         session_id = f"s{uuid.uuid4().hex[:12]}"
         self.sessions[session_id] = set()
+        self._last_seen[session_id] = self._clock()
         return {"session_id": session_id}
+
+    def heartbeat(self, session_id: str) -> bool:
+        """A session's heartbeat: False for a session that is not (or no longer) open."""
+        if session_id not in self.sessions:
+            return False
+        self._last_seen[session_id] = self._clock()
+        return True
+
+    async def expire_silent(self) -> list[str]:
+        """Finishes every session silent for longer than ``session_ttl_s`` (a crashed or killed client never
+        sends its finish): its jobs leave the trainer and its adapters the rollout, as on a finish. The ids
+        expired."""
+        now = self._clock()
+        silent = [s for s in list(self.sessions) if now - self._last_seen.get(s, now) > self.session_ttl_s]
+        for session_id in silent:
+            logger.warning("session %s: no heartbeat for %.0f s (limit %.0f s); expired, its models freed",
+                           session_id, now - self._last_seen[session_id], self.session_ttl_s)
+            await self.finish_session(session_id)
+        return silent
 
     async def finish_session(self, session_id: str) -> None:
         """A session's end (the client's close): its models' jobs leave the trainer and their adapters the rollout,
         freeing their slots and memory (on a shared rollout the adapters of finished sessions would otherwise
         fill every slot); what they saved stays loadable (create_training_client_from_state_with_optimizer)."""
+        self._last_seen.pop(session_id, None)
         for model_id in sorted(self.sessions.pop(session_id, set())):
             model = self.models.pop(model_id, None)
             if model is None:
@@ -136,12 +167,17 @@ class TinkerService:
 
     def _session(self, session_id: str) -> set[str]:
         if session_id not in self.sessions:
-            raise UserError(f"unknown session_id {session_id!r}: create_session first")
+            raise UserError(f"unknown session_id {session_id!r}: create_session first (a session silent for "
+                            f"{self.session_ttl_s:.0f} s expires)")
+        self._last_seen[session_id] = self._clock()
         return self.sessions[session_id]
 
     def model(self, model_id: str) -> Model:
         if model_id not in self.models:
             raise UserError(f"unknown model_id {model_id!r}")
+        session_id = model_id.split(":train:", 1)[0]
+        if session_id in self._last_seen:  # a call on a session's model counts as a sign of life
+            self._last_seen[session_id] = self._clock()
         return self.models[model_id]
 
     def capabilities(self) -> dict[str, Any]:

@@ -53,11 +53,17 @@ class LoopThread:
 
 
 @pytest.fixture(scope="module")
-def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny dense model the front serves as BASE."""
+    path = tmp_path_factory.mktemp("tinker-model") / "model"
+    dense_model(seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[str, str]]:
     """(the front's base_url, the trainer's address): a trainer service and the front over it."""
     root = tmp_path_factory.mktemp("tinker")
-    model_dir = root / "model"
-    dense_model(seed=0).save_pretrained(model_dir)
     loop = LoopThread()
     config = ServerConfig(port=0)
     config.auth.token = TOKEN
@@ -340,3 +346,41 @@ def test_lorarl_serve_tinker_runs_the_front_from_a_config(tmp_path: Path, front:
     bad = subprocess.run([*lorarl_command(), "serve", "tinker", "--config", str(config)], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "must start with 'tml-'" in bad.stderr, bad.stderr
+
+
+def test_a_session_whose_client_goes_silent_expires_and_frees_its_jobs(front: tuple[str, str],
+                                                                       model_dir: Path) -> None:
+    """A client killed without closing its session (no finish, no more heartbeats): past the front's session TTL
+    the session expires, its job leaves the trainer, and its heartbeat is answered 410 (the SDK then stops);
+    a session that heartbeats stays."""
+    import httpx
+
+    from lorarl.client.launch.tinker import serve_front
+    from lorarl.common.channel import sync_channel
+
+    _, trainer = front
+    with serve_front({BASE: str(model_dir)}, trainer, "", TOKEN, KEY, session_ttl_s=2.0) as url, \
+            httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": KEY}, timeout=30) as http:
+        silent = http.post("/create_session", json={}).json()["session_id"]
+        alive = http.post("/create_session", json={}).json()["session_id"]
+        created = http.post("/create_model", json={"session_id": silent, "model_seq_id": 0, "base_model": BASE,
+                                                   "lora_config": {"rank": 4}}).json()
+        while (outcome := http.post("/retrieve_future", json={"request_id": created["request_id"]}).json()).get(
+                "type") == "try_again":
+            time.sleep(0.1)
+        assert outcome.get("model_id") == created["model_id"], outcome
+        job_id = f"tinker-{silent}-0"
+        with sync_channel(trainer, token=TOKEN) as channel:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+
+            def jobs() -> set[str]:
+                return {j.job_id for j in stub.ListJobs(trainer_pb2.ListJobsRequest()).jobs}
+
+            assert job_id in jobs()
+            deadline = time.monotonic() + 20
+            while job_id in jobs() and time.monotonic() < deadline:
+                assert http.post("/session_heartbeat", json={"session_id": alive}).status_code == 200
+                time.sleep(0.5)
+            assert job_id not in jobs(), "the silent session's job outlived the session TTL"
+        assert http.post("/session_heartbeat", json={"session_id": silent}).status_code == 410
+        assert http.post("/session_heartbeat", json={"session_id": alive}).status_code == 200

@@ -41,8 +41,9 @@ def model_names(model_path: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str | None, api_key: str,
-                host: str = "127.0.0.1") -> Iterator[str]:
-    """The front on a thread of its own (its own event loop), until the block ends; yields its base URL."""
+                host: str = "127.0.0.1", session_ttl_s: float | None = None) -> Iterator[str]:
+    """The front on a thread of its own (its own event loop), until the block ends; yields its base URL.
+    ``session_ttl_s``: silence after which a session expires (None: the service's default)."""
     import uvicorn
 
     from lorarl.common.http_keepalive import KEEP_ALIVE_S
@@ -56,7 +57,8 @@ def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str |
 
     def run() -> None:
         async def main() -> None:
-            app = create_app(TinkerService(models, trainer, rollout, token=token), [api_key])
+            ttl = {} if session_ttl_s is None else {"session_ttl_s": session_ttl_s}
+            app = create_app(TinkerService(models, trainer, rollout, token=token, **ttl), [api_key])
             web = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                                 timeout_keep_alive=KEEP_ALIVE_S))
             started.set_result(web)

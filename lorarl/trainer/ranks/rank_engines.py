@@ -33,7 +33,7 @@ def parallel_engine(world_size: int) -> EngineFactory:
 
     def create(spec: TrainingSpec) -> TrainEngine:
         if spec.engine == "torch" and world_size > 1:
-            from lorarl.trainer.engines.distributed import DataParallelEngine
+            from lorarl.trainer.engines.torch.data_parallel import DataParallelEngine
 
             return DataParallelEngine(spec, full_batch=True)
         return create_engine(spec)

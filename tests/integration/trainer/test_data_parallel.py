@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from lorarl.trainer.engines.distributed import DataParallelEngine, init_distributed, shard_by_group
+from lorarl.trainer.engines.distributed import init_distributed, shard_by_group
+from lorarl.trainer.engines.torch.data_parallel import DataParallelEngine
 from lorarl.trainer.engines.torch.engine import TorchEngine
 from lorarl.trainer.rl.losses import LossSpec
 from tests.support.workers import run_workers
