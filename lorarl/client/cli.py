@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lorarl", description="LoRA reinforcement learning for Qwen3 models, as gRPC services."
     )
+    parser.add_argument("--version", action="version", version=f"lorarl {installed_version()}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve.add_parser(subcommands)
     run.add_parsers(subcommands)
@@ -23,6 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_parser(subcommands)
     tinker.add_parser(subcommands)
     return parser
+
+
+def installed_version() -> str:
+    """The installed distribution's version (pyproject.toml's, as pip recorded it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lorarl")
+    except PackageNotFoundError:
+        return "unknown (not installed: run `make setup`)"
 
 
 #: A dotted ``KEY=VALUE`` override, as the subcommands' positional ``overrides`` take them.

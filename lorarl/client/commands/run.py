@@ -111,6 +111,10 @@ def job_files(args: argparse.Namespace) -> list[str]:
         files.append(args.overrides.pop(0))
     if any("=" not in item for item in args.overrides):
         raise ConfigError("arguments", "name every job file before the key=value overrides")
+    for path in files[1:]:  # checked before anything runs: `loop.steps 8` is a missing '=', not a second job
+        if not Path(path).exists() and not path.endswith((".yaml", ".yml", ".json")):
+            raise ConfigError("arguments", f"{path!r} is neither a job file nor a key=value override (an override "
+                                           f"is written {path}=VALUE)")
     return files
 
 

@@ -123,6 +123,12 @@ class LoraSection:
     expert_mode: ExpertMode = setting("per_expert")
     use_rslora: bool = setting(False)
 
+    def validate(self) -> None:
+        try:
+            self.spec().check_trainable()  # known projection names, vLLM-servable combinations
+        except SpecError as e:
+            raise ConfigError(e.field, e.problem) from None
+
     def spec(self) -> LoraSpec:
         return LoraSpec(rank=self.rank, alpha=self.alpha or default_alpha(self.rank),
                         target_modules=tuple(self.target_modules), dropout=self.dropout,

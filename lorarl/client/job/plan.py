@@ -81,19 +81,25 @@ def _vision_params(vision: dict[str, Any] | None) -> int:
     return vision["depth"] * (4 * w * w + 2 * w * inter) + 4 * w * (4 * w) + 4 * w * vision.get("out_hidden_size", w)
 
 
-def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> dict[str, int]:
-    """Base parameters, the expert share of them, and all-linear LoRA parameters at ``rank``.
+def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert",
+          targets: frozenset[str] | None = None) -> dict[str, int]:
+    """Base parameters, the expert share of them, and the LoRA parameters at ``rank`` of ``targets`` (None:
+    all-linear; lorarl.contract.lora.LoraSpec.targets resolves a job's).
 
-    LoRA counts what the trainer adapts with ``all-linear``: every attention projection (full and
-    Gated DeltaNet linear attention) and every MLP projection (experts: one adapter each with
-    ``per_expert``, one for all with ``shared``, none with ``none``); vision towers stay frozen.
+    LoRA counts what the trainer adapts: of every attention projection (full and Gated DeltaNet linear
+    attention) and every MLP projection (experts: one adapter each with ``per_expert``, one for all with
+    ``shared``, none with ``none``) those named in ``targets``; a name the model has no module of adds nothing.
+    Vision towers stay frozen.
     """
+    def lora(sizes: dict[str, int]) -> int:  # projection name -> in + out features
+        return rank * sum(n for name, n in sizes.items() if targets is None or name in targets)
+
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     hd = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
     q_out = 2 * q if shape.get("attn_output_gate") else q
     attn = h * q_out + 2 * h * kv + q * h
-    attn_lora = rank * ((h + q_out) + 2 * (h + kv) + (q + h))
+    attn_lora = lora({"q_proj": h + q_out, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h})
     if shape.get("linear_num_value_heads"):
         keys = shape["linear_num_key_heads"] * shape["linear_key_head_dim"]
         values = shape["linear_num_value_heads"] * shape["linear_value_head_dim"]
@@ -101,19 +107,20 @@ def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> 
         heads = shape["linear_num_value_heads"]
         linear_attn = h * conv + h * values + 2 * h * heads + conv * shape.get("linear_conv_kernel_dim", 4) + values * h
         # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj (conv1d and the gates' scalars stay frozen)
-        linear_lora = rank * ((h + conv) + (h + values) + 2 * (h + heads) + (values + h))
+        linear_lora = lora({"in_proj_qkv": h + conv, "in_proj_z": h + values, "in_proj_b": h + heads,
+                            "in_proj_a": h + heads, "out_proj": values + h})
     else:
         linear_attn, linear_lora = attn, attn_lora
     experts = shape.get("num_experts") or shape.get("num_local_experts") or 0
+    inter = shape["moe_intermediate_size"] if experts else shape["intermediate_size"]
+    one_mlp_lora = lora({"gate_proj": h + inter, "up_proj": h + inter, "down_proj": inter + h})
     if experts:
-        inter = shape["moe_intermediate_size"]
         expert_params = experts * 3 * h * inter
         mlp = expert_params + experts * h
         adapted = {"per_expert": experts, "shared": 1, "none": 0}[expert_mode]
-        mlp_lora = adapted * rank * 3 * (h + inter)
+        mlp_lora = adapted * one_mlp_lora
     else:
-        inter = shape["intermediate_size"]
-        expert_params, mlp, mlp_lora = 0, 3 * h * inter, rank * 3 * (h + inter)
+        expert_params, mlp, mlp_lora = 0, 3 * h * inter, one_mlp_lora
     full = sum(_is_full_attention(shape, i) for i in range(layers))
     mtp = shape.get("mtp_num_hidden_layers", 0) * (attn + mlp + 2 * h * h)
     embed = shape["vocab_size"] * h * (1 if shape.get("tie_word_embeddings") else 2)
@@ -123,6 +130,19 @@ def count(shape: dict[str, Any], rank: int, expert_mode: str = "per_expert") -> 
             "outside_layers": embed + mtp + vision,  # what a torch layer split keeps on its first device
             "lora": full * attn_lora + (layers - full) * linear_lora + layers * mlp_lora,
             "lora_experts": layers * mlp_lora if experts else 0, "experts": experts}
+
+
+def job_count(cfg, shape: dict[str, Any], rank: int | None = None) -> dict[str, int]:
+    """`count` for a job: its LoRA section's rank (or ``rank``: a rollout's serving rank), experts and targets."""
+    lora = cfg.trainer.lora
+    return count(shape, rank or lora.rank, lora.expert_mode, lora.spec().targets())
+
+
+def adaptable(shape: dict[str, Any]) -> list[str]:
+    """The projection names this model shape has LoRA can adapt (what a job's target_modules may name)."""
+    from lorarl.contract.lora import DENSE_TARGETS, LINEAR_ATTENTION_TARGETS
+
+    return [*DENSE_TARGETS, *(LINEAR_ATTENTION_TARGETS if shape.get("linear_num_value_heads") else ())]
 
 
 def human_count(n: float) -> str:
@@ -289,7 +309,7 @@ def rollout_lora_blocker(cfg, shape: dict[str, Any] | None = None, is_moe: bool 
 
     if shape is None:
         shape = model_shape(cfg)
-        is_moe = bool(count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)["experts"])
+        is_moe = bool(job_count(cfg, shape)["experts"])
     environ = os.environ if environ is None else environ
     device_type = cfg.trainer.device.split(":", 1)[0]
     blocker = lora_blocker(bool(is_moe), device_type, shape, environ) if cfg.rollout.engine == "vllm" else ""
@@ -334,7 +354,12 @@ def print_plan(cfg) -> int:
     except ValueError as e:
         print(f"lorarl: bad config: model.path: {e}")
         return 2
-    n = count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)
+    n = job_count(cfg, shape)
+    if n["lora"] == 0:
+        print(f"lorarl: bad config: trainer.lora.target_modules: {list(cfg.trainer.lora.target_modules)} match no "
+              f"module of {cfg.model.path} (its adaptable projections: {', '.join(adaptable(shape))}): nothing would "
+              "train")
+        return 2
     width = dtype_bytes(cfg.model.dtype)
     par = cfg.trainer.parallel
     base_bytes = n["base"] * width
@@ -418,14 +443,14 @@ def service_plans(cfg) -> list[ProcessPlan] | None:
     if not plans_processes(cfg):
         return None
     shape = model_shape(cfg)
-    n = count(shape, cfg.trainer.lora.rank, cfg.trainer.lora.expert_mode)
+    n = job_count(cfg, shape)
     mode, rollout_lora = sync_choice(cfg, shape, is_moe=bool(n["experts"]))
     return _service_plans(cfg, shape, n, trainer_memory(cfg, shape, n, None), mode, rollout_lora)
 
 
 def _service_plans(cfg, shape: dict[str, Any], n: dict[str, int], trainer: TrainerMemory, mode: str,
                    rollout_lora: str) -> list[ProcessPlan]:
-    serving = count(shape, cfg.serving_lora_rank, cfg.trainer.lora.expert_mode)["lora"]
+    serving = job_count(cfg, shape, cfg.serving_lora_rank)["lora"]
     return process_plans(cfg, shape, n, serving, trainer.total, n["base"] * dtype_bytes(cfg.model.dtype),
                          cfg.rollout.kv_cache_gib * GIB, lora_on=rollout_lora.startswith("on"),
                          merged=mode.startswith("merged"))
@@ -450,7 +475,7 @@ def shared_service_plans(cfgs: list, rollout: dict[str, Any]) -> list[ProcessPla
         sized.rollout.max_loras = rollout["max_loras"]
         sized.rollout.kv_cache_gib = rollout["kv_cache_gib"]
         shape = model_shape(sized)
-        n = count(shape, sized.trainer.lora.rank, sized.trainer.lora.expert_mode)
+        n = job_count(sized, shape)
         memory = trainer_memory(sized, shape, n, None)
         rollout_lora = sync_choice(sized, shape, bool(n["experts"]))[1]
         each.append(_service_plans(sized, shape, n, memory, "adapter", rollout_lora))

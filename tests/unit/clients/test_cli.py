@@ -33,3 +33,12 @@ def test_what_is_neither_a_flag_nor_an_override_is_refused(argv: list[str], caps
         parse(argv)
     assert exit_info.value.code == 2
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_version_names_the_installed_release(capsys) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lorarl {version('lorarl')}"

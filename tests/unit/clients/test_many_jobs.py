@@ -89,6 +89,9 @@ def test_run_reads_its_job_files_before_the_overrides() -> None:
     assert job_files(args) == ["a.yaml", "b.yaml", "c.yaml"] and args.overrides == ["loop.steps=2", "x.y=1"]
     with pytest.raises(ConfigError, match="before the key=value overrides"):
         job_files(argparse.Namespace(config="a.yaml", overrides=["loop.steps=2", "b.yaml"]))
+    with pytest.raises(ConfigError, match=r"'loop.steps' is neither a job file nor a key=value override \(an "
+                                          r"override is written loop.steps=VALUE\)"):
+        job_files(argparse.Namespace(config="a.yaml", overrides=["loop.steps", "8"]))
 
 
 def test_dry_run_checks_each_job_and_that_they_can_share(capsys: pytest.CaptureFixture[str]) -> None:

@@ -138,6 +138,22 @@ def test_expert_mode_changes_the_adapter_size() -> None:
     assert per_expert > 40 * shared and shared > none > 0
 
 
+def test_the_plan_counts_the_targets_adapted_and_refuses_targets_that_match_nothing(capsys) -> None:
+    """Issue "the first hour": target_modules [q_prj] was "config OK" and counted as all-linear. Unknown names are
+    refused when the job file loads; names this model has no module of (linear attention on a dense Qwen3) are
+    refused by the plan; the adapter size counts what is adapted."""
+    shape = KNOWN_SHAPES["qwen3-8b"]
+    everything, attention = count(shape, 16)["lora"], count(shape, 16, targets=frozenset({"q_proj", "v_proj"}))
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    assert attention["lora"] == layers * 16 * ((h + q) + (h + kv)) < everything
+    assert count(shape, 16, targets=frozenset({"in_proj_qkv"}))["lora"] == 0
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "trainer.lora.target_modules=[in_proj_qkv]")
+    assert code == 2 and "match no module of" in out and "q_proj, k_proj, v_proj" in out
+    with pytest.raises(ConfigError, match=r"trainer.lora.target_modules: has unknown names \['q_prj'\]"):
+        load_job_config(str(ROOT / "examples/demo.yaml"), ["trainer.lora.target_modules=[q_prj]"])
+
+
 def test_units_follow_the_size() -> None:
     assert human_count(1_016_832) == "1.02 M" and human_count(8.19e9) == "8.19 B" and human_count(900) == "900"
     assert human_bytes(3 << 20) == "3.0 MiB" and human_bytes(5 << 30) == "5.0 GiB"
