@@ -69,7 +69,20 @@ def check_inputs(cfg: JobFileConfig) -> list[str]:
 
 
 def inputs_ok(cfg) -> bool:
-    """The job's data, reward, workflow and warm-start adapter, checked before any service starts."""
+    """The job's plan (the model's shape, targets that adapt something, memory that fits: what `--dry-run`
+    checks) and its data, reward, workflow and warm-start adapter, checked before any service starts; what is
+    wrong goes to stderr."""
+    import contextlib
+    import io
+
+    from lorarl.client.job.plan import print_plan
+
+    plan = io.StringIO()
+    with contextlib.redirect_stdout(plan):
+        code = print_plan(cfg)
+    if code:
+        print(plan.getvalue(), end="", file=sys.stderr)
+        return False
     try:
         check_inputs(cfg)
     except ConfigError as e:

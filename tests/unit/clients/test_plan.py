@@ -154,6 +154,19 @@ def test_the_plan_counts_the_targets_adapted_and_refuses_targets_that_match_noth
         load_job_config(str(ROOT / "examples/demo.yaml"), ["trainer.lora.target_modules=[q_prj]"])
 
 
+def test_run_checks_the_plan_before_it_starts_anything(tmp_path: Path, capsys) -> None:
+    """`lorarl run` without --dry-run refuses what the plan refuses before a service starts (it used to start the
+    services first), and a GRPO-family job with one sample per prompt is refused when its file loads."""
+    out = tmp_path / "run"
+    assert main(["run", str(ROOT / "examples/demo.yaml"), "trainer.lora.target_modules=[in_proj_qkv]",
+                 f"output.dir={out}"]) == 2
+    assert "match no module of" in capsys.readouterr().err and not (out / "services").exists()
+    with pytest.raises(ConfigError, match=r"rollout.group_size: is 1 with trainer.loss.type 'grpo'.*every advantage "
+                                          r"would be 0"):
+        load_job_config(str(ROOT / "examples/demo.yaml"), ["rollout.group_size=1"])
+    load_job_config(str(ROOT / "examples/demo.yaml"), ["rollout.group_size=1", "trainer.loss.type=cross_entropy"])
+
+
 def test_units_follow_the_size() -> None:
     assert human_count(1_016_832) == "1.02 M" and human_count(8.19e9) == "8.19 B" and human_count(900) == "900"
     assert human_bytes(3 << 20) == "3.0 MiB" and human_bytes(5 << 30) == "5.0 GiB"
