@@ -16,6 +16,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from tinker.proto import tinker_public_pb2 as pb
 
+from lorarl.tinker.bodies import checked
 from lorarl.tinker.futures import Futures, Outcome, UserError
 from lorarl.tinker.service import TinkerService
 
@@ -47,13 +48,14 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
     async def body_of(request: Request) -> dict[str, Any]:
+        """The JSON body, validated by the SDK's model of its route (lorarl.tinker.bodies): 400 naming a bad field."""
         try:
             data = await request.json()
         except ValueError:
             raise UserError("the body must be a JSON object") from None
         if not isinstance(data, dict):
             raise UserError("the body must be a JSON object")
-        return data
+        return checked(request.url.path.rsplit("/", 1)[-1], data)
 
     def future(request_id: str, **extra: Any) -> dict[str, Any]:
         return {"request_id": request_id, **extra}
@@ -97,7 +99,8 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
         return service.capabilities()
 
     @app.post("/api/v1/create_session")
-    async def create_session() -> dict[str, Any]:
+    async def create_session(request: Request) -> dict[str, Any]:
+        await body_of(request)
         return service.create_session()
 
     @app.post("/api/v1/session_heartbeat")
