@@ -16,17 +16,14 @@ Clients then use ``tinker.ServiceClient(base_url="http://HOST:PORT", api_key=<th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorarl.common.auth import resolve_token
 from lorarl.common.config import ConfigError, existing_file, in_range, setting
-from lorarl.common.http_keepalive import KEEP_ALIVE_S
 from lorarl.common.ready import remove_ready_file, write_ready_file
 from lorarl.common.server_config import ServerConfig
 from lorarl.tinker.service import SESSION_TTL_S
@@ -80,47 +77,31 @@ class TinkerFrontConfig:
 CONFIG_TYPE = TinkerFrontConfig
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before uvicorn starts: a port of 0 is known (and written) up front."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
 async def serve_forever(config: TinkerFrontConfig) -> None:
-    import uvicorn
-
+    """The front until SIGTERM/SIGINT (exit code 0, as the gRPC services): HTTPS with ``server.tls`` when set, and
+    its calls to the trainer and rollout secured by ``server.peer_tls`` as the services' own calls are."""
+    from lorarl.common.channel import peer_tls
+    from lorarl.common.http_server import start_http_server
     from lorarl.tinker.app import create_app
     from lorarl.tinker.service import TinkerService
 
     settings, server = config.tinker, config.server
     token = resolve_token(token_file=settings.token_file)
     service = TinkerService(settings.models, settings.trainer, settings.rollout, token=token,
-                            session_ttl_s=settings.session_ttl_s)
+                            session_ttl_s=settings.session_ttl_s, tls=peer_tls(server.peer_tls))
     app = create_app(service, settings.keys())
-    sock = bind(server.host, server.port)
-    port = sock.getsockname()[1]
-    web = uvicorn.Server(uvicorn.Config(app, log_level=server.log_level, access_log=False,
-                                        timeout_keep_alive=KEEP_ALIVE_S))
-    # SIGTERM / SIGINT end the front gracefully with exit code 0, as the gRPC services do (uvicorn's own
-    # handlers re-raise the signal after shutting down, so the process would die of it).
-    web.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    web = await start_http_server(app, server.host, server.port, name="Tinker API", tls=server.tls, lifespan="on",
+                                  log_level=server.log_level)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: setattr(web, "should_exit", True))
-    task = asyncio.create_task(web.serve(sockets=[sock]))
-    while not web.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.ready_file and web.started:
-        write_ready_file(server.ready_file, {"service": "tinker", "pid": os.getpid(), "port": port,
-                                             "address": f"http://{server.host}:{port}"})
-    logger.info("serving the Tinker API on http://%s:%d (trainer %s, rollout %s)", server.host, port,
-                settings.trainer, settings.rollout or "none")
+        loop.add_signal_handler(sig, web.request_stop)
+    if server.ready_file:
+        write_ready_file(server.ready_file, {"service": "tinker", "pid": os.getpid(), "port": web.port,
+                                             "address": web.url})
+    logger.info("serving the Tinker API on %s (trainer %s, rollout %s)", web.url, settings.trainer,
+                settings.rollout or "none")
     try:
-        await task
+        await web.wait()
     finally:
         if server.ready_file:
             remove_ready_file(server.ready_file)

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from lorarl.common.channel import aio_channel
+from lorarl.common.channel import ClientTls, aio_channel
 from lorarl.contract.lora import LoraSpec
 from lorarl.contract.training import AdamStep, LossSpec, OptimizerSpec, TrainingSpec
 from lorarl.tinker import wire
@@ -91,13 +91,15 @@ class TinkerService:
     """Sessions, models and samplers over a trainer (and a rollout, for sampling)."""
 
     def __init__(self, models: dict[str, str], trainer: str, rollout: str = "", token: str | None = None,
-                 session_ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 session_ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.monotonic,
+                 tls: ClientTls | None = None) -> None:
         """``models``: Tinker base-model name -> the model's directory on the trainer and rollout;
-        ``session_ttl_s``: silence after which a session expires (`expire_silent`)."""
+        ``session_ttl_s``: silence after which a session expires (`expire_silent`); ``tls``: how the calls to the
+        trainer and rollout are secured (the stack's ``server.peer_tls``; None: plaintext)."""
         self.base_models = dict(models)
-        self._trainer_channel = aio_channel(trainer, token=token)
+        self._trainer_channel = aio_channel(trainer, token=token, tls=tls)
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
-        self._rollout_channel = aio_channel(rollout, token=token) if rollout else None
+        self._rollout_channel = aio_channel(rollout, token=token, tls=tls) if rollout else None
         self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel) if self._rollout_channel else None
         self.sessions: dict[str, set[str]] = {}
         self.models: dict[str, Model] = {}

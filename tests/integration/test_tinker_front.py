@@ -307,26 +307,44 @@ def test_what_the_sdk_must_not_retry_is_a_4xx_with_a_body(front: tuple[str, str]
     service.close("success")
 
 
-def test_lorarl_serve_tinker_runs_the_front_from_a_config(tmp_path: Path, front: tuple[str, str]) -> None:
-    """`lorarl serve tinker`: a config file's trainer, models and key file; the ready file names the port, the
-    key works, SIGTERM stops it with exit code 0; a key without the SDK's prefix is a configuration error."""
+def test_lorarl_serve_tinker_runs_the_front_from_a_config_over_tls(tmp_path: Path, model_dir: Path) -> None:
+    """`lorarl serve tinker` from a config file (a trainer, models, a key file) where the stack runs mutual TLS:
+    the front serves HTTPS with the services' certificate and demands a client certificate (server.tls, as the
+    gRPC services and the OpenAI endpoint do), and reaches a trainer that demands one with its own
+    (server.peer_tls): a model is created through it. The ready file names the https address; plaintext HTTP is
+    not served; SIGTERM stops it with exit code 0; a key without the SDK's prefix is a configuration error."""
     import json
     import signal
+    import ssl
     import subprocess
 
     import httpx
     import yaml
 
     from lorarl.client.launch.local import lorarl_command
+    from tests.integration.tls_certs import make_pki
 
-    _, trainer = front
-    keys = tmp_path / "keys"
+    pki = make_pki(tmp_path / "pki")
+    loop = LoopThread()
+    config = ServerConfig(port=0)
+    config.auth.token = TOKEN
+    config.tls.cert_file, config.tls.key_file = str(pki.server_cert), str(pki.server_key)
+    config.tls.client_ca_file = str(pki.ca)
+    settings = TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), export_dir=str(tmp_path / "export"))
+    server = loop.run(start_server(NAME, config, registration(TrainerServicer(settings))))
+    keys, token = tmp_path / "keys", tmp_path / "token"
     keys.write_text("tml-from-a-file\n")
-    config = tmp_path / "tinker.yaml"
-    config.write_text(yaml.safe_dump({"tinker": {"trainer": trainer, "models": {BASE: str(tmp_path)},
-                                                 "api_key_file": str(keys)}}))
+    token.write_text(TOKEN)
+    front = tmp_path / "tinker.yaml"
+    front.write_text(yaml.safe_dump({
+        "server": {"tls": {"cert_file": str(pki.server_cert), "key_file": str(pki.server_key),
+                           "client_ca_file": str(pki.ca)},
+                   "peer_tls": {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert),
+                                "key_file": str(pki.client_key)}},
+        "tinker": {"trainer": f"127.0.0.1:{server.port}", "models": {BASE: str(model_dir)},
+                   "api_key_file": str(keys), "token_file": str(token)}}))
     ready = tmp_path / "ready.json"
-    process = subprocess.Popen([*lorarl_command(), "serve", "tinker", "--config", str(config), "--port", "0",
+    process = subprocess.Popen([*lorarl_command(), "serve", "tinker", "--config", str(front), "--port", "0",
                                 "--ready-file", str(ready)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     try:
@@ -335,15 +353,34 @@ def test_lorarl_serve_tinker_runs_the_front_from_a_config(tmp_path: Path, front:
             time.sleep(0.1)
         assert ready.exists(), process.communicate(timeout=10)[0]
         url = json.loads(ready.read_text())["address"]
-        answer = httpx.get(f"{url}/api/v1/get_server_capabilities", headers={"X-API-Key": "tml-from-a-file"})
-        assert answer.status_code == 200 and answer.json()["supported_models"][0]["model_name"] == BASE
+        assert url.startswith("https://127.0.0.1:"), url
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        trusted.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        with httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-from-a-file"}, timeout=30,
+                          verify=trusted) as http:
+            answer = http.get("/get_server_capabilities")
+            assert answer.status_code == 200 and answer.json()["supported_models"][0]["model_name"] == BASE
+            session = http.post("/create_session", json={"tags": [], "user_metadata": None,
+                                                         "sdk_version": "test"}).json()["session_id"]
+            created = http.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": BASE,
+                                                       "lora_config": {"rank": 4}}).json()
+            while (outcome := http.post("/retrieve_future", json={"request_id": created["request_id"]}).json()
+                   ).get("type") == "try_again":
+                time.sleep(0.1)
+            assert outcome.get("model_id") == created["model_id"], outcome  # over mutual TLS to the trainer
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url.replace("https://", "http://") + "/api/v1/healthz", timeout=5)
+        with pytest.raises(httpx.HTTPError):  # no client certificate
+            httpx.get(f"{url}/api/v1/healthz", verify=ssl.create_default_context(cafile=str(pki.ca)), timeout=5)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
         if process.poll() is None:
             process.kill()
+        loop.run(server.stop(0))
+        loop.stop()
     keys.write_text("no-prefix\n")
-    bad = subprocess.run([*lorarl_command(), "serve", "tinker", "--config", str(config)], capture_output=True,
+    bad = subprocess.run([*lorarl_command(), "serve", "tinker", "--config", str(front)], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "must start with 'tml-'" in bad.stderr, bad.stderr
 

@@ -216,6 +216,8 @@ SINGLE_DEFINITIONS = {
     # platform facts: the one import of torch_npu, the one device -> collective backend map
     "torch_npu import": (re.compile(r"^\s*(import torch_npu|from torch_npu)"), "lorarl.platform.devices"),
     "device backend map": (re.compile(r"[\"']cuda[\"']\s*:\s*[\"']nccl[\"']"), "lorarl.platform.devices"),
+    # the project's HTTP servers (the OpenAI endpoint, the Tinker front) start one way, with TLS and keep-alive
+    "HTTP server start": (re.compile(r"uvicorn\.(Config|Server)\b"), "lorarl.common.http_server"),
     # a child that leaves with its starter: the mark is set and read in one place
     "parent-watch mark": (re.compile(r"LORARL_WATCH_PARENT"), "lorarl.common.parent_watch"),
 }

@@ -253,6 +253,7 @@ class LocalStack(Stack):
             raise RuntimeError(f"{started.name} service did not start: {e}\n--- {started.log_path} ---\n{tail}") \
                 from None
         started.address, started.info = info["address"], info
+        started.started_at = time.monotonic()  # uptime counts from serving (a slow start is not time up)
         return started
 
     # ------------------------------------------------------------------ supervision

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import secrets
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,40 +43,33 @@ def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str |
                 host: str = "127.0.0.1", session_ttl_s: float | None = None) -> Iterator[str]:
     """The front on a thread of its own (its own event loop), until the block ends; yields its base URL.
     ``session_ttl_s``: silence after which a session expires (None: the service's default)."""
-    import uvicorn
-
-    from lorarl.common.http_keepalive import KEEP_ALIVE_S
+    from lorarl.common.http_server import start_http_server
     from lorarl.tinker.app import create_app
-    from lorarl.tinker.server import bind
     from lorarl.tinker.service import TinkerService
 
-    sock = bind(host, 0)
-    port = sock.getsockname()[1]
     started: Future = Future()
 
     def run() -> None:
         async def main() -> None:
             ttl = {} if session_ttl_s is None else {"session_ttl_s": session_ttl_s}
             app = create_app(TinkerService(models, trainer, rollout, token=token, **ttl), [api_key])
-            web = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                timeout_keep_alive=KEEP_ALIVE_S))
+            try:
+                web = await start_http_server(app, host, 0, name="Tinker API", lifespan="on")
+            except BaseException as e:
+                started.set_exception(e)
+                return
             started.set_result(web)
-            await web.serve(sockets=[sock])
+            await web.wait()
 
         asyncio.run(main())
 
     thread = threading.Thread(target=run, name="tinker-front", daemon=True)
     thread.start()
     web: Any = started.result(60)
-    deadline = time.monotonic() + 60
-    while not web.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not web.started:
-        raise RuntimeError("the Tinker front did not start (its log is above)")
     try:
-        yield f"http://{host}:{port}"
+        yield web.url
     finally:
-        web.should_exit = True
+        web.request_stop()
         thread.join(30)
 
 
