@@ -1,6 +1,7 @@
 """A job's own inputs — its data, reward and workflow — found from the job file (its folder first) and
-checked before any service starts (`lorarl run --dry-run` reads a few rows of each split, imports the
-reward and builds the workflow: a missing file or a bad reward fails there, not a minute into the run)."""
+checked before any service starts (`lorarl run --dry-run` reads every row of each split and measures its
+prompt against data.max_prompt_tokens, imports the reward and builds the workflow: a missing file, a bad row or
+a bad reward fails there, not a minute into the run)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ from lorarl.client.job.datasets import Example, load_examples
 from lorarl.client.job.rewards import RewardFn, load_reward
 from lorarl.client.workflow import Workflow, load_workflow
 from lorarl.common.config import ConfigError
+from lorarl.contract.chat import ChatRenderer
 from lorarl.contract.peft_files import read_peft_config
-
-#: Rows of each split --dry-run reads.
-PEEK_ROWS = 3
 
 
 def job_examples(cfg: JobFileConfig, split: str, limit: int | None = None) -> list[Example]:
@@ -49,16 +48,34 @@ def check_warm_start(cfg: JobFileConfig) -> str:
     return path
 
 
+def prompt_renderer(cfg: JobFileConfig) -> ChatRenderer | None:
+    """The loop's renderer for this job's prompts, or None where model.path holds no tokenizer (a plan-only
+    model: its prompts cannot be measured here)."""
+    from pathlib import Path
+
+    root = Path(cfg.model.path)
+    if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    d = cfg.data
+    return ChatRenderer(cfg.model.path, chat_template=d.chat_template, system_prompt=d.system_prompt,
+                        enable_thinking=d.enable_thinking)
+
+
 def check_inputs(cfg: JobFileConfig) -> list[str]:
-    """Reads the first rows of both splits, imports the reward, builds the workflow; raises ConfigError
-    naming the key at the first problem, else returns one line per input for the plan."""
+    """Reads every row of both splits (their count said), measures each prompt as the loop renders it against
+    data.max_prompt_tokens, imports the reward, builds the workflow; raises ConfigError naming the key at the
+    first problem, else returns one line per input for the plan."""
     lines = []
+    renderer = prompt_renderer(cfg)
     for split in ("train", "test"):
-        rows = job_examples(cfg, split, limit=PEEK_ROWS)
+        rows = job_examples(cfg, split)
+        if not rows:
+            raise ConfigError(f"data.{split}_path", f"the {split} split has no rows")
         columns = sorted(rows[0].columns)
         kind = "chat" if isinstance(rows[0].prompt, list) else "text"
         where = job_path(cfg, cfg.data.train_path if split == "train" else cfg.data.test_path) or "(shipped tasks)"
-        lines.append(f"data {split}: {cfg.data.source} {where}, {kind} prompts, columns {columns}")
+        lines.append(f"data {split}: {cfg.data.source} {where}, {len(rows)} rows, {kind} prompts, columns "
+                     f"{columns}{prompt_lengths(cfg, renderer, rows, split)}")
     job_reward(cfg)
     lines.append(f"reward: {cfg.data.reward}")
     if cfg.trainer.init_adapter:
@@ -66,6 +83,22 @@ def check_inputs(cfg: JobFileConfig) -> list[str]:
     workflow = job_workflow(cfg)
     lines.append(f"workflow: {cfg.workflow.name} ({type(workflow).__module__}.{type(workflow).__qualname__})")
     return lines
+
+
+def prompt_lengths(cfg: JobFileConfig, renderer: ChatRenderer | None, rows: list[Example], split: str) -> str:
+    """", prompts N-M tokens (data.max_prompt_tokens K)" for the plan; ConfigError naming the first row longer
+    than data.max_prompt_tokens (the rollout's context is sized from it: such a prompt would fail mid-run)."""
+    limit = cfg.data.max_prompt_tokens
+    if renderer is None:
+        return f", prompt lengths not measured (no tokenizer at {cfg.model.path})"
+    lengths = [len(renderer.prompt_ids(row.prompt)) for row in rows]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] > limit:
+        over = sum(n > limit for n in lengths)
+        raise ConfigError("data.max_prompt_tokens", f"is {limit}, but {over} {split} prompt(s) render longer, the "
+                                                    f"longest {lengths[longest]} tokens (row {longest + 1}): raise it "
+                                                    f"to {lengths[longest]} or drop those rows")
+    return f", prompts {min(lengths)}-{lengths[longest]} tokens (data.max_prompt_tokens {limit})"
 
 
 def inputs_ok(cfg) -> bool:

@@ -250,3 +250,22 @@ def test_same_turn_samples_of_one_prompt_are_not_merged_into_one_seed() -> None:
 
     asyncio.run(scenario())
     assert sorted(map(sorted, sent)) == [[(1, 2)], [(1, 2)], [(1, 2), (3,)]]  # one of each prompt per request
+
+
+def test_the_dry_run_reads_every_row_and_measures_every_prompt(tmp_path: Path, capsys) -> None:
+    """Issue "the first hour": a bad row 7 passed because 3 rows were read, and data.max_prompt_tokens was never
+    measured. Every row is read (the plan counts them), every prompt rendered as the loop renders it: a row
+    without the prompt column, or a prompt longer than data.max_prompt_tokens, fails the dry run naming the key."""
+    job = write_job(tmp_path / "job")
+    assert main(["run", str(job), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "data train: datasets" in out and "3 rows" in out and "data.max_prompt_tokens 256" in out, out
+    rows = [{"question": f"{i}+{i}=", "solution": 2 * i, "level": 1, "source": "x"} for i in range(9)]
+    rows[7] = {"solution": 14, "level": 1, "source": "x"}
+    (tmp_path / "job" / "long.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert main(["run", str(job), "--dry-run", "data.train_path=long.jsonl"]) == 2
+    out = capsys.readouterr().out
+    assert "lorarl: bad config: data.train_path: row 8 of" in out and "config OK" not in out, out
+    assert main(["run", str(job), "--dry-run", "data.max_prompt_tokens=5"]) == 2
+    out = capsys.readouterr().out
+    assert "lorarl: bad config: data.max_prompt_tokens: is 5, but 3 train prompt(s) render longer" in out, out
