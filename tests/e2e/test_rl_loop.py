@@ -93,6 +93,15 @@ def test_dense_adapter_run_learns(tmp_path: Path, mode: str) -> None:
     assert_monitored(out, result.stdout, on_policy=mode == "sync")
     rewards = [r["rollout/reward_mean"] for r in history]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
+    # what RL users read: response lengths (the demo's max_tokens is 8), truncation, the reward's spread, groups
+    # that teach nothing, the entropy; and a few samples of each step to read
+    for r in history:
+        assert 1 <= r["rollout/response_length_mean"] <= r["rollout/response_length_max"] <= 8, r
+        assert 0 <= r["rollout/truncated_fraction"] <= 1 and 0 <= r["rollout/zero_advantage_groups"] <= 1, r
+        assert r["rollout/reward_std"] >= 0 and "train/entropy" in r, r
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {r["step"] for r in history}
+    assert all(s["prompt"] and isinstance(s["completion"], str) and "reward" in s for s in samples), samples[:2]
     assert (out / "learning_curve.png").stat().st_size > 0
     assert "held-out greedy accuracy" in (out / "summary.txt").read_text()
     if mode == "async" and len(available_cpus()) >= 2:  # pin_cpus 'auto': engine core and trainer apart (one replica)

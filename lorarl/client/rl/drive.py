@@ -96,7 +96,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
 
         loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=session.save,
                       weightsync=weightsync, recover=recover, on_rewind=log.rewind, workflow=workflow,
-                      openai_urls=openai_urls, token=token)
+                      openai_urls=openai_urls, token=token, on_samples=log.samples)
         try:
             await run_watched(loop.run(), tracker, cfg.loop.stall)
         finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,31 @@ class Batch:
     reward_errors: int = 0  # samples scored 0 because the reward function failed on them
     context_tokens: int = 0  # tokens tools and environments added to episodes (conditioned on, not trained)
     unpinned: int = 0  # samples served by a later version than their episode's (merged weights moved on)
+    lengths: list[int] = field(default_factory=list)  # each sample's policy tokens (its response length)
+    truncated: int = 0  # samples that ended at max_tokens rather than on a stop
+    groups: list[list[float]] = field(default_factory=list)  # each prompt's samples' rewards
+    samples: list[dict[str, Any]] = field(default_factory=list)  # a few (prompt, completion, reward) to read
+
+
+#: Samples of each step written out to read (samples.jsonl, TensorBoard text): the first of this many prompts.
+SAMPLES_PER_STEP = 2
+
+
+def rollout_stats(batch: Batch) -> dict[str, float]:
+    """What RL users read of a step's samples: response lengths, the share cut at max_tokens, the reward's spread,
+    and the share of groups whose samples all scored the same (their group-relative advantages are all 0: they
+    teach nothing)."""
+    rewards = batch.rewards
+    mean = sum(rewards) / max(len(rewards), 1)
+    spread = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1))
+    groups = [g for g in batch.groups if len(g) > 1]
+    stats = {"rollout/reward_std": spread,
+             "rollout/truncated_fraction": batch.truncated / max(len(batch.lengths), 1),
+             "rollout/zero_advantage_groups": sum(max(g) == min(g) for g in groups) / max(len(groups), 1)}
+    if batch.lengths:
+        stats.update({"rollout/response_length_mean": sum(batch.lengths) / len(batch.lengths),
+                      "rollout/response_length_max": float(max(batch.lengths))})
+    return stats
 
 
 @dataclass
@@ -115,8 +141,11 @@ class RLLoop:
                  test: list[Example], on_metrics: MetricSink, state: LoopState | None = None,
                  on_checkpoint: Checkpoint | None = None, weightsync=None, recover: Recover | None = None,
                  on_rewind: Callable[[int], None] | None = None, workflow: Workflow | None = None,
-                 openai_urls: Callable[[], list[str]] | None = None, token: str | None = None) -> None:
+                 openai_urls: Callable[[], list[str]] | None = None, token: str | None = None,
+                 on_samples: Callable[[int, list[dict[str, Any]]], None] | None = None) -> None:
+        """``on_samples``: gets a few of each step's samples to read (the run log's samples.jsonl)."""
         self.cfg, self.trainer, self.rollout = cfg, trainer, rollout
+        self.on_samples = on_samples
         self.sampler = CoalescingRollout(rollout)  # what episodes sample through
         self.openai_urls, self.token = openai_urls or (lambda: []), token
         self.http = AgentHttp()  # every episode's agent calls share one connection pool
@@ -189,14 +218,19 @@ class RLLoop:
         results: list[list[Episode]] = await asyncio.gather(
             *(self.workflow.run(ctx, example) for ctx, example in zip(contexts, examples, strict=True)))
         elapsed = time.perf_counter() - started
-        trajectories, rewards = [], []
-        tokens = context_tokens = 0
+        trajectories, rewards, lengths, groups, samples = [], [], [], [], []
+        tokens = context_tokens = truncated = 0
         min_version = 1 << 62
         for p, episodes in enumerate(results):
+            groups.append([float(e.reward) for e in episodes])
             for c, episode in enumerate(episodes):
                 rewards.append(float(episode.reward))
                 tokens += episode.policy_tokens
+                lengths.append(episode.policy_tokens)
+                truncated += episode.finish_reason == common_pb2.FINISH_REASON_LENGTH
                 context_tokens += len(episode.completion_ids) - episode.policy_tokens
+                if c == 0 and p < SAMPLES_PER_STEP:
+                    samples.append(self._sample(examples[p], episode))
                 trained = [v for v, m in zip(episode.versions, episode.loss_mask, strict=True) if m]
                 if trained:
                     min_version = min(min_version, min(trained))
@@ -206,7 +240,13 @@ class RLLoop:
         accuracy = sum(1.0 for x in rewards if x >= 1.0) / max(len(rewards), 1)
         return Batch(index, trajectories, rewards, accuracy, elapsed, tokens,
                      min_version if min_version < 1 << 62 else 0, sum(c.reward_errors for c in contexts),
-                     context_tokens, sum(c.unpinned for c in contexts))
+                     context_tokens, sum(c.unpinned for c in contexts), lengths, truncated, groups, samples)
+
+    def _sample(self, example: Example, episode: Episode) -> dict[str, Any]:
+        """One sample to read: its prompt as written, its completion as decoded, its reward and answer."""
+        return {"prompt": example.prompt, "completion": self.renderer.decode(episode.completion_ids),
+                "reward": float(episode.reward), "answer": example.answer_text(),
+                "truncated": episode.finish_reason == common_pb2.FINISH_REASON_LENGTH}
 
     async def evaluate(self) -> dict[str, float]:
         """Greedy accuracy and mean reward of the held-out episodes, with the current policy."""
@@ -307,8 +347,8 @@ class RLLoop:
                    "rollout/reward_errors": float(batch.reward_errors),
                    "rollout/context_tokens": float(batch.context_tokens),
                    "rollout/unpinned_samples": float(batch.unpinned),
-                   "policy/version_lag": float(version_before - batch.min_version), **train, **sync,
-                   **self.guard.metrics()}
+                   "policy/version_lag": float(version_before - batch.min_version), **rollout_stats(batch),
+                   **train, **sync, **self.guard.metrics()}
         if hasattr(self.rollout, "take_usage"):  # a pool: which replicas served the latest generation
             usage, redone = self.rollout.take_usage()
             if usage and sorted(usage) != self._served_by:  # none since the last step (async): as before
@@ -324,6 +364,8 @@ class RLLoop:
             self.mismatch.observe(metrics)
         finally:  # a step that ends the run is still written down
             self.on_metrics(metrics)
+            if self.on_samples is not None and batch.samples:
+                self.on_samples(step, batch.samples)
 
     async def _maybe_eval_and_checkpoint(self) -> None:
         """Evaluation and checkpoint, when due, see the step's version serving (it may be activating)."""

@@ -1,5 +1,7 @@
-"""The progress bar of a run: step, reward, accuracy, policy version lag, the rollout-vs-trainer KL,
-throughput and ETA.
+"""The progress bar of a run: step, reward, accuracy (the share of samples whose reward is >= 1), mean response
+length, policy version lag, the KL to the reference (``kl_ref``, when the loss has a KL term), the rollout-vs-
+trainer mismatch (``mismatch``: k3 KL between the logprobs the rollout sampled with and the trainer's, not the KL
+to the reference), throughput and ETA. Each quantity is named as in metrics.jsonl (README, "Metrics").
 
 On a terminal it is one line redrawn in place (evaluations print above it and stay); when the
 output is a file or a pipe (CI logs, `| tee`), every step prints its own line, since carriage
@@ -58,8 +60,10 @@ class ProgressBar:
             f"{bar(step, self.total)} {step}/{self.total}",
             f"reward {m.get('rollout/reward_mean', 0):.3f}",
             f"acc {m.get('rollout/accuracy', 0):.3f}",
+            f"len {m['rollout/response_length_mean']:.0f}" if "rollout/response_length_mean" in m else "",
             f"v{int(m.get('train/version', 0))} lag {int(m.get('policy/version_lag', 0))}",
-            f"kl {m['train/rollout_kl_k3']:.1e}{' (!)' if m.get('policy/mismatch_alarm') else ''}"
+            f"kl_ref {m['train/kl']:.1e}" if "train/kl" in m else "",
+            f"mismatch {m['train/rollout_kl_k3']:.1e}{' (!)' if m.get('policy/mismatch_alarm') else ''}"
             if "train/rollout_kl_k3" in m else "",
             f"{m.get('rollout/tokens_per_s', 0):.0f} tok/s",
             f"{rate:.2f} step/s" if rate else "",

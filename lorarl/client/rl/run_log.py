@@ -63,6 +63,17 @@ class RunLog:
         if self.progress is not None:
             self.progress.update(metrics)
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A few of a step's samples to read (prompt, completion, reward): samples.jsonl, and TensorBoard text."""
+        with (self.out_dir / "samples.jsonl").open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}, default=str) + "\n")
+        if self._tb is not None:
+            text = "\n\n".join(f"**reward {row['reward']:.3f}**{' (cut at max_tokens)' if row.get('truncated') else ''}"
+                                f"\n\n    {row['prompt']}\n\n    -> {row['completion']}" for row in rows)
+            self._tb.add_text("rollout/samples", text, step)
+            self._tb.flush()
+
     def rewind(self, step: int) -> None:
         """Forgets every row past ``step`` (a run carrying on from a resume point redoes those steps), in
         metrics.jsonl too, which then holds this run's rows from its first invocation on, each step once."""

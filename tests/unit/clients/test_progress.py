@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from lorarl.client.rl.progress import ProgressBar, bar, format_duration
 from lorarl.client.rl.run_log import RunLog
 
@@ -98,5 +100,42 @@ def test_step_line_shows_the_rollout_vs_trainer_kl_and_its_alarm() -> None:
     progress.update(step_row(1, **{"train/rollout_kl_k3": 0.00123}))
     progress.update(step_row(2, **{"train/rollout_kl_k3": 0.05, "policy/mismatch_alarm": 1.0}))
     first, second = progress.stream.getvalue().splitlines()[-2:]
-    assert "kl 1.2e-03" in first and "(!)" not in first
-    assert "kl 5.0e-02 (!)" in second
+    assert "mismatch 1.2e-03" in first and "(!)" not in first and "kl_ref" not in first
+    assert "mismatch 5.0e-02 (!)" in second
+
+
+def test_step_line_names_the_kl_to_the_reference_apart_from_the_mismatch_and_shows_the_length() -> None:
+    progress = ProgressBar(40, stream=io.StringIO(), clock=FakeClock())
+    progress.update(step_row(1, **{"train/kl": 0.004, "train/rollout_kl_k3": 0.0001,
+                                   "rollout/response_length_mean": 41.6}))
+    line = progress.stream.getvalue().splitlines()[-1]
+    assert "kl_ref 4.0e-03" in line and "mismatch 1.0e-04" in line and "len 42" in line
+
+
+def test_rollout_stats_are_what_rl_users_read() -> None:
+    """Response lengths, the share cut at max_tokens, the reward's spread and the share of groups whose samples
+    all scored the same (zero advantages: nothing to learn), from one step's samples."""
+    from lorarl.client.rl.loop import Batch, rollout_stats
+
+    batch = Batch(0, [], [1.0, 1.0, 0.0, 1.0, 0.5, 0.5], 0.5, 1.0, 12, 0, lengths=[2, 4, 6, 8, 1, 3], truncated=2,
+                  groups=[[1.0, 1.0], [0.0, 1.0], [0.5, 0.5]])
+    stats = rollout_stats(batch)
+    assert stats["rollout/response_length_mean"] == 4.0 and stats["rollout/response_length_max"] == 8.0
+    assert stats["rollout/truncated_fraction"] == 2 / 6
+    assert stats["rollout/zero_advantage_groups"] == 2 / 3
+    mean = 4.0 / 6
+    assert stats["rollout/reward_std"] == pytest.approx((sum((r - mean) ** 2 for r in batch.rewards) / 6) ** 0.5)
+
+
+def test_a_steps_samples_go_to_samples_jsonl(tmp_path) -> None:
+    import json
+
+    from lorarl.client.rl.run_log import RunLog
+
+    log = RunLog(tmp_path, total_steps=2, tensorboard=True, progress=False)
+    log.samples(1, [{"prompt": "sort 3 1", "completion": "1 3", "reward": 1.0, "answer": "1 3", "truncated": False}])
+    log.close()
+    (row,) = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert row == {"step": 1, "prompt": "sort 3 1", "completion": "1 3", "reward": 1.0, "answer": "1 3",
+                   "truncated": False}
+    assert any((tmp_path / "tensorboard").iterdir())
