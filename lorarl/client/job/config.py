@@ -459,7 +459,24 @@ def load_job_config(path: str | None, overrides: list[str]) -> JobFileConfig:
 
     cfg = load_config(JobFileConfig, path, overrides=overrides, env={})
     cfg.job_dir = str(Path(path).resolve().parent) if path else ""
+    cfg.model.path = model_location(cfg.model.path, cfg.job_dir)
     return cfg
+
+
+#: The folder lorarl is installed in: a shipped model's path (lorarl/assets/models/...) is found from any folder.
+INSTALL_ROOT = Path(__file__).resolve().parents[3]
+
+
+def model_location(path: str, job_dir: str) -> str:
+    """model.path as found, made absolute: a relative path in the job file's folder first (as data and rewards
+    are), then the current folder, then lorarl's own folder (the shipped models, so a job file naming one runs
+    from anywhere); as written when none holds it (a hub name, or a model the plan reads from model.shape)."""
+    if not path or Path(path).is_absolute():
+        return path
+    for root in (job_dir, ".", str(INSTALL_ROOT)):
+        if root and (Path(root) / path).exists():
+            return str((Path(root) / path).resolve())
+    return path
 
 
 def job_path(cfg: JobFileConfig, path: str) -> str:

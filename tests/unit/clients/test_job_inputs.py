@@ -269,3 +269,19 @@ def test_the_dry_run_reads_every_row_and_measures_every_prompt(tmp_path: Path, c
     assert main(["run", str(job), "--dry-run", "data.max_prompt_tokens=5"]) == 2
     out = capsys.readouterr().out
     assert "lorarl: bad config: data.max_prompt_tokens: is 5, but 3 train prompt(s) render longer" in out, out
+
+
+def test_a_relative_model_path_is_found_from_the_job_folder_the_current_folder_or_lorarls_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Issue "the first hour": `lorarl run /abs/path/examples/demo.yaml` from another folder failed on model.path.
+    A relative model.path is looked up in the job file's folder first, then the current folder, then where lorarl
+    is installed (the shipped models); it is kept as written where none holds it (a hub name)."""
+    monkeypatch.chdir(tmp_path)
+    demo = load_job_config(str(ROOT / "examples/demo.yaml"), [])
+    assert demo.model.path == str(DENSE_MODEL_DIR.resolve())
+    assert main(["run", str(ROOT / "examples/demo.yaml"), "--dry-run"]) == 0 and "config OK" in capsys.readouterr().out
+    job = write_job(tmp_path / "job")
+    (tmp_path / "job" / "mymodel").mkdir()
+    mine = load_job_config(str(job), ["model.path=mymodel"])
+    assert mine.model.path == str((tmp_path / "job" / "mymodel").resolve())
+    assert load_job_config(str(job), ["model.path=Qwen/Qwen3-8B"]).model.path == "Qwen/Qwen3-8B"
