@@ -150,6 +150,27 @@ def test_marked():
     assert "test_marked:" not in result.stdout.str()
 
 
+def test_the_unmarked_rule_moves_with_the_pace_as_the_file_budgets_do(pytester: Pytester) -> None:
+    """Issue "the first hour": a green suite on a busy machine failed on a 14.7 s test against the 10 s rule. At
+    twice the record's pace (the file took 1.0 s against its 0.5), a 0.5 s unmarked test is within 2 x 0.3 s."""
+    pytester.makepyfile(test_marks="""
+import time
+import pytest
+
+def test_unmarked():
+    time.sleep(0.5)
+
+@pytest.mark.slow
+def test_marked():
+    time.sleep(0.5)
+""")
+    path = pytester.path / "budget.json"
+    path.write_text(json.dumps({"unmarked_s": 0.3, "files": {"test_marks.py": 0.5}}))
+    result = pytester.runpytest_subprocess("--budget", str(path))
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert "NOT MARKED SLOW" not in result.stdout.str()
+
+
 def test_several_runs_make_one_record_each_file_at_its_slowest(tmp_path: Path) -> None:
     runs = [budget_file(tmp_path / "a.json", {"tests/a.py": 45.0, "tests/gone.py": 9.0, "tests/b.py": 30.0}),
             budget_file(tmp_path / "b.json", {"tests/a.py": 93.1, "tests/b.py": 20.0, "tests/new.py": 5.0})]
