@@ -18,6 +18,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from lorarl.tinker.bodies import checked
 from lorarl.tinker.futures import Futures, Outcome, UserError
+from lorarl.tinker.runs import MAX_PAGE, NotFoundError
 from lorarl.tinker.service import TinkerService
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,11 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
             logger.warning("tinker: refused %s %s: bad or missing X-API-Key", request.method, request.url.path)
             return JSONResponse({"detail": "a valid X-API-Key is needed"}, status_code=401)
         return await call_next(request)
+
+    @app.exception_handler(NotFoundError)
+    async def not_found(request: Request, exc: NotFoundError) -> JSONResponse:
+        logger.info("tinker: not found %s: %s", request.url.path, exc)
+        return JSONResponse({"detail": str(exc)}, status_code=404)
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError) -> JSONResponse:
@@ -178,6 +184,38 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
         generate, n, shape = service.sample_request(body)
         request_id = futures.submit(lambda: service.sample(generate, shape))
         return future(request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(n)])
+
+    # ------------------------------------------------------------ REST: training runs and checkpoints
+
+    def page(limit: int, offset: int) -> tuple[int, int]:
+        if not 1 <= limit <= MAX_PAGE or offset < 0:
+            raise UserError(f"limit must be 1..{MAX_PAGE} and offset >= 0, got limit {limit}, offset {offset}")
+        return limit, offset
+
+    @app.get("/api/v1/training_runs")
+    async def training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return service.runs.training_runs(*page(limit, offset))
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    async def training_run(run_id: str) -> dict[str, Any]:
+        return service.runs.training_run(run_id)
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    async def run_checkpoints(run_id: str) -> dict[str, Any]:
+        return service.runs.checkpoints(run_id)
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str) -> dict[str, Any]:
+        service.delete_checkpoint(run_id, checkpoint_id)
+        return {}
+
+    @app.get("/api/v1/checkpoints")
+    async def user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return service.runs.checkpoints(None, *page(limit, offset))
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        return service.runs.weights_info((await body_of(request))["tinker_path"])
 
     # ------------------------------------------------------------ futures
 

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from tinker import types
 
 from lorarl.tinker.futures import UserError
 
 T = TypeVar("T", bound=BaseModel)
+
+
+class WeightsInfoRequest(BaseModel):
+    """POST /weights_info, as tinker.RestClient.get_weights_info_by_tinker_path sends it (the SDK has no model)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tinker_path: str
+
 
 #: Route name (the path after /api/v1/) -> the SDK's model of its body.
 BODIES: dict[str, type[BaseModel]] = {
@@ -27,6 +35,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "create_sampling_session": types.CreateSamplingSessionRequest,
     "asample": types.SampleRequest,
     "retrieve_future": types.FutureRetrieveRequest,
+    "weights_info": WeightsInfoRequest,
 }
 #: The most field problems one refusal lists.
 MAX_PROBLEMS = 3

@@ -28,6 +28,7 @@ from lorarl.contract.lora import LoraSpec
 from lorarl.contract.training import AdamStep, LossSpec, OptimizerSpec, TrainingSpec
 from lorarl.tinker import wire
 from lorarl.tinker.futures import UserError
+from lorarl.tinker.runs import Runs
 from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class TinkerService:
         self._sampler_ids = itertools.count()
         self.session_ttl_s, self._clock = session_ttl_s, clock
         self._last_seen: dict[str, float] = {}  # session_id -> when it last heartbeat or called
+        self.runs = Runs()  # the REST API's training runs and checkpoints (they outlive their sessions)
+        self._deleted: set[str] = set()  # tinker paths deleted through the REST API
 
     async def close(self) -> None:
         await self._trainer_channel.close()
@@ -180,6 +183,7 @@ class TinkerService:
         session_id = model_id.split(":train:", 1)[0]
         if session_id in self._last_seen:  # a call on a session's model counts as a sign of life
             self._last_seen[session_id] = self._clock()
+        self.runs.touch(model_id)
         return self.models[model_id]
 
     def capabilities(self) -> dict[str, Any]:
@@ -227,6 +231,7 @@ class TinkerService:
                                                                                           config=spec.to_proto()))
         self.models[model_id] = Model(model_id, job_id, base_model, rank, version=int(created.job.version))
         self._lora_of[model_id] = dict(lora)
+        self.runs.add(model_id, base_model, rank, lora)
         models.add(model_id)
         return {"model_id": model_id, "type": "create_model"}
 
@@ -295,7 +300,16 @@ class TinkerService:
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{model.job_id}/{name}-adapter"))
         self.saved[path] = Saved(reply.path, adapter.path, model.base_model, model.rank,
                                  self._lora_of.get(model.model_id, {}))
+        self.runs.saved(path)
+        self._deleted.discard(path)
         return {"path": path, "type": "save_weights"}
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        """DELETE .../checkpoints/{checkpoint_id}: the path no longer loads or samples (the trainer keeps its files
+        until its own retention removes them)."""
+        path = self.runs.forget(run_id, checkpoint_id)
+        self.saved.pop(path, None)
+        self._deleted.add(path)
 
     def _saved(self, body: dict[str, Any]) -> Saved:
         path = str(body.get("path", ""))
@@ -351,6 +365,8 @@ class TinkerService:
         if model.version == 0:  # untrained: a fresh adapter (B = 0) computes what the base does; nothing to publish
             path = f"tinker://{model.model_id}/sampler_weights/{name or 'v0'}"
             sampler_id = self._new_sampler(Sampler(model.base_model, "", 0, path))
+            self.runs.saved(path)
+            self._deleted.discard(path)
             return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
         reply = await self._call(self.trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600))
@@ -358,11 +374,15 @@ class TinkerService:
             raise UserError(f"the rollout did not take version {reply.version}: {reply.error or 'no reason given'}")
         path = f"tinker://{model.model_id}/sampler_weights/{name or f'v{reply.version}'}"
         sampler_id = self._new_sampler(Sampler(model.base_model, model.job_id, int(reply.version), path))
+        self.runs.saved(path)
+        self._deleted.discard(path)
         return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         self._session(str(body.get("session_id", "")))
         if body.get("model_path"):
+            if body["model_path"] in self._deleted:
+                raise UserError(f"{body['model_path']} was deleted")
             found = next((s for s in self.samplers.values() if s.model_path == body["model_path"]), None)
             if found is None:
                 raise UserError(f"no sampler weights at {body['model_path']!r}")

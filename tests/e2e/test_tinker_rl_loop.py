@@ -98,6 +98,9 @@ def users_on_one_engine_cannot_change_what_the_other_samples(front) -> None:
         with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match=refusal):
             user_b.create_lora_training_client(base_model=front.base_model, rank=64).result()
         assert sampler_a.compute_logprobs(prompt).result()[1:] == pytest.approx(before[1:], abs=1e-5)
+        listed = user_a.create_rest_client().list_checkpoints(a.model_id).result().checkpoints  # the REST view
+        assert [c.checkpoint_type for c in listed] == ["sampler"] and listed[0].tinker_path.startswith(
+            f"tinker://{a.model_id}/sampler_weights/")
     finally:
         user_a.close("success")
         user_b.close("success")

@@ -456,6 +456,7 @@ def test_malformed_bodies_on_every_route_are_4xx_naming_the_field(front: tuple[s
             "asample": {"sampling_session_id": "nope", "num_samples": 1, "sampling_params": {"max_tokens": 2},
                         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}},
             "retrieve_future": {"request_id": "nope"},
+            "weights_info": {"tinker_path": "tinker://nope/weights/a"},
         }
         assert set(valid) == set(BODIES)
         answers: dict[int, int] = {}
@@ -476,3 +477,37 @@ def test_malformed_bodies_on_every_route_are_4xx_naming_the_field(front: tuple[s
         assert extra.status_code == 400 and "modle_id" in extra.json()["detail"], extra.text
         for path in (f"/sessions/{'x' * 3000}/finish", "/samplers/%00", "/sessions/%2F%2E%2E/finish"):
             assert http.post(path).status_code < 500 if "sessions" in path else http.get(path).status_code < 500
+
+
+def test_the_rest_routes_the_cookbook_calls_answer_through_the_sdks_rest_client(front: tuple[str, str]) -> None:
+    """Issue "tenants": the cookbook reads training runs and checkpoints through tinker.RestClient, and those
+    routes were 404. A run's checkpoints (save_state weights here; sampler weights on a front with a rollout, in
+    tests/e2e/test_tinker_rl_loop.py), the run itself, every run, the weights' info; a deleted checkpoint no longer
+    lists or loads; an unknown run is the SDK's NotFoundError."""
+    base_url, _ = front
+    service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+    try:
+        training = service.create_lora_training_client(base_model=BASE, rank=4).result()
+        training.forward_backward(batch(6, "cross_entropy"), "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        weights = training.save_state("first").result().path
+        later = training.save_state("second").result().path  # sampler weights: tests/e2e/test_tinker_rl_loop.py
+        rest = service.create_rest_client()
+        listed = rest.list_checkpoints(training.model_id).result().checkpoints
+        assert [c.tinker_path for c in listed] == [later, weights]  # newest first
+        assert {c.checkpoint_type for c in listed} == {"training"} and listed[1].checkpoint_id == "weights/first"
+        run = rest.get_training_run(training.model_id).result()
+        assert (run.base_model, run.is_lora, run.lora_rank) == (BASE, True, 4)
+        assert run.last_checkpoint.tinker_path == later and run.last_sampler_checkpoint is None
+        assert training.model_id in {r.training_run_id for r in rest.list_training_runs().result().training_runs}
+        info = rest.get_weights_info_by_tinker_path(weights).result()
+        assert (info.base_model, info.lora_rank) == (BASE, 4)
+        assert weights in {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
+        rest.delete_checkpoint_from_tinker_path(weights).result()
+        assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [later]
+        with pytest.raises(tinker.RequestFailedError, match="no checkpoint at"):
+            service.create_training_client_from_state(weights).result()
+        with pytest.raises(tinker.NotFoundError):
+            rest.get_training_run("nope:train:0").result()
+    finally:
+        service.close("success")

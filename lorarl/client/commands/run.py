@@ -157,6 +157,21 @@ def run_many(args: argparse.Namespace, files: list[str]) -> int:
         return report(e, Path(cfgs[0].output.dir))
 
 
+def model_ready(cfg) -> bool:
+    """A Hub model id in model.path downloaded into the Hugging Face cache (and model.path set to it) before
+    anything starts; False, said on stderr, when it cannot be had."""
+    from lorarl.client.job.hub import download_model, is_repo_id
+
+    if not is_repo_id(cfg.model.path):
+        return True
+    try:
+        cfg.model.path = download_model(cfg.model.path)
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM (scancel, kubectl delete, a supervisor) stops the run as Ctrl-C does: services stopped, resumable."""
     import signal
@@ -168,10 +183,16 @@ def stop_on_sigterm() -> None:
 
 
 def dry_run(cfg) -> int:
-    """--dry-run: the memory and placement plan, then the job's own inputs (a few rows of its data, its
-    reward, its workflow); "config OK" only when both hold."""
+    """--dry-run: the memory and placement plan, then the job's own inputs (every row of its data, its
+    reward, its workflow); "config OK" only when both hold. A Hub model not in the cache is planned from
+    model.shape, and said to be downloaded by `lorarl run`."""
+    from lorarl.client.job.hub import is_repo_id
     from lorarl.client.job.inputs import check_inputs
     from lorarl.client.job.plan import print_plan
+
+    if is_repo_id(cfg.model.path):
+        print(f"model.path {cfg.model.path}: no local folder of that name, nor a Hugging Face Hub model in the cache "
+              "here; `lorarl run` downloads it from the Hub first (the plan reads model.shape meanwhile)")
 
     code = print_plan(cfg)
     if code:
@@ -207,7 +228,7 @@ def run_command(args: argparse.Namespace) -> int:
               "nodes use launcher.kind=ray, or deploy/k8s or deploy/slurm (see examples/models/README.md)",
               file=sys.stderr)
         return 2
-    if not inputs_ok(cfg):
+    if not model_ready(cfg) or not inputs_ok(cfg):
         return 2
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -470,12 +470,17 @@ INSTALL_ROOT = Path(__file__).resolve().parents[3]
 def model_location(path: str, job_dir: str) -> str:
     """model.path as found, made absolute: a relative path in the job file's folder first (as data and rewards
     are), then the current folder, then lorarl's own folder (the shipped models, so a job file naming one runs
-    from anywhere); as written when none holds it (a hub name, or a model the plan reads from model.shape)."""
+    from anywhere), then a Hub model id's snapshot in the Hugging Face cache; as written when none holds it (a
+    Hub model not cached yet, or a model the plan reads from model.shape)."""
     if not path or Path(path).is_absolute():
         return path
     for root in (job_dir, ".", str(INSTALL_ROOT)):
         if root and (Path(root) / path).exists():
             return str((Path(root) / path).resolve())
+    from lorarl.client.job.hub import cached_model, is_repo_id
+
+    if is_repo_id(path):  # a Hub model id: its snapshot in the Hugging Face cache (`lorarl run` downloads)
+        return cached_model(path) or path
     return path
 
 

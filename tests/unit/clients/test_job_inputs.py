@@ -285,3 +285,31 @@ def test_a_relative_model_path_is_found_from_the_job_folder_the_current_folder_o
     mine = load_job_config(str(job), ["model.path=mymodel"])
     assert mine.model.path == str((tmp_path / "job" / "mymodel").resolve())
     assert load_job_config(str(job), ["model.path=Qwen/Qwen3-8B"]).model.path == "Qwen/Qwen3-8B"
+
+
+def test_a_hub_model_id_resolves_through_the_hugging_face_cache_offline(tmp_path: Path) -> None:
+    """Issue "the first hour": `model.path: Qwen/Qwen3-0.6B` as TRL and verl take it. A cache this test builds
+    (huggingface_hub's layout: models--ORG--NAME/snapshots/REV, refs/main), HF_HUB_CACHE pointing at it and
+    HF_HUB_OFFLINE=1: the dry run resolves the id to the snapshot and passes, and `lorarl run` of an id that is not
+    cached stops before anything starts, naming model.path and the offline switch."""
+    import shutil
+
+    cache = tmp_path / "hub"
+    revision = "0" * 40
+    snapshot = cache / "models--lorarl-test--qwen3-tiny" / "snapshots" / revision
+    shutil.copytree(DENSE_MODEL_DIR, snapshot)
+    (cache / "models--lorarl-test--qwen3-tiny" / "refs").mkdir()
+    (cache / "models--lorarl-test--qwen3-tiny" / "refs" / "main").write_text(revision)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HF_")}, "HF_HUB_CACHE": str(cache),
+           "HF_HUB_OFFLINE": "1"}
+    run = [sys.executable, "-m", "lorarl.client.cli", "run", str(ROOT / "examples/demo.yaml")]
+    done = subprocess.run([*run, "model.path=lorarl-test/qwen3-tiny", "--dry-run"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"model {snapshot}" in done.stdout and done.stdout.rstrip().endswith("config OK"), done.stdout
+    missing = subprocess.run([*run, "model.path=lorarl-test/not-cached", f"output.dir={tmp_path / 'run'}"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert "model.path: 'lorarl-test/not-cached' is a Hugging Face Hub model that is not in the cache" in \
+        missing.stderr and "HF_HUB_OFFLINE" in missing.stderr, missing.stderr
+    assert not (tmp_path / "run" / "services").exists()
