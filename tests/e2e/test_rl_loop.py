@@ -56,11 +56,11 @@ CORRECTIONS = {
 
 
 def assert_monitored(out: Path, stdout: str, on_policy: bool) -> None:
-    """Every step's metrics carry the rollout-vs-trainer monitor, its progress line shows the KL, and the alarm
-    stayed quiet; on-policy the KL is ~0 and correction rejected nothing."""
+    """Every step's metrics carry the rollout-vs-trainer monitor, its progress line shows it (`mismatch`), and the
+    alarm stayed quiet; on-policy the KL is ~0 and correction rejected nothing."""
     history = steps(out)
     assert all("train/rollout_kl_k3" in r and r["policy/mismatch_alarm"] == 0 for r in history)
-    assert sum(" kl " in line for line in stdout.splitlines()) >= len(history), stdout[-2000:]
+    assert sum(" mismatch " in line for line in stdout.splitlines()) >= len(history), stdout[-2000:]
     if on_policy:
         assert max(r["train/rollout_kl_k3"] for r in history) < 1e-5
         assert max(r["train/rollout_masked_token_fraction"] for r in history) == 0.0

@@ -73,9 +73,8 @@ def users_on_one_engine_cannot_change_what_the_other_samples(front) -> None:
                            loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64")})
 
     def trained_sampler(client, tokens: list[int]):
-        for _ in range(2):
-            client.forward_backward([datum(tokens)], "cross_entropy").result()
-            client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        client.forward_backward([datum(tokens)], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-1)).result()
         return client.save_weights_and_get_sampling_client().result()
 
     user_a = tinker.ServiceClient(base_url=front.base_url, api_key=front.api_key)

@@ -6,6 +6,7 @@ Imports are read statically (ast), function-level ones included: a lazy import i
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ PACKAGES = ("lorarl",)
 GENERATED = "lorarl/v1"
 
 
+@functools.cache  # the source does not change during a run: read and parsed once for every rule
 def modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
@@ -30,6 +32,7 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """module -> the house's modules it imports (anywhere in its body)."""
     known = modules()
@@ -178,6 +181,7 @@ def code_lines(path: Path) -> list[tuple[int, str]]:
             if i not in docstrings and not line.lstrip().startswith("#")]
 
 
+@functools.cache
 def source_lines() -> list[tuple[str, int, str]]:
     return [(name, i, line) for name, path in modules().items() for i, line in code_lines(path)]
 

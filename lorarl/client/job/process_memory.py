@@ -83,8 +83,7 @@ def process_plans(cfg: Any, shape: dict[str, Any], n: dict[str, int], lora_at_se
     """Every process of the job's stack, largest parts first in each. ``trainer_total``: the device plan's
     trainer figure (weights, adapters, Adam, step); ``lora_at_serving_rank``: LoRA parameters at the rollout's
     ``max_lora_rank``; ``merged_bytes``: the merged weights a merged job publishes."""
-    from lorarl.weightsync.client.publisher import MATERIALIZE_LIMIT_BYTES
-    from lorarl.weightsync.wire.payload import DEFAULT_BUCKET_BYTES
+    from lorarl.weightsync.wire.sizes import DEFAULT_BUCKET_BYTES, MATERIALIZE_LIMIT_BYTES  # no torch: a launcher
 
     r = cfg.rollout
     dtype = r.dtype or cfg.model.dtype  # the rollout engines' (lorarl.client.launch.services.stack_sections)

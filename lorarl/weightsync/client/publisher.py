@@ -35,6 +35,7 @@ import torch.distributed as dist
 from lorarl.common.channel import ClientTls, aio_channel
 from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 from lorarl.weightsync.client.activation import await_outcome
+from lorarl.weightsync.wire import sizes
 from lorarl.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup, rendezvous_store, wait_closed
 from lorarl.weightsync.wire.inline import DEFAULT_CHUNK_BYTES, iter_chunks
 from lorarl.weightsync.wire.net import local_address_towards
@@ -52,8 +53,7 @@ from lorarl.weightsync.wire.payload import (
 logger = logging.getLogger(__name__)
 #: How long one watch of a broadcast's round asks weight sync to hold its answer.
 ROUND_WATCH_S = 5.0
-#: A merged payload up to this size is packed once and kept for sending; a bigger one is packed again while sent.
-MATERIALIZE_LIMIT_BYTES = 2 << 30
+MATERIALIZE_LIMIT_BYTES = sizes.MATERIALIZE_LIMIT_BYTES
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 ADAPTER = common_pb2.SYNC_MODE_ADAPTER

@@ -27,13 +27,14 @@ import torch
 import xxhash
 
 from lorarl.v1 import common_pb2
+from lorarl.weightsync.wire import sizes
 
 CHECKSUM_ALGORITHM = "xxh64"
 #: The keyed hash of every bucket (WeightManifest.mac_algorithm, Bucket.mac).
 MAC_ALGORITHM = "blake3-keyed"
 MAC_BYTES = 32
 ALIGN = 64
-DEFAULT_BUCKET_BYTES = 1 << 30
+DEFAULT_BUCKET_BYTES = sizes.DEFAULT_BUCKET_BYTES
 
 DTYPE_TO_PROTO = {
     torch.float32: common_pb2.D_TYPE_FLOAT32,
