@@ -130,8 +130,8 @@ def test_the_suites_record_names_only_files_that_exist() -> None:
     assert [name for name in files if not (ROOT / name).is_file()] == []
 
 
-def test_a_slow_test_not_marked_slow_fails_the_run(pytester: Pytester) -> None:
-    pytester.makepyfile(test_marks="""
+#: A file with a 0.5 s test not marked slow and one marked slow.
+MARKS = """
 import time
 import pytest
 
@@ -141,7 +141,11 @@ def test_unmarked():
 @pytest.mark.slow
 def test_marked():
     time.sleep(0.5)
-""")
+"""
+
+
+def test_a_slow_test_not_marked_slow_fails_the_run(pytester: Pytester) -> None:
+    pytester.makepyfile(test_marks=MARKS)
     path = pytester.path / "budget.json"
     path.write_text(json.dumps({"unmarked_s": 0.3, "files": {"test_marks.py": 5.0}}))
     result = pytester.runpytest_subprocess("--budget", str(path))
@@ -153,17 +157,7 @@ def test_marked():
 def test_the_unmarked_rule_moves_with_the_pace_as_the_file_budgets_do(pytester: Pytester) -> None:
     """Issue "the first hour": a green suite on a busy machine failed on a 14.7 s test against the 10 s rule. At
     twice the record's pace (the file took 1.0 s against its 0.5), a 0.5 s unmarked test is within 2 x 0.3 s."""
-    pytester.makepyfile(test_marks="""
-import time
-import pytest
-
-def test_unmarked():
-    time.sleep(0.5)
-
-@pytest.mark.slow
-def test_marked():
-    time.sleep(0.5)
-""")
+    pytester.makepyfile(test_marks=MARKS)
     path = pytester.path / "budget.json"
     path.write_text(json.dumps({"unmarked_s": 0.3, "files": {"test_marks.py": 0.5}}))
     result = pytester.runpytest_subprocess("--budget", str(path))
