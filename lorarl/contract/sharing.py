@@ -27,6 +27,9 @@ SHARED_KEYS = ("model.path", "model.dtype", "rollout.engine", "rollout.dtype", "
                "sync.collective", "launcher.kind")
 #: The setting that raises the adapter rank a rollout serves (job file and `lorarl serve rollout` alike).
 RANK_SETTING = "rollout.max_lora_rank"
+#: Why a merged job cannot share a rollout, whatever the rollout serves.
+MERGED_REFUSAL = ("a merged job's versions replace the base weights every other job on this rollout samples from: "
+                  "jobs share a rollout in adapter mode only (sync.mode=adapter)")
 #: The LoRA rank the official Tinker SDK creates a training client with when none is given.
 TINKER_SDK_DEFAULT_RANK = 32
 
@@ -68,8 +71,7 @@ def sharing_refusal(engine: EngineLora, rank: int, merged: bool = False) -> str 
     """Why a job (LoRA ``rank``; ``merged``: it syncs whole weights) cannot sample from an engine other jobs
     share, naming the rank, the limit and the setting that raises it; None when it can."""
     if merged:
-        return ("a merged job's versions replace the base weights every other job on this rollout samples from: "
-                "jobs share a rollout in adapter mode only (sync.mode=adapter)")
+        return MERGED_REFUSAL
     if not engine.supports_lora:
         return (f"this rollout is shared by several jobs and its {engine.no_lora}: an adapter would be merged into "
                 "the base every other job samples from, so it is refused; give the job a stack of its own")
@@ -99,7 +101,7 @@ def disagreement(jobs: Sequence[tuple[str, Mapping[str, Any]]]) -> tuple[str, st
     first_id, first = jobs[0][0], shared_values(jobs[0][1])
     for job_id, config in jobs:
         if config["sync"]["mode"] == "merged":
-            return "sync.mode", f"job {job_id}: {sharing_refusal(EngineLora(True, 0), 0, merged=True)}"
+            return "sync.mode", f"job {job_id}: {MERGED_REFUSAL}"
         values = shared_values(config)
         for key in SHARED_KEYS:
             if values[key] != first[key]:
