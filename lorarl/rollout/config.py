@@ -61,6 +61,11 @@ class RolloutSettings:
         "replace its base weights (a merged job, or an adapter it cannot serve as one) is refused, never merged over "
         "the others (lorarl.contract.sharing). false: one job's rollout, which may merge its adapter locally."
     )
+    shared_base: str = setting(
+        "", doc="The co-located job's shared base (placement.colocate; set by the launcher, which holds it): the "
+        "engine's weights are that memory, shared with the trainer, never a copy; it serves adapters only "
+        "(merged weights, or an adapter merged locally, would write the trainer's base) and takes each version "
+        "from the trainer's memory file. vLLM on CPU, tensor parallel size 1 only.")
     adapter_window: int | None = setting(
         None, check=in_range(1), doc="Versions of one job kept loaded (>= staleness bound + 2); null: max_loras."
     )
@@ -129,6 +134,10 @@ class RolloutSettings:
                 raise ConfigError("engine_cpus", f"pins vLLM's engine core; engine is {self.engine!r} (use "
                                   "server.cpus for the whole service)")
             check_cpu_setting("engine_cpus", self.engine_cpus)
+        if self.shared_base and (self.engine != "vllm" or self.tensor_parallel_size != 1):
+            raise ConfigError("shared_base", "needs engine 'vllm' at tensor_parallel_size 1 (one process maps the "
+                              f"shared base); engine is {self.engine!r}, tensor_parallel_size "
+                              f"{self.tensor_parallel_size}")
         if self.record_routes and self.engine != "vllm":
             raise ConfigError("record_routes", f"needs engine 'vllm' (engine is {self.engine!r})")
         if self.max_lora_rank not in VLLM_LORA_RANKS:
@@ -138,6 +147,15 @@ class RolloutSettings:
                 "adapter_window", f"{self.adapter_window} versions cannot fit in max_loras={self.max_loras}"
             )
 
+    def base_write_refusal(self) -> str:
+        """Why nothing may write this engine's base weights ('' when a version may): the base is the co-located
+        trainer's memory (shared_base), or every job on a shared rollout samples from it (shared)."""
+        if self.shared_base:
+            return ("its base is the co-located trainer's shared copy (rollout.shared_base), which the trainer "
+                    "computes on: a co-located rollout serves adapters only")
+        if self.shared:
+            return "every other job samples from it: a shared rollout (rollout.shared) serves adapters only"
+        return ""
 
     @property
     def window(self) -> int:

@@ -53,7 +53,8 @@ def capabilities(info: EngineInfo, settings: RolloutSettings, fingerprint: str) 
         engine=info.engine, supports_lora=info.supports_lora, max_lora_rank=info.max_lora_rank,
         max_loras=info.max_loras, modes=modes, base_model_fingerprint=fingerprint, vocab_size=info.vocab_size,
         max_model_len=info.max_model_len, reason=info.lora_reason,
-        adapter_window=settings.window if info.supports_lora else 0, dtype=info.dtype, shared=settings.shared)
+        adapter_window=settings.window if info.supports_lora else 0, dtype=info.dtype,
+        shared=bool(settings.base_write_refusal()))
 
 
 def replica_status(status: ReplicaStatus, replica_id: str) -> rollout_pb2.GetReplicaStatusResponse:

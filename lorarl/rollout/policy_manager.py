@@ -77,11 +77,10 @@ class PolicyManager:
                 raise FailedPreconditionError(f"{payload.job_id} v{payload.version} was made for base model "
                                               f"{payload.fingerprint}, this replica serves {self.fingerprint}")
             self.table.check_stage(payload.job_id, payload.version, payload.serve_mode)
-            if self.settings.shared and payload.serve_mode is not Mode.ADAPTER:
+            if payload.serve_mode is not Mode.ADAPTER and (why := self.settings.base_write_refusal()):
                 how = "an adapter merged locally" if payload.local_merge else "merged weights"
                 raise FailedPreconditionError(
-                    f"{payload.job_id} v{payload.version} would replace this shared engine's base weights ({how}), "
-                    "which every other job samples from: a shared rollout (rollout.shared) serves adapters only")
+                    f"{payload.job_id} v{payload.version} would replace this engine's base weights ({how}); {why}")
             previous = self.table.staged(payload.job_id)
             if payload.serve_mode is Mode.ADAPTER:
                 await self._stage_adapter(payload, previous)

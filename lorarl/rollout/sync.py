@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 from lorarl.common.channel import ClientTls
+from lorarl.platform.shared_memory import colocation_id
 from lorarl.rollout.core import RolloutCore
 from lorarl.rollout.sink import RolloutSink
 from lorarl.v1 import common_pb2, weightsync_pb2
@@ -29,7 +30,8 @@ def replica_capabilities(core: RolloutCore, backends: list[str]) -> weightsync_p
         supports_lora=info.supports_lora, max_lora_rank=info.max_lora_rank if info.supports_lora else 0,
         max_loras=info.max_loras if info.supports_lora else 0, base_model_fingerprint=core.fingerprint,
         engine=info.engine, collective_backends=[BACKENDS[b] for b in backends],
-        receiving_ranks=receiving_ranks(core), shared=core.settings.shared)
+        receiving_ranks=receiving_ranks(core), shared=bool(core.settings.base_write_refusal()),
+        colocation_id=colocation_id(core.settings.shared_base) if core.settings.shared_base else "")
 
 
 def receiving_ranks(core: RolloutCore) -> int:

@@ -262,15 +262,27 @@ class FileTransport(_message.Message):
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
+class SharedMemoryTransport(_message.Message):
+    __slots__ = ("colocation_id", "pid", "fd")
+    COLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    colocation_id: str
+    pid: int
+    fd: int
+    def __init__(self, colocation_id: _Optional[str] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
+
 class Transport(_message.Message):
-    __slots__ = ("collective", "inline", "file")
+    __slots__ = ("collective", "inline", "file", "shared_memory")
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     collective: CollectiveTransport
     inline: InlineTransport
     file: FileTransport
-    def __init__(self, collective: _Optional[_Union[CollectiveTransport, _Mapping]] = ..., inline: _Optional[_Union[InlineTransport, _Mapping]] = ..., file: _Optional[_Union[FileTransport, _Mapping]] = ...) -> None: ...
+    shared_memory: SharedMemoryTransport
+    def __init__(self, collective: _Optional[_Union[CollectiveTransport, _Mapping]] = ..., inline: _Optional[_Union[InlineTransport, _Mapping]] = ..., file: _Optional[_Union[FileTransport, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryTransport, _Mapping]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
     __slots__ = ("job_id", "policy_id", "version", "mode", "base_model_fingerprint", "lora", "tensors", "buckets", "total_bytes", "transport", "checksum_algorithm", "created_at", "mac_algorithm")

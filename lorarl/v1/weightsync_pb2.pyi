@@ -52,16 +52,18 @@ class RegisterJobResponse(_message.Message):
     def __init__(self, mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., reason: _Optional[str] = ..., latest_version: _Optional[int] = ...) -> None: ...
 
 class PublishManifestRequest(_message.Message):
-    __slots__ = ("manifest", "adapter", "sender_host", "sender_port")
+    __slots__ = ("manifest", "adapter", "sender_host", "sender_port", "shared_memory")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
     SENDER_PORT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     manifest: _common_pb2.WeightManifest
     adapter: _common_pb2.WeightManifest
     sender_host: str
     sender_port: int
-    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., adapter: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., sender_host: _Optional[str] = ..., sender_port: _Optional[int] = ...) -> None: ...
+    shared_memory: _common_pb2.SharedMemoryTransport
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., adapter: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., sender_host: _Optional[str] = ..., sender_port: _Optional[int] = ..., shared_memory: _Optional[_Union[_common_pb2.SharedMemoryTransport, _Mapping]] = ...) -> None: ...
 
 class PublishManifestResponse(_message.Message):
     __slots__ = ("manifest", "sender_rank", "duplicate")
@@ -90,7 +92,7 @@ class UploadWeightsResponse(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class ReplicaCapabilities(_message.Message):
-    __slots__ = ("supports_lora", "max_lora_rank", "max_loras", "base_model_fingerprint", "engine", "collective_backends", "receiving_ranks", "shared")
+    __slots__ = ("supports_lora", "max_lora_rank", "max_loras", "base_model_fingerprint", "engine", "collective_backends", "receiving_ranks", "shared", "colocation_id")
     SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,7 @@ class ReplicaCapabilities(_message.Message):
     COLLECTIVE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     RECEIVING_RANKS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    COLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     supports_lora: bool
     max_lora_rank: int
     max_loras: int
@@ -107,7 +110,8 @@ class ReplicaCapabilities(_message.Message):
     collective_backends: _containers.RepeatedScalarFieldContainer[_common_pb2.CollectiveBackend]
     receiving_ranks: int
     shared: bool
-    def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., collective_backends: _Optional[_Iterable[_Union[_common_pb2.CollectiveBackend, str]]] = ..., receiving_ranks: _Optional[int] = ..., shared: _Optional[bool] = ...) -> None: ...
+    colocation_id: str
+    def __init__(self, supports_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., base_model_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., collective_backends: _Optional[_Iterable[_Union[_common_pb2.CollectiveBackend, str]]] = ..., receiving_ranks: _Optional[int] = ..., shared: _Optional[bool] = ..., colocation_id: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("replica_id", "job_ids", "capabilities", "host", "active_versions", "serve_address")

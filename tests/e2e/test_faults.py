@@ -2,7 +2,8 @@
 
 - `lorarl run` (async, as the demo runs: a kill lands while batches generate and the trainer trains): the
   trainer, the rollout, the rollout's vLLM engine core and weight sync are killed in turn, mid-run; its
-  supervisor restarts each and the loop carries on from its last resume point.
+  supervisor restarts each and the loop carries on from its last resume point. The run is co-located
+  (placement.colocate): each restarted service maps the launcher's one copy of the base again.
 - `lorarl train` against services it does not own: each is killed and started again by hand (same
   port, 3 s later, as compose or Kubernetes would); the loop waits each restart out. A re-run
   attaches to the job instead of failing with ALREADY_EXISTS.
@@ -71,7 +72,7 @@ def test_lorarl_run_finishes_through_a_sigkill_of_each_service(tmp_path: Path) -
     out = tmp_path / "run"
     steps = 14
     kills = [Kill(target, 2 + 3 * i) for i, target in enumerate(TARGETS)]
-    run = run_with_faults(out, kills, [f"loop.steps={steps}", *ASYNC], timeout_s=800)
+    run = run_with_faults(out, kills, [f"loop.steps={steps}", *ASYNC, "placement.colocate=true"], timeout_s=800)
     assert run.returncode == 0, run.text()
     assert all(k.killed_at for k in kills), kills
     assert_versions_never_reused(run.rows, steps)
@@ -81,6 +82,15 @@ def test_lorarl_run_finishes_through_a_sigkill_of_each_service(tmp_path: Path) -
     assert "exited with code 1" in stderr  # the rollout, after its engine core died, exited by itself
     assert all(n <= 1 for n in redone_steps(stderr)), stderr[-3000:]  # at most the step in flight
     assert not leftover_processes(str(out)), "a service or its engine core outlived the run"
+    # co-located (#44): the restarted trainer and rollout mapped the launcher's shared base again; versions reached
+    # the engine as memory files, never over a collective group (a restarted rollout catches up from the durable
+    # copy, inline, as any replica does)
+    services = out / "services"
+    trainer_log = (services / "trainer.log").read_text()
+    assert trainer_log.count("parameters are views of the shared base") >= 2, trainer_log[-2000:]
+    rounds = [line for line in (services / "weightsync.log").read_text().splitlines() if " started: rollout" in line]
+    assert not [line for line in rounds if "(collective)" in line], rounds
+    assert sum("(shared_memory)" in line for line in rounds) >= steps // 2, rounds
 
 
 def relaunch(stack, name: str, svc, port: int):

@@ -1,7 +1,8 @@
 """Nothing left behind: each launcher (`lorarl run`, `lorarl run A B`, `lorarl tinker`, `lorarl eval`), killed by
 SIGKILL (the OOM killer, a lost SSH session: it can stop nothing) or stopped by SIGTERM (a supervisor) once its
 services are up, leaves within 15 s no process it started — services, `lorarl train` jobs, vLLM's engine core —
-and no file in shared memory of theirs (a /dev/shm entry that is new and names lorarl or one of their pids).
+and no file in shared memory of theirs (a /dev/shm entry that is new and names lorarl or one of their pids; the
+`lorarl run` case is co-located, and no process holds its shared base any more).
 
 The services watch their launcher (lorarl.common.parent_watch) and stop as on SIGTERM when it is gone. The real
 vLLM engine runs in the `lorarl run` case (its engine core is a child of the rollout); the others run the HF
@@ -39,7 +40,7 @@ def launchers(out: Path) -> dict[str, tuple[list[str], Path]]:
     out.mkdir(parents=True)
     many = [str(job_file(out, name)) for name in ("tools", "sort")]  # each with its output dir under ``out``
     return {
-        "run": (lorarl("run", str(ROOT / "examples/demo.yaml"), *QUIET, f"output.dir={out}"),
+        "run": (lorarl("run", str(ROOT / "examples/demo.yaml"), *QUIET, "placement.colocate=true", f"output.dir={out}"),
                 out / "services" / "stack.json"),
         "tinker": (lorarl("tinker", str(ROOT / "examples/demo.yaml"), "rollout.engine=hf", f"output.dir={out}"),
                    out / "services" / "stack.json"),
@@ -49,6 +50,20 @@ def launchers(out: Path) -> dict[str, tuple[list[str], Path]]:
     }
 
 
+def shared_base_holders() -> set[int]:
+    """The processes holding a co-located job's shared base (an anonymous memory file: it is in no directory, and
+    the kernel frees it when no process holds a descriptor or a mapping of it)."""
+    holders = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            if any(SHARED_BASE in link for link in links) or SHARED_BASE in maps:
+                holders.add(int(pid))
+    return holders
+
+
+SHARED_BASE = "memfd:lorarl-shared-base"
 CASES = [("run", signal.SIGKILL), ("tinker", signal.SIGTERM), ("tinker", signal.SIGKILL),
          ("run-many", signal.SIGKILL), ("run-many", signal.SIGTERM), ("eval", signal.SIGKILL), ("eval", signal.SIGTERM)]
 
@@ -74,6 +89,9 @@ def test_a_launcher_that_dies_leaves_no_process_and_no_shared_memory(tmp_path: P
         assert names.count("serve") >= (1 if launcher == "eval" else 3), names
         if launcher == "run":  # vLLM's engine core, forked by the rollout: a process of its own
             assert len(started) >= 4, names
+            # co-located (#44): the launcher, the trainer and the rollout's engine core hold the one shared base
+            holders = shared_base_holders()
+            assert process.pid in holders and len(holders & {p.pid for p in started}) >= 2, (holders, names)
         os.kill(process.pid, sig)
         process.wait(timeout=60)
         _, alive = psutil.wait_procs(started, timeout=GONE_WITHIN_S)
@@ -82,6 +100,8 @@ def test_a_launcher_that_dies_leaves_no_process_and_no_shared_memory(tmp_path: P
         theirs = [name for name in set(os.listdir(SHM)) - shm_before
                   if "lorarl" in name or any(pid in name for pid in pids)]
         assert not theirs, f"left in shared memory: {theirs}"
+        if launcher == "run":  # no process holds the shared base any more: the kernel has freed it
+            assert not shared_base_holders() & ({p.pid for p in started} | {process.pid})
         if sig == signal.SIGTERM:  # a supervisor's stop: the launcher itself stops in order, not killed
             assert process.returncode in (0, 130) and "Traceback" not in (tmp_path / "launcher.log").read_text()
     finally:

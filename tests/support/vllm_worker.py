@@ -35,3 +35,44 @@ class TestWorkerExtension(LorarlWorkerExtension):
         from lorarl.rollout.vllm.weight_names import _dry_run
 
         return _dry_run(compat.served_model(self), shapes, unwrap=unwrap)
+
+    def lorarl_test_shared_storage(self) -> dict[str, bool]:
+        """Per parameter of the served model: whether all of its bytes lie in the shared base's mapping
+        (lorarl.rollout.vllm.shared_loader keeps the segment on the model)."""
+        import warnings
+
+        import torch
+
+        model = compat.served_model(self)
+        segment = model.lorarl_segment
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            start = torch.frombuffer(segment.buffer, dtype=torch.uint8, count=1).data_ptr()
+        end = start + segment.nbytes
+        return {name: start <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= end
+                for name, p in model.named_parameters()}
+
+    def lorarl_test_reference_digests(self, checkpoint: str) -> dict[str, str]:
+        """sha256 of each parameter as vLLM's own loader fills it from the safetensors file ``checkpoint``, loaded
+        into scratch parameters swapped in for the call (the served ones, views of the shared base, are put back
+        untouched): where the model's real loader puts every checkpoint tensor."""
+        import hashlib
+
+        import torch
+        from safetensors.torch import load_file
+
+        model = compat.served_model(self)
+        served = {name: param.data for name, param in model.named_parameters()}
+        scratch = {name: torch.zeros(t.shape, dtype=t.dtype) for name, t in served.items()}
+        params = dict(model.named_parameters())
+        for name, param in params.items():
+            param.data = scratch[name]
+        try:
+            model.load_weights(iter(load_file(checkpoint).items()))
+            scratch = {name: param.data for name, param in params.items()}  # a loader may swap .data itself
+        finally:
+            for name, param in params.items():
+                param.data = served[name]
+        return {name: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+                for name, t in scratch.items()}
+

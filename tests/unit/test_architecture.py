@@ -222,6 +222,13 @@ SINGLE_DEFINITIONS = {
     "device backend map": (re.compile(r"[\"']cuda[\"']\s*:\s*[\"']nccl[\"']"), "lorarl.platform.devices"),
     # the project's HTTP servers (the OpenAI endpoint, the Tinker front) start one way, with TLS and keep-alive
     "HTTP server start": (re.compile(r"uvicorn\.(Config|Server)\b"), "lorarl.common.http_server"),
+    # one base (#44): where each checkpoint tensor lies in the shared copy (vLLM's fused projections), the shared
+    # base's file format, the memory files themselves, and the one patch that keeps vLLM from repacking it
+    "shared base layout": (re.compile(r"[\"']qkv_proj[\"']\s*:|[\"']gate_up_proj[\"']\s*:"),
+                           "lorarl.contract.base_layout"),
+    "shared base format": (re.compile(r"lorarl-shared-base-\d"), "lorarl.contract.base_segment"),
+    "memory files": (re.compile(r"\bmemfd_create\("), "lorarl.platform.shared_memory"),
+    "unpacked shared weights": (re.compile(r"dispatch_cpu_unquantized_gemm\s*="), "lorarl.rollout.vllm.shared_loader"),
     # a child that leaves with its starter: the mark is set and read in one place
     "parent-watch mark": (re.compile(r"LORARL_WATCH_PARENT"), "lorarl.common.parent_watch"),
 }

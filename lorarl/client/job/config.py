@@ -328,6 +328,11 @@ class PlacementSection:
                                    "dtype, for the plan's step-time estimate (0: unknown; H100/H200 bf16: 989).")
     device_bandwidth_gbs: float = setting(0.0, check=in_range(0.0), doc="Memory bandwidth per accelerator in GB/s "
                                           "(0: unknown; H100 SXM: 3350, H200: 4800).")
+    colocate: bool = setting(False, doc="Trainer and rollout compute on ONE resident copy of the frozen base "
+                             "(shared memory the launcher holds, mapped read-only by both; issue 'one base'), and "
+                             "each adapter version reaches the rollout as a memory file, not over a collective. "
+                             "CPU host, one vLLM replica at tensor parallel size 1, one trainer process, adapter "
+                             "sync, `lorarl run` on this host.")
     pin_cpus: Literal["auto", "off"] = setting(
         "auto", doc="`lorarl run`, CPU job on one host: 'auto' keeps vLLM's engine core and the trainer on CPUs "
         "of their own in an async loop (half each; 6-7% shorter steps on 2 cores), and gives each all CPUs, "
@@ -412,6 +417,8 @@ class JobFileConfig:
             raise ConfigError("trainer.parallel.expert", f"{parallel.expert} must divide data x tensor ranks "
                                                          f"({parallel.data * parallel.tensor})")
         self._check_ascend()
+        if self.placement.colocate:
+            self._check_colocate()
         if self.placement.devices_per_node:
             needed = parallel.world_size + self.rollout.replicas * self.rollout.tensor_parallel_size
             have = self.placement.nodes * self.placement.devices_per_node
@@ -431,6 +438,33 @@ class JobFileConfig:
     def serving_lora_rank(self) -> int:
         """The rollout's max_lora_rank: as set, else the smallest vLLM rank that holds the trainer's."""
         return self.rollout.max_lora_rank or serving_rank(self.trainer.lora.rank)
+
+    def _check_colocate(self) -> None:
+        """What placement.colocate cannot do, all at once: anything that would write the shared base, or a second
+        process that would need a copy of it."""
+        problems = []
+        if self.sync.mode == "merged":
+            problems.append("sync.mode is 'merged': each version would be written into the base the trainer "
+                            "computes on; use sync.mode=adapter (the rollout serves the adapter over the shared base)")
+        if self.rollout.enable_lora is False:
+            problems.append("rollout.enable_lora is false: every version would be merged into the shared base")
+        if self.trainer.device != "cpu":
+            problems.append(f"trainer.device is {self.trainer.device!r}: the shared base is built for CPU hosts "
+                            "(shared memory); on accelerators each service loads its own copy (README, 'LoRA RL on "
+                            "one GPU')")
+        if self.rollout.engine != "vllm" or self.rollout.replicas != 1 or self.rollout.tensor_parallel_size != 1:
+            problems.append(f"the rollout must be one vLLM replica at tensor parallel size 1 (engine "
+                            f"{self.rollout.engine!r}, replicas {self.rollout.replicas}, tensor_parallel_size "
+                            f"{self.rollout.tensor_parallel_size})")
+        if self.trainer.parallel.world_size != 1 or self.trainer.parallel.pipeline != 1:
+            problems.append("the trainer must be one process on one device (trainer.parallel all 1)")
+        if self.launcher.kind != "local":
+            problems.append("launcher.kind must be 'local': the shared base is memory of one host")
+        if self.rollout.dtype and self.rollout.dtype != self.model.dtype:
+            problems.append(f"rollout.dtype {self.rollout.dtype!r} differs from model.dtype {self.model.dtype!r}: "
+                            "one copy has one dtype")
+        if problems:
+            raise ConfigError("placement.colocate", "; ".join(problems))
 
     def _check_ascend(self) -> None:
         """A job on NPUs is told up front what Ascend refuses (lorarl/common/ascend.py), all at once."""

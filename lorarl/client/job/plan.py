@@ -322,6 +322,28 @@ def rollout_lora_blocker(cfg, shape: dict[str, Any] | None = None, is_moe: bool 
     return ""
 
 
+def colocation_refusal(cfg, shape: dict[str, Any], is_moe: bool) -> str:
+    """Why this job's base cannot be shared by its trainer and rollout ("" when it can), beyond what the job file's
+    own check says (JobFileConfig._check_colocate): an engine without LoRA, which would merge every version into
+    the shared base, or a checkpoint in another dtype than the job computes in (one copy, one dtype)."""
+    from lorarl.contract.base_segment import checkpoint_index
+    from lorarl.platform.shared_memory import SegmentError
+
+    blocker = rollout_lora_blocker(cfg, shape, is_moe)
+    if blocker:
+        return (f"the rollout engine would serve no LoRA ({blocker}), so every version would be merged into the "
+                "base the trainer computes on; co-location needs an engine that serves adapters")
+    try:
+        codes = {dtype for *_, dtype in checkpoint_index(cfg.model.path).values()}
+    except (SegmentError, OSError):  # a plan from model.shape alone: no checkpoint to compare yet
+        return ""
+    wanted = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(cfg.model.dtype)
+    if codes != {wanted}:
+        return (f"the checkpoint's tensors are {sorted(codes)}, the job computes in {cfg.model.dtype}: the one shared "
+                "copy is the checkpoint's bytes; set model.dtype to the checkpoint's")
+    return ""
+
+
 def sync_choice(cfg, shape: dict[str, Any], is_moe: bool, environ: Any = None) -> tuple[str, str]:
     """The sync mode the job will run in and why, and whether its rollouts start vLLM with LoRA and why. An
     adapter job whose rollouts have no LoRA merges each version locally on every replica (its own rollout only:
@@ -405,6 +427,14 @@ def print_plan(cfg) -> int:
     print(f"weight sync: {mode}; per version {human_bytes(n['lora'] * ADAPTER_BYTES)} (adapter, fp32) vs "
           f"{human_bytes(base_bytes)} (merged)")
     print(f"rollout LoRA: {rollout_lora}")
+    if cfg.placement.colocate:
+        refusal = colocation_refusal(cfg, shape, bool(n["experts"]))
+        if refusal:
+            print(f"lorarl: bad config: placement.colocate: {refusal}")
+            return 2
+        print(f"co-located: ONE copy of the base ({human_bytes(base_bytes)}) in shared memory the launcher holds, "
+              "mapped read-only by the trainer and the rollout engine (the per-process figures above each count it; "
+              f"the host holds it once); adapters reach the rollout as memory files")
     _print_processes(_service_plans(cfg, shape, n, trainer, mode, rollout_lora) if plans_processes(cfg) else None)
     if n["experts"]:
         print(f"routing replay (R3): {routing_replay_line(cfg, shape, n['experts'], trainer.sequence_tokens)}")

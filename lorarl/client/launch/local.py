@@ -36,8 +36,12 @@ from lorarl.common.parent_watch import child_env
 from lorarl.common.ports import free_port
 from lorarl.common.ready import wait_for_ready_file
 from lorarl.common.server_config import DEFAULT_TOKEN_ENV
+from lorarl.contract import base_segment
+from lorarl.platform import shared_memory
 
 SERVICES = ("weightsync", "trainer", "rollout")
+#: The services that compute on the base, so map the shared one when the job is co-located.
+SHARES_BASE = ("trainer", "rollout")
 
 
 def lorarl_command() -> list[str]:
@@ -118,6 +122,10 @@ class LocalStack(Stack):
     #: How much of each service's log (NAME.log in workdir) is kept (output.service_log_mib / _backups).
     log_retention: LogRetention = field(default_factory=LogRetention)
     log_rotator: LogRotator = field(init=False)
+    #: placement.colocate: the model directory whose base trainer and rollout share (one copy the launcher holds in
+    #: an anonymous memory file; lorarl.platform.shared_memory); "": each service loads its own.
+    shared_base_model: str = ""
+    _shared_fd: int | None = None
     _watcher: threading.Thread | None = None
     _restarting: dict[str, threading.Thread] = field(default_factory=dict)  # per service: its restart under way
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -179,8 +187,12 @@ class LocalStack(Stack):
         if "weightsync" in self.services:
             ports["weightsync"] = free_port(self.host)
         launches: list[tuple[str, dict[str, Any], str, int]] = []  # (process name, section, service, port)
+        if self.shared_base_model:
+            self._build_shared_base()
         for name in self.services:
             section = dict(self.sections.get(name, {}))
+            if name in SHARES_BASE and self._shared_fd is not None:
+                section["shared_base"] = shared_memory.path_of(self._shared_fd)
             if name in ("trainer", "rollout") and "weightsync" in ports:
                 section.setdefault("weightsync_address", f"{self.host}:{ports['weightsync']}")
             if name == "rollout" and self.rollout_replicas > 1:
@@ -199,6 +211,21 @@ class LocalStack(Stack):
             raise
         self.write_addresses()
         self.log_rotator.start()
+
+    def _build_shared_base(self) -> None:
+        """The one copy of the base, written once, before any service starts: a restarted service maps it again.
+        Only this process holds its descriptor (and each service, given it at spawn): when they all exit, however
+        they end, the kernel frees it."""
+        fd = shared_memory.create()
+        try:
+            started = time.monotonic()
+            size = base_segment.build(fd, self.shared_base_model)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._shared_fd = fd
+        print(f"lorarl: shared base {size / 2**20:.1f} MiB in memory, one copy for the trainer and the rollout "
+              f"({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
 
     def write_addresses(self) -> None:
         """The services' addresses in ``stack.json`` beside the token: what `lorarl run --attach` reads to run
@@ -235,7 +262,8 @@ class LocalStack(Stack):
             process = subprocess.Popen(
                 [*lorarl_command(), "serve", service, "--config", str(config_path), "--ready-file", str(ready)],
                 stdout=log, stderr=subprocess.STDOUT, env={**self.env(), **self.process_env.get(name, {})},
-                start_new_session=True)
+                start_new_session=True,
+                pass_fds=(self._shared_fd,) if "shared_base" in section and self._shared_fd is not None else ())
         return ServiceProcess(name, process, "", log_path, service, section)
 
     def _ready_file(self, name: str) -> Path:
@@ -344,6 +372,9 @@ class LocalStack(Stack):
             _kill_group(svc.process.pid)  # nothing it started outlives it
         self.processes.clear()
         self.token_file.unlink(missing_ok=True)  # the secret does not outlive the stack either
+        if self._shared_fd is not None:  # the shared base goes with its last holder: every service is gone now
+            os.close(self._shared_fd)
+            self._shared_fd = None
 
     def check_alive(self) -> None:
         for svc in self.processes.values():

@@ -40,9 +40,11 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                        "collective_backend": backend},
         # A CPU trainer shares the cores with generation: its engine threads at niceness 10 do not preempt
         # the rollout engine's step loop, while its gRPC threads keep their normal priority.
+        # Co-located, each version reaches the rollout as a memory file of the trainer: no collective group.
         "trainer": {"device": cfg.trainer.device, "checkpoint_dir": str(out / "checkpoints"),
                     **({"compute_nice": 10} if cfg.trainer.device == "cpu" else {}),
-                    "export_dir": str(out / "exports"), "collective": cfg.sync.collective,
+                    "export_dir": str(out / "exports"),
+                    "collective": cfg.sync.collective and not cfg.placement.colocate,
                     # one process per rank (rank 0 serves gRPC); a torch layer split is one process
                     **({"ranks": ranks} if (ranks := cfg.trainer.parallel.ranks(cfg.trainer.engine)) > 1 else {})},
         "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
@@ -111,6 +113,7 @@ def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = Non
         sections["rollout"]["engine_cpus"] = pins["rollout_engine"]
     threads = 1 if cfg.trainer.device == "cpu" else max(1, (os.cpu_count() or 2) // 3)
     return LocalStack(out / "services", sections, threads_per_service=threads, rollout_replicas=cfg.rollout.replicas,
+                      shared_base_model=str(Path(cfg.model.path).resolve()) if cfg.placement.colocate else "",
                       process_env={**visible_devices(cfg), **pinned_threads(pins)},
                       server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {},
                       log_retention=log_retention(cfg))

@@ -146,6 +146,29 @@ class RouteTaker:
                         fields["positions"], fields["layers"], fields["top_k"]).copy(), int(fields["num_experts"])))
 
 
+def shared_base_args(settings: RolloutSettings, files: ModelFiles, enable_lora: bool, cpu: bool) -> dict[str, Any]:
+    """vLLM's load settings for an engine whose weights are the co-located job's shared base (rollout.shared_base,
+    lorarl.rollout.vllm.shared_loader); empty without one. ValueError where it cannot be: not on CPU (the CUDA IPC
+    path is not built), or an engine without LoRA (a MoE on vLLM CPU): its versions would be merged into the base."""
+    if not settings.shared_base:
+        return {}
+    if not cpu:
+        raise ValueError("rollout.shared_base: the shared base is built for CPU hosts only (shared memory); on "
+                         "accelerators each service still loads its own copy")
+    if not enable_lora:
+        raise ValueError(f"rollout.shared_base: this engine serves no LoRA ({files.architecture}), so every version "
+                         "would be merged into the shared base the trainer computes on; co-location needs an "
+                         "engine that serves adapters")
+    from lorarl.rollout.vllm.shared_loader import LOAD_FORMAT, register
+
+    register()
+    path = settings.shared_base
+    if path.startswith("/proc/self/"):  # the launcher's descriptor, named so an engine-core child can open it too
+        path = f"/proc/{os.getpid()}/" + path.removeprefix("/proc/self/")
+    return {"load_format": LOAD_FORMAT,
+            "model_loader_extra_config": {"segment": path, "fingerprint": files.fingerprint()}}
+
+
 class VllmEngine:
     """GenerationEngine backed by vllm.v1 AsyncLLM (see module docstring)."""
 
@@ -201,6 +224,7 @@ class VllmEngine:
             reason = "the engine was started with rollout.enable_lora=false"
         if s.record_routes and not self.files.is_moe:
             raise ValueError(f"rollout.record_routes: {self.files.architecture} has no MoE layers to record")
+        shared = shared_base_args(s, self.files, enable_lora, current_platform.is_cpu())
         args = AsyncEngineArgs(
             model=str(self.files.root),
             dtype=s.dtype,
@@ -221,6 +245,7 @@ class VllmEngine:
             disable_log_stats=True,
             # a prefix-cached position is never computed, so its route would never be recorded
             **({"enable_prefix_caching": False} if s.record_routes else {}),
+            **shared,
         )
         caller = os.environ.get(core_process.ENV)  # read before vLLM's config sets it
         method = core_process.start_method(current_platform.device_type)
@@ -249,6 +274,8 @@ class VllmEngine:
         )
         self.receives_in_worker = s.receive_in_worker == "on" or (
             s.receive_in_worker == "auto" and not current_platform.is_cpu())
+        if s.shared_base:  # merged weights would be written into the trainer's base (the policy manager refuses first)
+            self.merged_refusal = s.base_write_refusal()
         if current_platform.is_cpu():
             await self._llm.collective_rpc("lorarl_install_cpu_fixes")
         if current_platform.device_type == "npu":

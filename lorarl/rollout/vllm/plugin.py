@@ -18,7 +18,8 @@ CPU_KERNEL_BLOCK_ALIGNMENT = 16
 
 def register() -> None:
     """Idempotent (vLLM may call it more than once per process). In every process a rollout starts, a
-    watch on its parent (lorarl.common.parent_watch); on CPU, the block-size widening."""
+    watch on its parent (lorarl.common.parent_watch); on CPU, the shared-base loader (placement.colocate) and the
+    block-size widening."""
     from vllm.platforms import current_platform
 
     from lorarl.common.parent_watch import watch_if_marked
@@ -27,6 +28,9 @@ def register() -> None:
 
     if not current_platform.is_cpu():
         return
+    from lorarl.rollout.vllm.shared_loader import register as register_shared_loader
+
+    register_shared_loader()  # load_format lorarl_shared_base, in an engine-core process too
     from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

@@ -26,7 +26,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 BASE_LAYER = ".base_layer."
-_MISSING = object()
 
 
 def lora_wrapped(model: Any) -> bool:
@@ -98,11 +97,14 @@ def _dry_run(model: Any, shapes: Mapping[str, tuple[str, Sequence[int]]], unwrap
     params = dict(model.named_parameters(remove_duplicate=False))
     current: list[str] = [""]
     hits: dict[str, list[str]] = {name: [] for name in shapes}
-    saved: dict[int, tuple[Any, Any]] = {}
+    # Each parameter's attributes as they were: vLLM's own parameter classes keep the loader in ``_weight_loader``
+    # behind a property, so restoring a ``weight_loader`` entry alone left the recorder in place on them (a later
+    # load into such a parameter then copied nothing).
+    saved: dict[int, tuple[Any, dict[str, Any]]] = {}
     for pname, param in params.items():
         if id(param) in saved:
             continue
-        saved[id(param)] = (param, param.__dict__.get("weight_loader", _MISSING))
+        saved[id(param)] = (param, dict(param.__dict__))
 
         def record(*args: Any, _pname: str = pname, **kwargs: Any) -> bool:
             if _pname not in hits[current[0]]:
@@ -132,9 +134,7 @@ def _dry_run(model: Any, shapes: Mapping[str, tuple[str, Sequence[int]]], unwrap
                     except Exception as exc:  # the dry run itself cannot tell (a loader copying directly)
                         hits[name][:] = [f"{UNCHECKED}{type(exc).__name__}"]
     finally:
-        for param, loader in saved.values():
-            if loader is _MISSING:
-                param.__dict__.pop("weight_loader", None)
-            else:
-                param.weight_loader = loader
+        for param, attributes in saved.values():
+            param.__dict__.clear()
+            param.__dict__.update(attributes)
     return hits

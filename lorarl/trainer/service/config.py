@@ -47,6 +47,9 @@ class TrainerSettings:
         "accepted and not yet answered, queued or running; beyond: RESOURCE_EXHAUSTED for that job, so a job "
         "that floods calls holds neither the trainer's memory nor its queue (0: no per-job quota).")
     weightsync_address: str = setting("", doc="host:port of the weight-sync service, for PublishWeights.")
+    shared_base: str = setting("", doc="The co-located job's shared base (placement.colocate; set by the launcher, "
+                               "which holds it): a job on that model computes on it instead of a copy of its own, "
+                               "and hands its adapters to the co-located rollout by memory file.")
     sender_host: str = setting("", doc="Address rollout replicas reach this trainer at for collective transfers "
                                        "(empty: the local address of the route to the weight-sync service).")
     collective: bool = setting(True, doc="Send weights over a collective group (False: inline gRPC only).")

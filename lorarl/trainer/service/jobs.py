@@ -122,15 +122,17 @@ class JobManager:
 
     def __init__(self, *, max_jobs: int = 4, model_roots: Sequence[str] = (),
                  engine_factory: EngineFactory = create_engine, compute_nice: int = 0,
-                 free_bytes: fit.FreeBytes | None = None, max_job_tokens_in_flight: int = 0) -> None:
-        """``free_bytes``: bytes free on a device now (default: the device's own count, the host's on CPU)."""
+                 free_bytes: fit.FreeBytes | None = None, max_job_tokens_in_flight: int = 0,
+                 shared_base: str = "") -> None:
+        """``free_bytes``: bytes free on a device now (default: the device's own count, the host's on CPU);
+        ``shared_base``: the co-located job's shared base (trainer.shared_base)."""
         self.max_jobs = max_jobs
         self.max_job_tokens_in_flight = max_job_tokens_in_flight
         self.model_roots = [Path(r) for r in model_roots]
         # Torch-engine jobs on one base share its one resident copy (lorarl.trainer.engines.torch.shared_base).
         from lorarl.trainer.engines.torch.shared_base import BaseRegistry
 
-        self.bases = BaseRegistry()
+        self.bases = BaseRegistry(shared_base)
         self.free_bytes = free_bytes or fit.free_on
         self.engine_factory = functools.partial(create_engine, bases=self.bases) \
             if engine_factory is create_engine else engine_factory

@@ -79,8 +79,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.settings, self.peer_tls = settings, peer_tls
         self.jobs = jobs or JobManager(max_jobs=settings.max_jobs, model_roots=settings.model_roots,
                                        compute_nice=settings.compute_nice,
-                                       max_job_tokens_in_flight=settings.max_job_tokens_in_flight)
+                                       max_job_tokens_in_flight=settings.max_job_tokens_in_flight,
+                                       shared_base=settings.shared_base)
         self.token = token
+        self.colocation_id = ""
+        if settings.shared_base:  # checked at start: a launcher's handle that does not open fails here, by name
+            from lorarl.contract.base_segment import open_segment
+            from lorarl.platform.shared_memory import colocation_id
+
+            open_segment(settings.shared_base).close()
+            self.colocation_id = colocation_id(settings.shared_base)
         self.tenants = Tenants.from_settings(settings.tenants)
         if self.tenants.tenants and not settings.model_roots:
             raise ConfigError("trainer.model_roots", "is required with trainer.tenants: a tenant's job may read "
@@ -98,7 +106,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 self.settings.weightsync_address, token=self.token, tls=self.peer_tls,
                 host=self.settings.sender_host or None,
                 collective=self.settings.collective, bucket_bytes=self.settings.bucket_mb << 20,
-                device=self.settings.device)
+                device=self.settings.device, colocation_id=self.colocation_id)
         return self._publisher
 
     async def close(self) -> None:
@@ -289,6 +297,9 @@ async def serve_forever(config: TrainerServiceConfig) -> None:
     settings, server = config.trainer, config.server
     apply_allocator(settings.malloc_mmap_threshold_mib)
     world = RankWorld.discover(settings.ranks)
+    if settings.shared_base and world.world_size > 1:
+        raise StartupError(f"trainer.shared_base is one process's base: a trainer of {world.world_size} ranks "
+                           "cannot compute on it (placement.colocate takes trainer ranks 1)")
     if world.world_size == 1:
         from lorarl.common.preload import import_in_background
 

@@ -26,6 +26,7 @@ import torch
 
 from lorarl.common.channel import ClientTls, aio_channel
 from lorarl.contract.transfer_ranks import held_ranks
+from lorarl.platform.shared_memory import SegmentError, read_buffers
 from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 from lorarl.weightsync.client.sinks import PolicySink, PolicyUpdate
 from lorarl.weightsync.wire.collective import BACKEND_NAMES, WeightTransferGroup
@@ -116,6 +117,7 @@ class WeightSyncAgent:
         self.token, self.tls, self.device = token, tls, device
         self.reconnect_min_s, self.reconnect_max_s = reconnect_min_s, reconnect_max_s
         self.receive_hook, self.serve_address = receive_hook, serve_address
+        self.colocation_id = capabilities.colocation_id  # the shared base this replica computes on, if any
         self.staged: dict[str, int] = {}
         self.timings: dict[tuple[str, int], dict[str, float]] = {}
         self.subscriptions = 0
@@ -244,6 +246,8 @@ class WeightSyncAgent:
                     tensors = await in_daemon_thread(self._receive_collective, stage)
             elif transport == "inline":
                 tensors = await self._receive_inline(manifest)
+            elif transport == "shared_memory":
+                tensors = await asyncio.to_thread(self._receive_shared_memory, manifest)
             else:
                 raise StageError(f"transport {transport!r} is not supported by this agent")
             received = time.perf_counter()
@@ -296,6 +300,19 @@ class WeightSyncAgent:
             return verify_pieces(manifest, pieces, self.receive_hook, transfer_key(self.token, manifest.job_id))
         finally:
             group.close(wait=False)
+
+    def _receive_shared_memory(self, manifest: common_pb2.WeightManifest) -> dict[str, torch.Tensor]:
+        """The co-located trainer's memory file, mapped (lorarl.platform.shared_memory.read_buffers) and checked
+        like any transfer; only a replica computing on the same shared base is sent one."""
+        handle = manifest.transport.shared_memory
+        if not self.colocation_id or handle.colocation_id != self.colocation_id:
+            raise StageError(f"a shared-memory handoff for shared base {handle.colocation_id!r} reached a replica "
+                             f"on {self.colocation_id or 'a base of its own'!r}")
+        try:
+            buffers = read_buffers(handle.pid, handle.fd, [b.nbytes for b in manifest.buckets])
+        except SegmentError as e:
+            raise StageError(str(e)) from None
+        return verified_tensors(manifest, buffers, self.receive_hook, transfer_key(self.token, manifest.job_id))
 
     async def _receive_inline(self, manifest: common_pb2.WeightManifest) -> dict[str, torch.Tensor]:
         assert self._stub is not None

@@ -20,8 +20,10 @@ instead of being held whole in memory.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lorarl.common.channel import ClientTls, aio_channel
+from lorarl.platform.shared_memory import write_buffers
 from lorarl.v1 import common_pb2, weightsync_pb2, weightsync_pb2_grpc
 from lorarl.weightsync.client.activation import await_outcome
 from lorarl.weightsync.wire import sizes
@@ -110,7 +113,7 @@ class PublishResult:
     version: int
     mode: int
     duplicate: bool
-    transport: str  # "collective" or "inline"
+    transport: str  # "collective", "inline" or "shared_memory" (co-located replicas map this trainer's file)
     receivers: int  # replicas in the collective group
     payload_bytes: int  # bytes of the published payload (broadcast to each collective receiver)
     uploaded_bytes: int  # durable adapter bytes sent to the service
@@ -179,13 +182,21 @@ class WeightPublisher:
 
     host: the address replicas reach this trainer at (the collective group's master); default: the
     local address of the route to the service. collective=False: inline only (no group is formed).
+    colocation_id: this trainer computes on a shared base (placement.colocate): each payload is also put in a
+    memory file of this process that co-located replicas map (lorarl.platform.shared_memory), kept open for the
+    last ``KEPT_MEMORY_FILES`` versions of each job (a queued round still finds its file).
     """
+
+    KEPT_MEMORY_FILES = 8
 
     def __init__(self, target: str, *, token: str | None = None, tls: ClientTls | None = None,
                  host: str | None = None, collective: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: str = "cpu",
-                 materialize_limit_bytes: int = MATERIALIZE_LIMIT_BYTES, rendezvous_timeout_s: float = 120.0) -> None:
+                 materialize_limit_bytes: int = MATERIALIZE_LIMIT_BYTES, rendezvous_timeout_s: float = 120.0,
+                 colocation_id: str = "") -> None:
         self.target, self.token = target, token
+        self.colocation_id = colocation_id
+        self._memory_files: dict[str, collections.deque[int]] = {}
         self.host = host or local_address_towards(target)
         self.collective, self.bucket_bytes, self.chunk_bytes = collective, bucket_bytes, chunk_bytes
         self.device, self.materialize_limit_bytes = device, materialize_limit_bytes
@@ -211,6 +222,10 @@ class WeightPublisher:
         await self._channel.close()
         await asyncio.to_thread(wait_closed)
         self._store = None
+        for files in self._memory_files.values():
+            for fd in files:
+                os.close(fd)
+        self._memory_files.clear()
 
     # ---------------------------------------------------------------------------------- jobs
 
@@ -266,6 +281,13 @@ class WeightPublisher:
         request = weightsync_pb2.PublishManifestRequest(manifest=manifest)
         if job.mode == MERGED:
             request.adapter.CopyFrom(adapter_manifest)
+        if self.colocation_id:
+            started_copy = time.perf_counter()
+            fd, _ = await asyncio.to_thread(write_buffers, [b.buffer for b in payload.buckets()])
+            self._keep_memory_file(job_id, fd)
+            request.shared_memory.CopyFrom(common_pb2.SharedMemoryTransport(colocation_id=self.colocation_id,
+                                                                            pid=os.getpid(), fd=fd))
+            timings["shared_memory_s"] = time.perf_counter() - started_copy
         if self.collective:
             request.sender_host, request.sender_port = self.host, await self._rendezvous_port()
         try:
@@ -277,7 +299,7 @@ class WeightPublisher:
         is_collective = accepted.transport.WhichOneof("kind") == "collective"
         receivers = accepted.transport.collective.world_size - 1 if is_collective else 0
         result = PublishResult(job_id, version, manifest.mode, response.duplicate,
-                               "collective" if is_collective else "inline", receivers, manifest.total_bytes,
+                               accepted.transport.WhichOneof("kind") or "inline", receivers, manifest.total_bytes,
                                0, timings=timings, fingerprints=tuple(dict.fromkeys(
                                    version_fingerprint(m) for m in (adapter_manifest, manifest))))
         if not response.duplicate:
@@ -288,6 +310,12 @@ class WeightPublisher:
             timings["activation_wait_s"] = time.perf_counter() - waited
         timings["total_s"] = time.perf_counter() - started
         return result
+
+    def _keep_memory_file(self, job_id: str, fd: int) -> None:
+        files = self._memory_files.setdefault(job_id, collections.deque())
+        files.append(fd)
+        while len(files) > self.KEPT_MEMORY_FILES:
+            os.close(files.popleft())
 
     def _manifest(self, job: JobRegistration, version: int, mode: int, payload: _Payload, key: bytes
                   ) -> common_pb2.WeightManifest:

@@ -118,7 +118,8 @@ class WeightSyncCore:
     # ------------------------------------------------------------------------------ versions
 
     def publish(self, manifest: common_pb2.WeightManifest, adapter: common_pb2.WeightManifest | None,
-                sender_host: str, sender_port: int) -> Published:
+                sender_host: str, sender_port: int,
+                shared_memory: common_pb2.SharedMemoryTransport | None = None) -> Published:
         """Accepts a version (``adapter``: its adapter form, for durability, when ``manifest`` is merged) and
         starts its round; the trainer sends by the returned manifest."""
         record, duplicate = self.registry.accept(manifest, adapter)
@@ -127,7 +128,7 @@ class WeightSyncCore:
         if duplicate:
             return Published(self._trainer_manifests.get(key, record.manifest), duplicate=True)
         members = [r for r in self.directory.subscribers(job.job_id) if self._eligible(r, job)]
-        plan = plan_publish(self.settings, job, record, members, sender_host, sender_port)
+        plan = plan_publish(self.settings, job, record, members, sender_host, sender_port, shared_memory)
         self._remember(key, plan.round, plan.trainer_manifest)
         self.coordinator.submit(plan.round, self.clock())
         logger.info("accepted %s v%d (%s, %d bytes) for %d replicas", job.job_id, record.version,

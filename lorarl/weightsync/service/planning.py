@@ -1,4 +1,5 @@
-"""Who receives a version and how: collective rendezvous for those who can, inline for the rest.
+"""Who receives a version and how: the trainer's memory file for a replica co-located with it (one shared base),
+collective rendezvous for those who can, inline for the rest.
 
 The trainer's sender is rank 0 and hosts the group's store at the address it reported (so the
 master address is one the replicas can reach, across hosts). Each collective member gets ranks from 1
@@ -53,14 +54,25 @@ def inline_transport(settings: WeightSyncSettings) -> common_pb2.Transport:
     return common_pb2.Transport(inline=common_pb2.InlineTransport(chunk_bytes=settings.chunk_bytes))
 
 
+def co_located(replica: Replica, handle: common_pb2.SharedMemoryTransport | None) -> bool:
+    """Whether ``replica`` computes on the shared base the trainer's memory file ``handle`` was made beside: then
+    it maps that file (placement.colocate) instead of joining a collective group or fetching inline."""
+    return bool(handle and handle.colocation_id and handle.colocation_id == replica.capabilities.colocation_id)
+
+
 def plan_publish(settings: WeightSyncSettings, job: JobRecord, record: VersionRecord, replicas: list[Replica],
-                 sender_host: str, sender_port: int) -> PublishPlan:
-    """The round for a new version over `replicas` (already filtered to eligible ones)."""
+                 sender_host: str, sender_port: int,
+                 shared_memory: common_pb2.SharedMemoryTransport | None = None) -> PublishPlan:
+    """The round for a new version over `replicas` (already filtered to eligible ones). A replica co-located with
+    the trainer (``shared_memory``: the payload in the trainer's memory file) maps it, if it serves the version as
+    the trainer sent it; the rest join the collective group when they can, else fetch inline."""
     backend = BACKEND_PROTO[settings.collective_backend]
     can_broadcast = settings.transport == "collective" and bool(sender_host) and sender_port > 0
-    collective = [r for r in replicas if can_broadcast and backend in r.capabilities.collective_backends]
-    inline = [r for r in replicas if r not in collective]
     modes = {r.replica_id: serve_mode(job.mode, r.capabilities, job.spec.lora) for r in replicas}
+    mapped = [r for r in replicas if co_located(r, shared_memory) and modes[r.replica_id] == record.manifest.mode]
+    collective = [r for r in replicas if r not in mapped and can_broadcast
+                  and backend in r.capabilities.collective_backends]
+    inline = [r for r in replicas if r not in collective and r not in mapped]
     counts = {r.replica_id: ranks_for_version(r.capabilities.receiving_ranks, record.manifest.mode,
                                               modes[r.replica_id]) for r in collective}
     ranks, next_rank = {}, SENDER_RANK + 1
@@ -83,6 +95,14 @@ def plan_publish(settings: WeightSyncSettings, job: JobRecord, record: VersionRe
         members[r.replica_id] = Member(r.replica_id, stage, "inline")
     trainer_manifest = broadcast_manifest if collective else _with_transport(record.manifest,
                                                                              inline_transport(settings))
+    if mapped:
+        assert shared_memory is not None
+        mapped_manifest = _with_transport(record.manifest, common_pb2.Transport(shared_memory=shared_memory))
+        for r in mapped:
+            stage = weightsync_pb2.StageEvent(manifest=mapped_manifest, serve_mode=modes[r.replica_id])
+            members[r.replica_id] = Member(r.replica_id, stage, "shared_memory")
+        if not collective:  # the trainer sends nothing itself: its manifest says where the receivers read
+            trainer_manifest = mapped_manifest
     round_ = Round(job.job_id, record.version, members, durable=record.durable)
     return PublishPlan(round_, trainer_manifest)
 

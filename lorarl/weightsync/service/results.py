@@ -31,7 +31,7 @@ class ReplicaOutcome:
     staged: bool
     active: bool
     error: str
-    transport: str  # "collective" | "inline"
+    transport: str  # "collective" | "inline" | "shared_memory"
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class Member:
 
     replica_id: str
     stage: weightsync_pb2.StageEvent
-    transport: str  # "collective" | "inline"
+    transport: str  # "collective" | "inline" | "shared_memory"
     stage_sent: bool = False
     staged: bool = False
     active: bool = False

@@ -45,8 +45,13 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
     async def PublishManifest(self, request: weightsync_pb2.PublishManifestRequest, context: Context
                               ) -> weightsync_pb2.PublishManifestResponse:
         adapter = request.adapter if request.HasField("adapter") else None
+        shared_memory = request.shared_memory if request.HasField("shared_memory") else None
+        if shared_memory is not None and not (shared_memory.colocation_id and shared_memory.pid
+                                              and shared_memory.fd):
+            raise InvalidArgumentError("shared_memory", "names no memory file: colocation_id, pid and fd are all "
+                                       "required (or leave shared_memory out)")
         return convert.published(self.core.publish(request.manifest, adapter, request.sender_host,
-                                                   request.sender_port))
+                                                   request.sender_port, shared_memory))
 
     async def UploadWeights(self, request_iterator: AsyncIterator[weightsync_pb2.UploadWeightsRequest],
                             context: Context) -> weightsync_pb2.UploadWeightsResponse:

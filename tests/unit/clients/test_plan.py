@@ -419,3 +419,30 @@ def test_vllm_on_cpu_holds_a_tied_vocabulary_three_times_and_an_untied_one_four(
 def test_an_accelerator_run_says_its_host_memory_is_not_planned(capsys) -> None:
     code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "trainer.device=cuda")
     assert code == 0 and "processes: host memory per process is planned for CPU runs with vLLM only" in out
+
+
+def test_a_co_located_job_plans_one_base_copy_and_refuses_what_would_write_it_at_the_dry_run(capsys) -> None:
+    """#44: placement.colocate shares one base; what would write it, or need a second copy, is refused up front."""
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "placement.colocate=true")
+    assert code == 0 and "co-located: ONE copy of the base" in out
+    sections = stack_sections(load_job_config(str(ROOT / "examples/demo.yaml"), ["placement.colocate=true"]),
+                              Path("/tmp/x"))
+    assert sections["trainer"]["collective"] is False  # handoffs are memory files: no gloo group for them
+    refused = {
+        "sync.mode=merged": "written into the base the trainer computes on",
+        "rollout.replicas=2": "one vLLM replica at tensor parallel size 1",
+        "trainer.device=cuda": "each service loads its own copy",
+        "rollout.dtype=bfloat16": "one copy has one dtype",
+    }
+    for override, why in refused.items():
+        code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "placement.colocate=true", override)
+        assert code == 2 and "placement.colocate" in out and why in out, (override, out)
+    # what only the plan knows: a MoE model on vLLM CPU has no LoRA, so every version would be merged into it
+    code, out = dry_run(capsys, ROOT / "examples/moe-merged.yaml", "placement.colocate=true", "sync.mode=adapter")
+    assert code == 2 and "would serve no LoRA" in out and "co-located: ONE" not in out
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "placement.colocate=true", "model.dtype=bfloat16")
+    assert code == 2 and "set model.dtype to the checkpoint's" in out
+    # an adapter above the engine's rank would be merged locally: refused before anything starts
+    code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "placement.colocate=true", "trainer.lora.rank=32",
+                        "rollout.max_lora_rank=16")
+    assert code == 2 and "rollout.max_lora_rank" in out

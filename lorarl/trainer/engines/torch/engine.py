@@ -11,6 +11,7 @@ draws from them).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from lorarl.trainer.engines.torch.prefix_sharing import (
     shared_prefix_hidden,
     supports_prefix_sharing,
 )
-from lorarl.trainer.engines.torch.shared_base import BaseKey, BaseRegistry, RngState, SharedBase
+from lorarl.trainer.engines.torch.shared_base import BaseKey, BaseRegistry, RngState, SharedBase, alias_base
 from lorarl.trainer.rl import routing
 from lorarl.trainer.rl.batching import PackedBatch
 from lorarl.trainer.rl.lora import (
@@ -63,6 +64,8 @@ from lorarl.trainer.rl.lora import (
     peft_state_dict,
 )
 from lorarl.trainer.rl.step import GradientReducer
+
+logger = logging.getLogger(__name__)
 
 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, entropy_grad: bool = False,
@@ -111,7 +114,8 @@ class TorchEngine(PolicyEngine):
         self.device = device_for(spec.device)
         self.devices = split_devices(spec.device, spec.layer_devices)
         self._bases = bases if bases is not None and not spec.full_finetune else BaseRegistry()
-        self.base, resident = self._bases.get_or_load(BaseKey.of(spec), lambda: self._load_base(spec, self.devices))
+        self.base, resident = self._bases.get_or_load(
+            BaseKey.of(spec), lambda: self._load_base(spec, self.devices, self._bases.shared_path))
         self.resident_base = resident
         try:
             with self.base.lock:
@@ -131,14 +135,28 @@ class TorchEngine(PolicyEngine):
             raise
 
     @staticmethod
-    def _load_base(spec: TrainingSpec, devices: list[torch.device]) -> SharedBase:
-        """The base loaded and placed on its devices (layer split included), before any job's adapters."""
+    def _load_base(spec: TrainingSpec, devices: list[torch.device], shared_path: str = "") -> SharedBase:
+        """The base loaded and placed on its devices (layer split included), before any job's adapters; its
+        weights the co-located engine's own where ``shared_path`` holds this model (shared_base.alias_base)."""
         model = AutoModelForCausalLM.from_pretrained(spec.base_model_path, dtype=TORCH_DTYPES[spec.dtype],
                                                      use_safetensors=True)
         model.eval()
+        fingerprint = base_model_fingerprint(spec.base_model_path)
+        if shared_path:
+            from lorarl.contract.base_segment import open_segment
+
+            segment = open_segment(shared_path)
+            if segment.fingerprint != fingerprint or devices != [torch.device("cpu")]:
+                segment.close()
+                logger.warning("job base %s (%s on %s) is not the shared base (%s on the host): it gets a copy of "
+                               "its own", spec.base_model_path, fingerprint, devices, segment.fingerprint)
+            else:
+                count = alias_base(model, segment)
+                logger.info("base %s: %d parameters are views of the shared base (%.1f MiB held once)",
+                            spec.base_model_path, count, segment.nbytes / 2**20)
         routing_replay.install(model)  # MoE routers replay recorded experts when a batch carries them (R3)
         layers_per_device = place_by_layers(model, devices)
-        return SharedBase(BaseKey.of(spec), model, base_model_fingerprint(spec.base_model_path), layers_per_device)
+        return SharedBase(BaseKey.of(spec), model, fingerprint, layers_per_device)
 
     def _attach(self, spec: TrainingSpec) -> None:
         """This job's adapters on the base (drawn on CPU, then on each layer's device), its RNG seeded."""

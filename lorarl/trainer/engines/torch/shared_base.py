@@ -9,6 +9,10 @@ streams are process-wide: jobs on *other* bases (their own threads) draw from th
 holds among the jobs of one base.
 Turns, not one pass over several jobs' rows at once: on CPU that paid only for tiny steps and not at a real
 step's size (bench/multi_lora_pass.py), and it would hold every job's activations together.
+
+Co-located with the rollout engine (placement.colocate, issue "one base"), the base's weights are not even the
+trainer's own: ``alias_base`` makes every parameter a view of the shared memory file the engine generates from
+(lorarl.contract.base_segment), mapped read-only, so no step can write the base.
 """
 
 from __future__ import annotations
@@ -135,10 +139,49 @@ def _params(adapter: Any) -> list[nn.Parameter]:
     return [a, b]
 
 
-class BaseRegistry:
-    """The bases resident in one trainer process, by key; a base goes when its last tenant does."""
+def alias_base(model: nn.Module, segment: Any) -> int:
+    """Makes every parameter of ``model`` (loaded from the checkpoint) the shared base's view of the same
+    checkpoint tensor (lorarl.contract.base_layout), after checking each holds the very same values: a layout that
+    puts a tensor in the wrong place is caught here, at load, not by rollouts drifting. Returns the parameters
+    aliased; ValueError naming a parameter without a view, a view without a parameter, or differing values."""
+    views = segment.part_views()
+    names_of: dict[int, list[str]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+        objects[id(param)] = param
+    problems, used = [], set()
+    for key, names in names_of.items():
+        source = next((n for n in names if n in views), None)
+        old = objects[key]
+        if source is None:
+            problems.append(f"{names[0]} is not in the shared base")
+            continue
+        view = views[source]
+        if old.shape != view.shape or old.dtype != view.dtype:
+            problems.append(f"{source}: the trainer holds {old.dtype} {list(old.shape)}, the shared base "
+                            f"{view.dtype} {list(view.shape)}")
+            continue
+        if not torch.equal(old.detach(), view):
+            problems.append(f"{source}: the shared base's values differ from the checkpoint's")
+            continue
+        used.add(source)
+        old.data = view  # the same Parameter (ties kept); the checkpoint's own bytes go
+    problems += [f"shared tensor {n} is no parameter of the model" for n in sorted(set(views) - used)]
+    if problems:
+        raise ValueError("the shared base does not match this model: " + "; ".join(problems[:6])
+                         + (f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""))
+    model.lorarl_segment = segment  # the mapping lives as long as the model
+    return len(used)
 
-    def __init__(self) -> None:
+
+class BaseRegistry:
+    """The bases resident in one trainer process, by key; a base goes when its last tenant does.
+    ``shared_path``: the co-located job's shared base (trainer.shared_base), which a base of the same model takes
+    its weights from (``alias_base``)."""
+
+    def __init__(self, shared_path: str = "") -> None:
+        self.shared_path = shared_path
         self._bases: dict[BaseKey, SharedBase] = {}
         self._loading: dict[BaseKey, threading.Lock] = {}
         self._lock = threading.Lock()
