@@ -98,6 +98,12 @@ SURFACE: tuple[Symbol, ...] = (
         "model", "supported_lora_modules", "packed_modules_mapping")),
     _s("vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper",
        fallback="adapter names are parsed with the model's hf_to_vllm_mapper as is, as vLLM 0.23's loader does"),
+    # --- one base (shared_loader.py, placement.colocate): a load format of lorarl's that maps the shared copy, and
+    # the CPU GEMM dispatch that must leave the shared weights unpacked (vLLM CPU only: co-location is CPU-only)
+    _s("vllm.model_executor.model_loader.base_loader:BaseModelLoader"),
+    _s("vllm.model_executor.model_loader:register_model_loader", platforms=_VLLM_032),
+    _s("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "layer", "remove_weight",
+       platforms=frozenset({"cpu"})),
     # --- merged weights (worker_ext.py via compat.reload_weights; names: weight_names.py)
     _s("vllm.lora.layers:BaseLayerWithLoRA"),
     _s("vllm.lora.layers:BaseLayerWithLoRA.load_weights",

@@ -327,7 +327,7 @@ def test_a_shared_engine_never_writes_its_base_and_says_why(files: ModelFiles, a
     async def main() -> None:
         engine = FakeEngine(files, supports_lora=False)
         core = make_core(files, engine, shared=True)
-        with pytest.raises(FailedPreconditionError, match=r"a v1 would replace this shared engine's base weights "
+        with pytest.raises(FailedPreconditionError, match=r"a v1 would replace this engine's base weights "
                                                           r"\(an adapter merged locally\).*serves adapters only"):
             await core.stage(PolicyPayload("a", 1, Mode.ADAPTER, Mode.MERGED, "sha256:base", adapter, LORA))
         with pytest.raises(FailedPreconditionError, match=r"\(merged weights\)"):
