@@ -89,6 +89,14 @@ class Segment:
         views = views if views is not None else self.views()
         return {p.checkpoint: views[t.name][p.start:p.stop] for t in self.tensors.values() for p in t.parts}
 
+    def holds(self, tensor: Any) -> bool:
+        """Whether ``tensor``'s bytes lie inside this mapping (a view of the shared base, not a copy)."""
+        import torch
+
+        start = torch.frombuffer(self.buffer, dtype=torch.uint8, count=1).data_ptr()
+        begin = tensor.data_ptr()
+        return tensor.numel() > 0 and start <= begin and begin + tensor.nbytes <= start + len(self.buffer)
+
     def close(self) -> None:
         self.buffer.close()
 

@@ -80,6 +80,36 @@ def test_the_memory_file_holds_every_checkpoint_tensor_byte_for_byte_read_only(s
     assert set(load_file(shared_memory.path_of(segment_fd))) == set(segment.tensors)
 
 
+def test_the_engine_does_not_start_on_a_parameter_that_left_the_shared_base(segment_fd: int) -> None:
+    """The loader's check after vLLM's post-load processing: a parameter copied (or repacked) out of the mapping,
+    or emptied, stops the start by name; views of the mapping pass."""
+    from torch import nn
+
+    from lorarl.rollout.vllm.shared_loader import check_served_from
+
+    segment = base_segment.open_segment(shared_memory.path_of(segment_fd))
+    model = nn.Module()
+    for index, view in enumerate(segment.views().values()):
+        model.register_parameter(f"p{index}", nn.Parameter(view, requires_grad=False))
+        model.register_buffer(f"n{index}", torch.zeros(1))  # buffers (rotary caches) are the engine's own
+    assert check_served_from(model, segment) == len(segment.tensors)
+    model.p1.data = model.p1.data.clone()
+    model.p2.data = torch.empty(0)
+    with pytest.raises(ValueError, match=r"2 of the engine's \d+ parameters do not lie in the shared base.*p1, p2"):
+        check_served_from(model, segment)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 8), (8, 8), (40, 8), (1, 8), (0, 8)])
+def test_a_shared_weight_computes_what_a_linear_layer_computes(shape: tuple[int, ...]) -> None:
+    from lorarl.rollout.vllm.shared_loader import shared_linear
+
+    x, weight, bias = torch.randn(*shape), torch.randn(6, 8), torch.randn(6)
+    for b in (None, bias):
+        got = shared_linear(x, weight, b)
+        assert got.shape == (*shape[:-1], 6) and got.is_contiguous()
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b))
+
+
 def test_a_memory_file_of_another_model_or_no_shared_base_is_refused_with_what_to_do(segment_fd, tmp_path) -> None:
     path = shared_memory.path_of(segment_fd)
     with pytest.raises(shared_memory.SegmentError, match="this service's model is sha256:other"):
