@@ -1,11 +1,13 @@
-"""The GPU check in one go (under 8 minutes on one GPU): trainer memory and speed at real layer shapes,
+"""The GPU check in one go (under 10 minutes on one GPU): trainer memory and speed at real layer shapes,
 the Megatron engine, and the rollout engine with CUDA graphs where the device's image has vLLM.
 
 1. trainer: one forward_backward on random-init Qwen3-0.6B and 1.7B shapes (4 layers, full vocabulary,
    bf16, rank-32 LoRA) at 2048 and 8192 tokens, activation checkpointing off and on, each in a fresh
    process: torch.cuda.max_memory_allocated against the plan (lorarl.trainer.engines.memory), and seconds;
 2. megatron: bench/megatron_gpu_check.py (parity with the torch engine, learning, export, step time);
-3. rollout: where vLLM imports with a GPU platform, one engine on the 0.6B shape, generation tokens/s
+3. one base: bench/one_base_gpu.py (a trainer and a rollout process on ONE copy of a Qwen3-8B-shaped base,
+   shared by CUDA IPC: device memory, generation, an adapter handoff, logprob parity, step time at 2K-32K tokens);
+4. rollout: where vLLM imports with a GPU platform, one engine on the 0.6B shape, generation tokens/s
    with CUDA graphs (rollout.enforce_eager null) and eager, side by side.
 
 Each part reports on its own (a failure is printed, the others still run); the report goes to
@@ -75,6 +77,17 @@ def megatron_rows(device: str, quick: bool) -> list[str]:
     return [f"exit code {done.returncode}", "", "```", *tail, "```"]
 
 
+def one_base_rows(device: str, quick: bool) -> list[str]:
+    """bench/one_base_gpu.py: trainer and rollout processes on ONE copy of the base (CUDA IPC), its table."""
+    command = [sys.executable, str(ROOT / "bench" / "one_base_gpu.py"), "--device", device, "--no-write",
+               *(["--quick"] if quick else [])]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=540)
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    if done.returncode:
+        raise RuntimeError("\n".join([*table, *done.stderr.strip().splitlines()[-12:]]))
+    return ["| check | figure |", "| --- | ---: |", *table[2:]] if table[:1] == ["| check | figure |"] else table
+
+
 def rollout_rows(device: str, quick: bool, tmp: Path) -> list[str]:
     if device == "cpu":
         return ["skipped on CPU (the rollout's CPU numbers are bench/rollout_throughput.py's)"]
@@ -133,6 +146,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="lorarl-gpu-check-") as tmp:
         parts = (("trainer memory and step time", lambda: trainer_rows(args.device, args.quick, Path(tmp))),
                  ("megatron engine", lambda: megatron_rows(args.device, args.quick)),
+                 ("one base: trainer and rollout on one copy (bench/one_base_gpu.py)",
+                  lambda: one_base_rows(args.device, args.quick)),
                  ("rollout engine", lambda: rollout_rows(args.device, args.quick, Path(tmp))))
         for done, (title, part) in enumerate(parts, 1):
             started = time.perf_counter()

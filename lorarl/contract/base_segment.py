@@ -64,8 +64,14 @@ class Segment:
     tensors: dict[str, SharedTensor]
     offsets: dict[str, int]
     fingerprint: str
-    buffer: mmap.mmap
+    buffer: mmap.mmap | None  # the host mapping (None for a segment only on a device)
     nbytes: int
+    #: The same bytes in one device buffer (a uint8 tensor; to_device, open_device_segment), which views then slice.
+    device_buffer: Any = None
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.device_buffer is None else str(self.device_buffer.device)
 
     def views(self) -> dict[str, Any]:
         """Every shared tensor as a read-only torch tensor over the mapping (a write faults: nothing may write
@@ -74,6 +80,9 @@ class Segment:
 
         import torch
 
+        if self.device_buffer is not None:
+            return {name: self.device_buffer[self.offsets[name]:self.offsets[name] + _nbytes(t.shape, t.dtype)]
+                    .view(getattr(torch, TORCH_DTYPES[t.dtype])).view(t.shape) for name, t in self.tensors.items()}
         out = {}
         with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only; the mapping is
             warnings.simplefilter("ignore", UserWarning)
@@ -93,12 +102,21 @@ class Segment:
         """Whether ``tensor``'s bytes lie inside this mapping (a view of the shared base, not a copy)."""
         import torch
 
-        start = torch.frombuffer(self.buffer, dtype=torch.uint8, count=1).data_ptr()
+        if self.device_buffer is not None:
+            start, size = self.device_buffer.data_ptr(), self.device_buffer.numel()
+        else:
+            start, size = torch.frombuffer(self.buffer, dtype=torch.uint8, count=1).data_ptr(), len(self.buffer)
         begin = tensor.data_ptr()
-        return tensor.numel() > 0 and start <= begin and begin + tensor.nbytes <= start + len(self.buffer)
+        return tensor.numel() > 0 and start <= begin and begin + tensor.nbytes <= start + size
+
+    def header(self) -> bytes:
+        """The file's first bytes up to its data: all another process needs, with the bytes, to open it."""
+        (size,) = struct.unpack("<Q", self.buffer[:8])
+        return bytes(self.buffer[:8 + size])
 
     def close(self) -> None:
-        self.buffer.close()
+        if self.buffer is not None:
+            self.buffer.close()
 
 
 def tied_embeddings(model_dir: str | Path) -> bool:
@@ -164,18 +182,26 @@ def open_segment(path: str | Path, fingerprint: str | None = None, writable: boo
         buffer = mmap.mmap(fd, total, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
     finally:
         os.close(fd)
-    (size,) = struct.unpack("<Q", buffer[:8])
     try:
-        header = json.loads(buffer[8:8 + size])
+        tensors, offsets, found = _parse(buffer, str(path), fingerprint)
+    except SegmentError:
+        buffer.close()
+        raise
+    return Segment(tensors, offsets, found, buffer, total)
+
+
+def _parse(raw: Any, label: str, fingerprint: str | None) -> tuple[dict[str, SharedTensor], dict[str, int], str]:
+    """The tensors of a shared base's header (``raw``: its first bytes, or all of them) and where each one's bytes
+    start; SegmentError unless it is one, and (``fingerprint`` given) of that base model."""
+    (size,) = struct.unpack("<Q", raw[:8])
+    try:
+        header = json.loads(raw[8:8 + size])
         meta = header.pop("__metadata__")
     except (ValueError, KeyError):
-        buffer.close()
-        raise SegmentError(f"{path} is not a shared base (no safetensors header with metadata)") from None
+        raise SegmentError(f"{label} is not a shared base (no safetensors header with metadata)") from None
     if meta.get("format") != FORMAT:
-        buffer.close()
-        raise SegmentError(f"{path} is a {meta.get('format')!r} file, not a {FORMAT} shared base")
+        raise SegmentError(f"{label} is a {meta.get('format')!r} file, not a {FORMAT} shared base")
     if fingerprint is not None and meta["fingerprint"] != fingerprint:
-        buffer.close()
         raise SegmentError(f"the shared base holds model {meta['fingerprint']}, this service's model is {fingerprint}")
     parts = json.loads(meta["parts"])
     data_start = 8 + size
@@ -184,4 +210,53 @@ def open_segment(path: str | Path, fingerprint: str | None = None, writable: boo
         tensors[name] = SharedTensor(name, tuple(entry["shape"]), entry["dtype"],
                                      tuple(Part(c, a, b) for c, a, b in parts[name]))
         offsets[name] = data_start + entry["data_offsets"][0]
-    return Segment(tensors, offsets, meta["fingerprint"], buffer, total)
+    return tensors, offsets, meta["fingerprint"]
+
+
+#: The handle file of a shared base in device memory: the header, and the platform's handle of its bytes.
+DEVICE_FORMAT = "lorarl-shared-base-device-1"
+
+
+def to_device(segment: Segment, device: str) -> Segment:
+    """``segment``'s bytes copied once into one buffer on ``device``: a segment whose views are device tensors.
+    The caller keeps it (and so the buffer) for as long as any process computes on it."""
+    import torch
+
+    buffer = torch.empty(segment.nbytes, dtype=torch.uint8, device=device)
+    buffer.copy_(torch.frombuffer(segment.buffer, dtype=torch.uint8))
+    return Segment(segment.tensors, segment.offsets, segment.fingerprint, segment.buffer, segment.nbytes, buffer)
+
+
+def write_device_handle(segment: Segment, path: str | Path) -> Path:
+    """Writes the handle file by which another process on the same device opens ``segment`` (a to_device one):
+    JSON, the header in base64 and the buffer's CUDA IPC handle (lorarl.platform.cuda_ipc)."""
+    import base64
+
+    from lorarl.platform.cuda_ipc import export_buffer
+
+    path = Path(path)
+    path.write_text(json.dumps({"format": DEVICE_FORMAT, "header": base64.b64encode(segment.header()).decode(),
+                                "nbytes": segment.nbytes, "buffer": export_buffer(segment.device_buffer)}))
+    return path
+
+
+def open_device_segment(path: str | Path, fingerprint: str | None = None) -> Segment:
+    """The shared base a handle file names (write_device_handle), over the same device memory; SegmentError for
+    a file that is not such a handle, or of another model."""
+    import base64
+
+    from lorarl.platform.cuda_ipc import open_buffer
+
+    try:
+        handle = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SegmentError(f"the shared base handle {path} cannot be read ({e})") from None
+    if not isinstance(handle, dict) or handle.get("format") != DEVICE_FORMAT:
+        raise SegmentError(f"{path} is not a {DEVICE_FORMAT} handle")
+    tensors, offsets, found = _parse(base64.b64decode(handle["header"]), str(path), fingerprint)
+    return Segment(tensors, offsets, found, None, handle["nbytes"], open_buffer(handle["buffer"]))
+
+
+def open_shared_base(path: str | Path, fingerprint: str | None = None) -> Segment:
+    """A shared base by what the launcher gave: a device handle file (``*.json``) or the host memory file."""
+    return open_device_segment(path, fingerprint) if str(path).endswith(".json") else open_segment(path, fingerprint)

@@ -228,6 +228,9 @@ SINGLE_DEFINITIONS = {
                            "lorarl.contract.base_layout"),
     "shared base format": (re.compile(r"lorarl-shared-base-\d"), "lorarl.contract.base_segment"),
     "memory files": (re.compile(r"\bmemfd_create\("), "lorarl.platform.shared_memory"),
+    # device memory shared between processes (CUDA IPC handles): the one place that makes and opens them
+    "CUDA IPC handles": (re.compile(r"\b(_share_cuda_|rebuild_cuda_tensor|_new_shared_cuda)\b"),
+                         "lorarl.platform.cuda_ipc"),
     "unpacked shared weights": (re.compile(r"dispatch_cpu_unquantized_gemm\s*="), "lorarl.rollout.vllm.shared_loader"),
     # a child that leaves with its starter: the mark is set and read in one place
     "parent-watch mark": (re.compile(r"LORARL_WATCH_PARENT"), "lorarl.common.parent_watch"),

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("script", ["trl_vs_lorarl.py", "async_vs_sync.py", "cpu_pinning.py", "memory_plan.py",
                                     "scaling.py", "gpu_check.py", "trl_at_shape.py", "head_logprobs.py",
                                     "npu_check.py", "receive_in_worker.py", "multitenant.py", "routing_replay.py",
-                                    "recovery.py", "soak.py", "multi_lora_pass.py", "service_start.py"])
+                                    "recovery.py", "soak.py", "multi_lora_pass.py", "service_start.py",
+                                    "colocate.py", "one_base_gpu.py"])
 def test_command_line_parses(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -142,6 +143,15 @@ def test_memory_benchmarks_run_their_quick_rows_on_cpu(script: str) -> None:
     for row in rows:
         ratio = float(row.split("|")[7 if script == "memory_plan.py" else 6])
         assert 0.8 <= ratio <= 1.2, row
+    if script == "gpu_check.py":  # its one-base part: two processes on one copy of the base (memory file on CPU)
+        checks = {line.split("|")[1].strip(): line.split("|")[2].strip()
+                  for line in done.stdout.splitlines() if line.startswith("| ") and line.count("|") == 3}
+        aliased = checks["trainer's base parameters that are views of the shared base"].split(" of ")
+        assert aliased[0] == aliased[1] and int(aliased[0]) > 0
+        gap = checks["logprobs of the same tokens after the handoff, trainer vs rollout: max abs difference"]
+        stale = checks[next(k for k in checks if k.startswith("logprobs of the same tokens before the handoff"))]
+        assert float(gap) < 1e-3 < float(stale)  # the rollout applies the trainer's trained adapter, and it matters
+        assert "tokens/s" in checks[next(k for k in checks if k.startswith("rollout (HF engine) greedy"))]
 
 
 @pytest.mark.slow

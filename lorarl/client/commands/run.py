@@ -228,6 +228,11 @@ def run_command(args: argparse.Namespace) -> int:
               "nodes use launcher.kind=ray, or deploy/k8s or deploy/slurm (see examples/models/README.md)",
               file=sys.stderr)
         return 2
+    if cfg.placement.colocate and cfg.trainer.device.split(":", 1)[0] != "cpu":
+        from lorarl.client.launch.services import COLOCATE_NOT_BUILT
+
+        print(f"lorarl: bad config: placement.colocate: {COLOCATE_NOT_BUILT}", file=sys.stderr)
+        return 2
     if not model_ready(cfg) or not inputs_ok(cfg):
         return 2
     out = Path(cfg.output.dir)

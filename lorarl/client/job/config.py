@@ -419,7 +419,7 @@ class JobFileConfig:
         self._check_ascend()
         if self.placement.colocate:
             self._check_colocate()
-        if self.placement.devices_per_node:
+        if self.placement.devices_per_node and not self.placement.colocate:  # co-located: one device for both
             needed = parallel.world_size + self.rollout.replicas * self.rollout.tensor_parallel_size
             have = self.placement.nodes * self.placement.devices_per_node
             if needed > have:
@@ -448,10 +448,10 @@ class JobFileConfig:
                             "computes on; use sync.mode=adapter (the rollout serves the adapter over the shared base)")
         if self.rollout.enable_lora is False:
             problems.append("rollout.enable_lora is false: every version would be merged into the shared base")
-        if self.trainer.device != "cpu":
-            problems.append(f"trainer.device is {self.trainer.device!r}: the shared base is built for CPU hosts "
-                            "(shared memory); on accelerators each service loads its own copy (README, 'LoRA RL on "
-                            "one GPU')")
+        if self.trainer.device.split(":", 1)[0] not in ("cpu", "cuda"):
+            problems.append(f"trainer.device is {self.trainer.device!r}: one shared base is built for CPU hosts "
+                            "(shared memory) and planned for CUDA (CUDA IPC); on Ascend each service loads its own "
+                            "copy (README, 'LoRA RL on one GPU')")
         if self.rollout.engine != "vllm" or self.rollout.replicas != 1 or self.rollout.tensor_parallel_size != 1:
             problems.append(f"the rollout must be one vLLM replica at tensor parallel size 1 (engine "
                             f"{self.rollout.engine!r}, replicas {self.rollout.replicas}, tensor_parallel_size "

@@ -171,7 +171,8 @@ class Slot:
 
 def place(cfg) -> list[Slot]:
     """Trainer ranks fill node 0 (then the next nodes) first; each rollout replica's TP group then
-    takes the next free devices of one node (a vLLM TP group never spans nodes)."""
+    takes the next free devices of one node (a vLLM TP group never spans nodes). Co-located, the one replica is on
+    the trainer's device."""
     per_node = cfg.placement.devices_per_node
     free = [list(range(per_node)) for _ in range(cfg.placement.nodes)]
     slots: list[Slot] = []
@@ -184,6 +185,8 @@ def place(cfg) -> list[Slot]:
             del free[node][:take]
             ranks -= take
         node += 1
+    if cfg.placement.colocate:  # the one rollout replica computes on the trainer's devices (and base)
+        return [*slots, Slot("rollout-0", slots[0].node, slots[0].devices)]
     tp = cfg.rollout.tensor_parallel_size
     for replica in range(cfg.rollout.replicas):
         node = next((n for n, devices in enumerate(free) if len(devices) >= tp), None)
@@ -386,9 +389,11 @@ def print_plan(cfg) -> int:
     par = cfg.trainer.parallel
     base_bytes = n["base"] * width
     device_memory = cfg.placement.device_memory_gib * GIB if cfg.placement.devices_per_node else 0.0
-    trainer = trainer_memory(cfg, shape, n, HEADROOM * device_memory if device_memory else None)
-    rollout_base = base_bytes / cfg.rollout.tensor_parallel_size
     kv = cfg.rollout.kv_cache_gib * GIB
+    # co-located, the trainer's step has the device less the rollout's KV cache (the base is counted once, in it)
+    trainer_room = (HEADROOM * device_memory - (kv if cfg.placement.colocate else 0)) if device_memory else None
+    trainer = trainer_memory(cfg, shape, n, trainer_room)
+    rollout_base = base_bytes / cfg.rollout.tensor_parallel_size
     kv_per_token = kv_bytes_per_token(shape, cfg.model.dtype) / cfg.rollout.tensor_parallel_size
     mode, rollout_lora = sync_choice(cfg, shape, is_moe=bool(n["experts"]))
 
@@ -432,9 +437,14 @@ def print_plan(cfg) -> int:
         if refusal:
             print(f"lorarl: bad config: placement.colocate: {refusal}")
             return 2
-        print(f"co-located: ONE copy of the base ({human_bytes(base_bytes)}) in shared memory the launcher holds, "
-              "mapped read-only by the trainer and the rollout engine (the per-process figures above each count it; "
-              f"the host holds it once); adapters reach the rollout as memory files")
+        if cfg.trainer.device.split(":", 1)[0] == "cpu":
+            print(f"co-located: ONE copy of the base ({human_bytes(base_bytes)}) in shared memory the launcher holds, "
+                  "mapped read-only by the trainer and the rollout engine (the per-process figures above each count "
+                  "it; the host holds it once); adapters reach the rollout as memory files")
+        else:
+            print(f"co-located: ONE copy of the base ({human_bytes(base_bytes)}) per device, shared by CUDA IPC "
+                  "between the trainer and the rollout engine (the figures above each count it; the device holds "
+                  "it once: the table below); a plan only: `lorarl run` does not start it on CUDA yet")
     _print_processes(_service_plans(cfg, shape, n, trainer, mode, rollout_lora) if plans_processes(cfg) else None)
     if n["experts"]:
         print(f"routing replay (R3): {routing_replay_line(cfg, shape, n['experts'], trainer.sequence_tokens)}")
@@ -456,8 +466,40 @@ def print_plan(cfg) -> int:
         if speed.device_tflops and speed.device_bandwidth_gbs:
             _print_step_time(estimate(cfg, shape, n, trainer.step.checkpointing, kv_per_token, speed.device_tflops,
                                       speed.device_bandwidth_gbs), cfg)
+        if device_memory and cfg.placement.colocate:
+            return _check_colocated_fit(trainer, kv, kv_per_token, device_memory)
         if device_memory:
             return _check_fit(trainer, rollout_base + kv, device_memory)
+    return 0
+
+
+def _check_colocated_fit(trainer: TrainerMemory, kv: float, kv_per_token: float, memory: float) -> int:
+    """One budget for the one device a co-located job runs on: the base once, the trainer's adapters, gradients,
+    Adam and step, and the rollout's KV cache, all resident at once (a fixed split: what runs today; the
+    time-shared figure, the KV cache released while a step trains, is printed beside it, not built)."""
+    limit = HEADROOM * memory
+    rows = [("base, ONE copy (trainer and rollout)", trainer.weights),
+            ("trainer adapters and gradients (fp32)", trainer.adapters), ("trainer Adam moments", trainer.adam),
+            (f"trainer step ({trainer.step.tokens:,}-token micro-batch)", trainer.step.total),
+            ("rollout KV cache (rollout.kv_cache_gib)", kv)]
+    total = sum(size for _, size in rows)
+    print(f"per device (co-located: trainer and rollout on one device of {human_bytes(memory)}, "
+          f"{human_bytes(limit)} usable):")
+    for name, size in rows:
+        print(f"  {name:<48} {human_bytes(size):>10}")
+    verdict = "fits" if total <= limit else "DOES NOT FIT"
+    print(f"  {'total, all resident at once':<48} {human_bytes(total):>10}: {verdict}")
+    separate = 2 * trainer.weights + total - trainer.weights
+    print(f"  (separate copies would need {human_bytes(separate)}; the KV cache released while a step trains would "
+          f"need {human_bytes(total - min(kv, trainer.step.total))}: not built)")
+    spare = limit - (total - kv)
+    if kv_per_token and spare > 0:
+        print(f"  context: the KV cache holds {int(kv / kv_per_token):,} tokens at once; the largest it could be "
+              f"here is {human_bytes(spare)} ({int(spare / kv_per_token):,} tokens)")
+    if total > limit:
+        print(f"lorarl: bad config: rollout.kv_cache_gib: co-located, the device needs {human_bytes(total)} of "
+              f"{human_bytes(limit)} usable; a smaller KV cache or trainer.optimizer.micro_batch_tokens")
+        return 2
     return 0
 
 
@@ -543,6 +585,11 @@ def _print_processes(plans: list[ProcessPlan] | None) -> None:
 
 
 def _print_step_time(t: StepTime, cfg) -> None:
+    if cfg.placement.colocate:  # one device: generation and training take turns on it, nothing to balance
+        print(f"step time estimate (lorarl/client/job/step_time.py): train ~{t.train_s:,.0f} s and generate "
+              f"~{t.generate_s:,.0f} s ({t.concurrency} sequences at once, {t.waves} wave(s)) on the one device, "
+              f"taking turns: ~{t.train_s + t.generate_s:,.0f} s a step")
+        return
     print(f"step time estimate (lorarl/client/job/step_time.py): train ~{t.train_s:,.0f} s on "
           f"{cfg.trainer.parallel.world_size} device(s), generate ~{t.generate_s:,.0f} s on {cfg.rollout.replicas} "
           f"replica(s) ({t.concurrency} sequences at once, {t.waves} wave(s)): "

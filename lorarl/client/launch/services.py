@@ -10,6 +10,7 @@ from typing import Any
 
 from lorarl.client.job.config import records_routes, serving_length
 from lorarl.client.launch.log_files import LogRetention
+from lorarl.common.config import ConfigError
 from lorarl.contract import staleness
 from lorarl.platform import backend_for
 
@@ -102,11 +103,22 @@ def pinned_threads(pins: dict[str, str]) -> dict[str, dict[str, str]]:
     return env
 
 
+#: Why a co-located job on a GPU is planned (--dry-run) but not started: what runs and what does not.
+COLOCATE_NOT_BUILT = (
+    "on CUDA it is planned (--dry-run prints the one-card budget) but not started yet: the CUDA IPC handoff "
+    "(lorarl/platform/cuda_ipc.py) and the trainer's device aliasing are built and checked on one GPU by "
+    "bench/one_base_gpu.py with the HF engine, but vLLM CUDA loading its weights from the shared buffer is not "
+    "(no CUDA vLLM to test it with); run the job with placement.colocate=false (each service its own copy), or on "
+    "a CPU host")
+
+
 def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = None):
     """The services `lorarl run` starts for this job, not yet started (benchmarks start the same);
     ``sections``: other services' settings than this job's own (several jobs on one stack)."""
     from lorarl.client.launch.local import LocalStack
 
+    if cfg.placement.colocate and cfg.trainer.device.split(":", 1)[0] != "cpu":
+        raise ConfigError("placement.colocate", COLOCATE_NOT_BUILT)
     sections = sections if sections is not None else stack_sections(cfg, out)
     pins = cpu_pins(cfg)
     if pins:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -322,6 +323,9 @@ def test_a_plan_that_does_not_fit_is_an_error_naming_the_key(capsys, overrides: 
 def test_every_real_model_example_is_balanced_by_the_step_time_estimate(capsys) -> None:
     for path in sorted((ROOT / "examples/models").glob("*.yaml")):
         code, out = dry_run(capsys, path)
+        if "one-gpu" in path.name:  # co-located on one device: the two halves take turns, nothing to balance
+            assert code == 0 and "on the one device, taking turns" in out, f"{path.name}: {out}"
+            continue
         assert code == 0 and "step time estimate" in out and ": balanced" in out, f"{path.name}: {out}"
 
 
@@ -431,7 +435,6 @@ def test_a_co_located_job_plans_one_base_copy_and_refuses_what_would_write_it_at
     refused = {
         "sync.mode=merged": "written into the base the trainer computes on",
         "rollout.replicas=2": "one vLLM replica at tensor parallel size 1",
-        "trainer.device=cuda": "each service loads its own copy",
         "rollout.dtype=bfloat16": "one copy has one dtype",
     }
     for override, why in refused.items():
@@ -446,3 +449,29 @@ def test_a_co_located_job_plans_one_base_copy_and_refuses_what_would_write_it_at
     code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "placement.colocate=true", "trainer.lora.rank=32",
                         "rollout.max_lora_rank=16")
     assert code == 2 and "rollout.max_lora_rank" in out
+
+
+def test_one_card_jobs_plan_the_base_once_per_device_and_say_what_is_not_started(capsys) -> None:
+    """#44 step 3: Qwen3-8B and Qwen3.6-27B LoRA RL on ONE 80 GB GPU, co-located: one budget for the device, the
+    base counted once; two copies of the 27B base could not start there. CUDA co-location is a plan only:
+    `lorarl run` says so instead of starting services; Ascend is refused."""
+    for name, base in (("qwen3-8b-one-gpu.yaml", "15.3 GiB"), ("qwen3.6-27b-one-gpu.yaml", "51.7 GiB")):
+        code, out = dry_run(capsys, ROOT / "examples/models" / name)
+        assert code == 0, out
+        assert "node 0: trainer (device 0), rollout-0 (device 0)" in out
+        assert re.search(rf"base, ONE copy \(trainer and rollout\) +{base}", out), out
+        total = re.search(r"total, all resident at once +([\d.]+) GiB: fits", out)
+        separate = re.search(r"separate copies would need ([\d.]+) GiB", out)
+        assert total and separate and float(separate.group(1)) - float(total.group(1)) == pytest.approx(
+            float(base.split()[0]), abs=0.15)
+        assert "context: the KV cache holds" in out
+    code, out = dry_run(capsys, ROOT / "examples/models/qwen3.6-27b-one-gpu.yaml", "rollout.kv_cache_gib=24")
+    assert code == 2 and "DOES NOT FIT" in out and "co-located, the device needs" in out
+    code, out = dry_run(capsys, ROOT / "examples/models/qwen3.6-27b-one-gpu.yaml", "placement.colocate=false")
+    assert code == 2 and "the job needs 2 devices" in out  # apart, the one card cannot hold both services
+    code = main(["run", str(ROOT / "examples/models/qwen3-8b-one-gpu.yaml")])
+    captured = capsys.readouterr()
+    assert code == 2 and "placement.colocate: on CUDA it is planned" in captured.err
+    assert "bench/one_base_gpu.py" in captured.err
+    code, out = dry_run(capsys, ROOT / "examples/npu/qwen3-0.6b.yaml", "placement.colocate=true")
+    assert code == 2 and "on Ascend each service loads its own copy" in out

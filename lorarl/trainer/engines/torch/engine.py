@@ -143,13 +143,15 @@ class TorchEngine(PolicyEngine):
         model.eval()
         fingerprint = base_model_fingerprint(spec.base_model_path)
         if shared_path:
-            from lorarl.contract.base_segment import open_segment
+            from lorarl.contract.base_segment import open_shared_base
 
-            segment = open_segment(shared_path)
-            if segment.fingerprint != fingerprint or devices != [torch.device("cpu")]:
+            segment = open_shared_base(shared_path)
+            if segment.fingerprint != fingerprint or len(devices) != 1 or \
+                    torch.device(segment.device).type != devices[0].type:
                 segment.close()
-                logger.warning("job base %s (%s on %s) is not the shared base (%s on the host): it gets a copy of "
-                               "its own", spec.base_model_path, fingerprint, devices, segment.fingerprint)
+                logger.warning("job base %s (%s on %s) is not the shared base (%s on %s): it gets a copy of "
+                               "its own", spec.base_model_path, fingerprint, devices, segment.fingerprint,
+                               segment.device)
             else:
                 count = alias_base(model, segment)
                 logger.info("base %s: %d parameters are views of the shared base (%.1f MiB held once)",

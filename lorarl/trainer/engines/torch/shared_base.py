@@ -162,7 +162,7 @@ def alias_base(model: nn.Module, segment: Any) -> int:
             problems.append(f"{source}: the trainer holds {old.dtype} {list(old.shape)}, the shared base "
                             f"{view.dtype} {list(view.shape)}")
             continue
-        if not torch.equal(old.detach(), view):
+        if not torch.equal(old.detach().to(view.device), view):  # on a device, one tensor's copy at a time
             problems.append(f"{source}: the shared base's values differ from the checkpoint's")
             continue
         used.add(source)
