@@ -71,7 +71,10 @@ def _hf_model_on(segment: Any, model_dir: str, device: str) -> Any:
     views = segment.part_views()
     dtype = next(iter(views.values())).dtype
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except TypeError:  # transformers before 4.56 names it torch_dtype
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     model.load_state_dict(views, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight

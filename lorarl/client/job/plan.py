@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.client.job.config import records_routes
-from lorarl.client.job.process_memory import ProcessPlan, process_plans
+from lorarl.client.job.process_memory import SHARED_BASE, ProcessPlan, process_plans
 from lorarl.client.job.step_time import IMBALANCE, StepTime, estimate
 from lorarl.contract.routes import bytes_per_token as routes_bytes_per_token
 from lorarl.trainer.engines.memory import StepMemory, dtype_bytes, needs_checkpointing, stage_sizes, step_memory
@@ -577,8 +577,10 @@ def _print_processes(plans: list[ProcessPlan] | None) -> None:
         print("processes: host memory per process is planned for CPU runs with vLLM only (the device plan above "
               "holds the accelerators; host memory of a GPU or NPU run was not measured)")
         return
-    print(f"processes (peak resident memory, as `lorarl run` starts them; {human_bytes(sum(p.total for p in plans))} "
-          "together if every peak met):")
+    shared = sum(p.parts.get(SHARED_BASE, 0.0) for p in plans)  # co-located: also in the trainer's figure
+    print(f"processes (peak resident memory, as `lorarl run` starts them; "
+          f"{human_bytes(sum(p.total for p in plans) - shared)} together if every peak met"
+          + (", the shared base counted once" if shared else "") + "):")
     for plan in plans:
         parts = " + ".join(f"{k} {human_bytes(v)}" for k, v in plan.parts.items())
         print(f"  {plan.name}: {human_bytes(plan.total)} ({parts})")

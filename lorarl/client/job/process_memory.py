@@ -77,6 +77,11 @@ def lora_slot_bytes(shape: dict[str, Any], n_lora_at_rank: int, rank: int, slots
     return slots * (n_lora_at_rank * b + 2 * shape["vocab_size"] * rank * b)
 
 
+#: The engine core's part when co-located (placement.colocate): the one shared copy, mapped and unpacked (resident
+#: in the engine's memory as in the trainer's; the host holds it once).
+SHARED_BASE = "shared base (mapped, unpacked; the host holds it once)"
+
+
 def process_plans(cfg: Any, shape: dict[str, Any], n: dict[str, int], lora_at_serving_rank: int,
                   trainer_total: float, merged_bytes: float, kv_bytes: float, lora_on: bool,
                   merged: bool) -> list[ProcessPlan]:
@@ -101,9 +106,9 @@ def process_plans(cfg: Any, shape: dict[str, Any], n: dict[str, int], lora_at_se
         plans.append(ProcessPlan(f"rollout-{replica}", {"runtime": ROLLOUT_FRONTEND_BYTES,
                                                         "requests in flight": held * step_bytes / r.replicas}))
         for worker in range(tp):
-            core = {"runtime": ENGINE_CORE_RUNTIME_BYTES,
-                    "weights (vocabulary packed for oneDNN too)": engine_core_weights(shape, n, dtype, tp),
-                    "KV cache": kv_bytes / tp}
+            weights = ({SHARED_BASE: n["base"] * dtype_bytes(dtype)} if cfg.placement.colocate else
+                       {"weights (vocabulary packed for oneDNN too)": engine_core_weights(shape, n, dtype, tp)})
+            core = {"runtime": ENGINE_CORE_RUNTIME_BYTES, **weights, "KV cache": kv_bytes / tp}
             if lora_on:
                 core["LoRA slots"] = lora_slot_bytes(shape, lora_at_serving_rank, cfg.serving_lora_rank,
                                                      cfg.serving_max_loras, dtype) / tp

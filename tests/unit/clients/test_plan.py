@@ -429,6 +429,8 @@ def test_a_co_located_job_plans_one_base_copy_and_refuses_what_would_write_it_at
     """#44: placement.colocate shares one base; what would write it, or need a second copy, is refused up front."""
     code, out = dry_run(capsys, ROOT / "examples/demo.yaml", "placement.colocate=true")
     assert code == 0 and "co-located: ONE copy of the base" in out
+    # the engine core maps the shared copy, unpacked (no oneDNN copies of the vocabulary); the stack counts it once
+    assert "shared base (mapped, unpacked" in out and "oneDNN" not in out and "the shared base counted once" in out
     sections = stack_sections(load_job_config(str(ROOT / "examples/demo.yaml"), ["placement.colocate=true"]),
                               Path("/tmp/x"))
     assert sections["trainer"]["collective"] is False  # handoffs are memory files: no gloo group for them
