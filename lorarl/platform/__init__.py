@@ -1,7 +1,8 @@
 """Platform facts in one place (as vLLM keeps its ``platforms/``): which device kinds exist, the collective
 backend each one needs, and the one import of ``torch_npu`` (Ascend registers ``torch.npu`` and hccl only once it
 is imported). Services and engines ask here instead of testing device strings or importing vendor modules
-themselves; the shared-memory handoff of issue "one base" adds its per-platform mechanism here too.
+themselves; the memory one process shares with another (issue "one base") is here too: memory files on a CPU host
+(``shared_memory``), CUDA IPC of a device buffer (``cuda_ipc``).
 
 The Ascend path is written for and checked by source only (no Ascend card in CI): README says "not run".
 """

@@ -7,8 +7,8 @@ the same copy again, and no shared segment can outlive the job, whatever signal 
 ends the services it started). Adapter versions reach a co-located rollout the same way: a memory file of the
 trainer's that the rollout opens through ``/proc/<pid>/fd/<fd>``.
 
-Accelerators: CUDA IPC (``torch.multiprocessing`` reductions of device tensors) is the mechanism there; it is
-not built yet, and Ascend's neither (README: "not run").
+Accelerators: CUDA IPC of one device buffer is the mechanism there (lorarl.platform.cuda_ipc; not run on a GPU
+yet); Ascend has none that lorarl uses (README: "not run").
 """
 
 from __future__ import annotations
