@@ -216,8 +216,11 @@ def nvidia_smi() -> dict[int, float]:
     except (OSError, subprocess.SubprocessError):
         return {}
     found = {}
-    for line in out.strip().splitlines():
-        pid, mib = (part.strip() for part in line.split(","))
+    for line in out.strip().splitlines():  # "No running processes found" or an NVML error: no row
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 2:
+            continue
+        pid, mib = parts
         if pid.isdigit() and mib.replace(".", "").isdigit():
             found[int(pid)] = float(mib)
     return found
@@ -326,6 +329,8 @@ def run(device: str, quick: bool, tmp: Path) -> list[str]:
         base_params = [(n, p) for n, p in engine.base.model.named_parameters() if "lora_" not in n]
         mapped = getattr(engine.base.model, "lorarl_segment", None)  # the trainer's own mapping of the shared base
         in_segment = sum(mapped.holds(p) for _, p in base_params) if mapped is not None else 0
+        if device == "cuda":  # the load's per-tensor comparison copies, freed but kept by torch's allocator
+            torch.cuda.empty_cache()
         used3 = device_used(device)
         row("trainer's base parameters that are views of the shared base", f"{in_segment} of {len(base_params)}")
         row("rollout's parameters built as views of the shared base (else it does not start)",
@@ -397,6 +402,8 @@ def main() -> int:
     parser.add_argument("--shared", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # expandable segments share memory by another handle kind (pidfd), which containers may refuse
+    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if args.role == "rollout":
         return rollout_main(args)
     with tempfile.TemporaryDirectory(prefix="lorarl-one-base-") as tmp:

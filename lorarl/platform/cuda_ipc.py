@@ -15,9 +15,15 @@ runs (the CPU mechanism is the memory file). Ascend: torch_npu offers no equival
 from __future__ import annotations
 
 import base64
+import os
+import weakref
 from typing import Any
 
 FORMAT = "lorarl-cuda-ipc-1"
+#: The buffers this process exported, by handle: CUDA cannot open a process's own IPC handle
+#: (cudaIpcOpenMemHandle: invalid device context), and torch's storage cache does not catch it (it stores the
+#: exporter's storage under another key than its rebuild looks up), so the exporter is given its own tensor back.
+_EXPORTED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def _text(raw: bytes | None) -> str | None:
@@ -44,7 +50,8 @@ def export_buffer(buffer: Any) -> dict[str, Any]:
         raise ValueError(f"torch shares this tensor by {rebuild.__name__}, not CUDA IPC")
     (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _, ref_counter,
      ref_counter_offset, event, event_sync) = args
-    return {"format": FORMAT, "size": list(size), "stride": list(stride), "offset": int(offset),
+    _EXPORTED[_text(handle)] = buffer
+    return {"format": FORMAT, "pid": os.getpid(), "size": list(size), "stride": list(stride), "offset": int(offset),
             "device": int(device), "handle": _text(handle), "storage_bytes": int(storage_bytes),
             "storage_offset": int(storage_offset), "ref_counter": _text(ref_counter),
             "ref_counter_offset": int(ref_counter_offset), "event": _text(event), "event_sync": bool(event_sync)}
@@ -52,12 +59,18 @@ def export_buffer(buffer: Any) -> dict[str, Any]:
 
 def open_buffer(handle: dict[str, Any]) -> Any:
     """The exported buffer in this process: a uint8 tensor over the same device memory (torch's
-    ``rebuild_cuda_tensor``, as ``torch.multiprocessing`` would call it). ValueError for a handle that is not one."""
+    ``rebuild_cuda_tensor``, as ``torch.multiprocessing`` would call it; in the exporting process itself, the
+    exported tensor). ValueError for a handle that is not one."""
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     if not isinstance(handle, dict) or handle.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} handle: {str(handle)[:80]}")
+    if handle.get("pid") == os.getpid():  # this process's own export: its tensor, while it holds it
+        own = _EXPORTED.get(handle.get("handle", ""))
+        if own is None:
+            raise ValueError("this process exported the handle but no longer holds its buffer")
+        return own
     try:
         return rebuild_cuda_tensor(
             torch.Tensor, torch.Size(handle["size"]), tuple(handle["stride"]), handle["offset"],

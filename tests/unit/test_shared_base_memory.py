@@ -191,3 +191,18 @@ def test_the_service_refuses_a_handoff_that_names_no_memory_file() -> None:
     servicer = WeightSyncServicer.__new__(WeightSyncServicer)
     with pytest.raises(InvalidArgumentError, match="colocation_id, pid and fd are all required"):
         asyncio.run(servicer.PublishManifest(request, None))
+
+
+def test_cuda_ipc_handles_are_checked_before_torch_sees_them() -> None:
+    """What runs without a GPU of lorarl.platform.cuda_ipc (the GPU path: bench/one_base_gpu.py): a buffer it cannot
+    share, a handle that is not one, and the exporter's own handle once its buffer is gone are refused by name."""
+    from lorarl.platform import cuda_ipc
+
+    with pytest.raises(ValueError, match=r"contiguous 1-D uint8 CUDA tensor, got torch\.uint8"):
+        cuda_ipc.export_buffer(torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="not a lorarl-cuda-ipc-1 handle"):
+        cuda_ipc.open_buffer({"format": "pickle"})
+    with pytest.raises(ValueError, match="exported the handle but no longer holds its buffer"):
+        cuda_ipc.open_buffer({"format": cuda_ipc.FORMAT, "pid": os.getpid(), "handle": "gone"})
+    with pytest.raises(ValueError, match="lacks 'size'"):
+        cuda_ipc.open_buffer({"format": cuda_ipc.FORMAT, "pid": -1})
