@@ -23,7 +23,7 @@ from lorarl.client.calls import ServiceCallError, client_token
 from lorarl.client.job.inputs import inputs_ok
 from lorarl.client.launch.attach import wait_for_attached
 from lorarl.client.launch.local import ServiceFailedError
-from lorarl.client.launch.services import launch_stack
+from lorarl.client.launch.services import check_startable, launch_stack
 from lorarl.client.rl.drive import drive
 from lorarl.client.rl.recovery import ActivationFailedError, RecoveryExhaustedError
 from lorarl.common.channel import ClientTls
@@ -228,10 +228,10 @@ def run_command(args: argparse.Namespace) -> int:
               "nodes use launcher.kind=ray, or deploy/k8s or deploy/slurm (see examples/models/README.md)",
               file=sys.stderr)
         return 2
-    if cfg.placement.colocate and cfg.trainer.device.split(":", 1)[0] != "cpu":
-        from lorarl.client.launch.services import COLOCATE_NOT_BUILT
-
-        print(f"lorarl: bad config: placement.colocate: {COLOCATE_NOT_BUILT}", file=sys.stderr)
+    try:
+        check_startable(cfg)  # before model_ready, which may download the model
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
         return 2
     if not model_ready(cfg) or not inputs_ok(cfg):
         return 2

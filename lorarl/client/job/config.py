@@ -39,6 +39,7 @@ from lorarl.contract.training import (
     TrainingSpec,
     loss_for_loop,
 )
+from lorarl.platform import device_kind
 
 SyncModeName = Literal["adapter", "merged", "auto"]
 LoopMode = Literal["sync", "async"]
@@ -448,7 +449,7 @@ class JobFileConfig:
                             "computes on; use sync.mode=adapter (the rollout serves the adapter over the shared base)")
         if self.rollout.enable_lora is False:
             problems.append("rollout.enable_lora is false: every version would be merged into the shared base")
-        if self.trainer.device.split(":", 1)[0] not in ("cpu", "cuda"):
+        if device_kind(self.trainer.device) not in ("cpu", "cuda"):
             problems.append(f"trainer.device is {self.trainer.device!r}: one shared base is built for CPU hosts "
                             "(shared memory) and planned for CUDA (CUDA IPC); on Ascend each service loads its own "
                             "copy (README, 'LoRA RL on one GPU')")

@@ -21,6 +21,7 @@ from lorarl.client.job.config import records_routes
 from lorarl.client.job.process_memory import SHARED_BASE, ProcessPlan, process_plans
 from lorarl.client.job.step_time import IMBALANCE, StepTime, estimate
 from lorarl.contract.routes import bytes_per_token as routes_bytes_per_token
+from lorarl.platform import device_kind
 from lorarl.trainer.engines.memory import StepMemory, dtype_bytes, needs_checkpointing, stage_sizes, step_memory
 
 GIB = 1 << 30
@@ -437,7 +438,7 @@ def print_plan(cfg) -> int:
         if refusal:
             print(f"lorarl: bad config: placement.colocate: {refusal}")
             return 2
-        if cfg.trainer.device.split(":", 1)[0] == "cpu":
+        if device_kind(cfg.trainer.device) == "cpu":
             print(f"co-located: ONE copy of the base ({human_bytes(base_bytes)}) in shared memory the launcher holds, "
                   "mapped read-only by the trainer and the rollout engine (the per-process figures above each count "
                   "it; the host holds it once); adapters reach the rollout as memory files")
@@ -489,7 +490,7 @@ def _check_colocated_fit(trainer: TrainerMemory, kv: float, kv_per_token: float,
         print(f"  {name:<48} {human_bytes(size):>10}")
     verdict = "fits" if total <= limit else "DOES NOT FIT"
     print(f"  {'total, all resident at once':<48} {human_bytes(total):>10}: {verdict}")
-    separate = 2 * trainer.weights + total - trainer.weights
+    separate = total + trainer.weights  # the base a second time
     print(f"  (separate copies would need {human_bytes(separate)}; the KV cache released while a step trains would "
           f"need {human_bytes(total - min(kv, trainer.step.total))}: not built)")
     spare = limit - (total - kv)

@@ -12,7 +12,7 @@ from lorarl.client.job.config import records_routes, serving_length
 from lorarl.client.launch.log_files import LogRetention
 from lorarl.common.config import ConfigError
 from lorarl.contract import staleness
-from lorarl.platform import backend_for
+from lorarl.platform import backend_for, device_kind
 
 
 def rollout_lora(cfg) -> bool | None:
@@ -106,10 +106,16 @@ def pinned_threads(pins: dict[str, str]) -> dict[str, dict[str, str]]:
 #: Why a co-located job on a GPU is planned (--dry-run) but not started: what runs and what does not.
 COLOCATE_NOT_BUILT = (
     "on CUDA it is planned (--dry-run prints the one-card budget) but not started yet: the CUDA IPC handoff "
-    "(lorarl/platform/cuda_ipc.py) and the trainer's device aliasing are built and checked on one GPU by "
-    "bench/one_base_gpu.py with the HF engine, but vLLM CUDA loading its weights from the shared buffer is not "
-    "(no CUDA vLLM to test it with); run the job with placement.colocate=false (each service its own copy), or on "
-    "a CPU host")
+    "(lorarl/platform/cuda_ipc.py) and the trainer's device aliasing are built, for bench/one_base_gpu.py to check "
+    "on one GPU with the HF engine (not run on a GPU yet), but vLLM CUDA loading its weights from the shared buffer "
+    "is not (no CUDA vLLM to test it with); run the job with placement.colocate=false (each service its own copy), "
+    "or on a CPU host")
+
+
+def check_startable(cfg) -> None:
+    """ConfigError for a job the plan accepts but `lorarl run` cannot start yet (a co-located job on CUDA)."""
+    if cfg.placement.colocate and device_kind(cfg.trainer.device) != "cpu":
+        raise ConfigError("placement.colocate", COLOCATE_NOT_BUILT)
 
 
 def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = None):
@@ -117,8 +123,7 @@ def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = Non
     ``sections``: other services' settings than this job's own (several jobs on one stack)."""
     from lorarl.client.launch.local import LocalStack
 
-    if cfg.placement.colocate and cfg.trainer.device.split(":", 1)[0] != "cpu":
-        raise ConfigError("placement.colocate", COLOCATE_NOT_BUILT)
+    check_startable(cfg)
     sections = sections if sections is not None else stack_sections(cfg, out)
     pins = cpu_pins(cfg)
     if pins:

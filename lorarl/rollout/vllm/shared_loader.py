@@ -9,8 +9,8 @@ vLLM's loader attributes and any tie (a tied output head) are kept.
 
 vLLM CPU would then repack every linear weight for oneDNN and drop the original tensor
 (``dispatch_cpu_unquantized_gemm``): a private packed copy of the base, which is what sharing removes. While this
-loader runs, a layer whose weight is shared keeps it and computes with ``torch.nn.functional.linear`` on it
-instead (generation speed against the packed path: bench/colocate.py).
+loader runs, a layer whose weight is shared keeps it and computes on it with torch's GEMM instead
+(``shared_linear``; generation speed against the packed path: bench/colocate.py).
 """
 
 from __future__ import annotations
