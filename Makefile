@@ -54,8 +54,10 @@ demo: setup
 TEST_WORKERS ?= 2
 PYTEST_RUN := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
+# bench/results.py check: a benchmark run whose code changed since must say so in bench/RESULTS.md (read-only).
 test: setup
 	$(PY) -m ruff check .
+	$(PY) bench/results.py check --quiet
 	$(PYTEST_RUN) --budget tests/budget.json tests
 
 test-fast: setup

@@ -10,7 +10,9 @@ older run with the same title and keeps the others.
 A run is stale when the code it measures changed after its commit: the benchmark script and, statically,
 every lorarl module it imports, transitively (or the paths a script names in ``MEASURES``, e.g.
 ``("lorarl",)`` for one that measures a whole `lorarl run`). ``python bench/results.py check`` lists stale
-runs; ``--mark`` writes the finding into their records and onto RESULTS.md, until the run is re-measured.
+runs and fails (exit 1) on a stale run whose record does not say so: `make test` (CI) runs it read-only.
+``--mark`` writes the finding into their records and onto RESULTS.md, until the run is re-measured; the marks
+land in commits.
 Hand-written rather than a templating library: the format is a few lines of Markdown, and the renderer
 must reproduce the file byte for byte so that a test can tell a hand edit from a generated run.
 """
@@ -273,13 +275,24 @@ def _shortest(changed: list[str], paths: list[str], most: int = 6) -> list[str]:
 def check(records: Path, root: Path = ROOT, mark: bool = False, results: Path = RESULTS) -> list[str]:
     """One line per stale run; with ``mark``, the finding is written into its record and onto RESULTS.md
     (and cleared from a run that is no longer stale)."""
+    return [line for line, _ in _check(records, root, mark, results)]
+
+
+def unmarked(records: Path, root: Path = ROOT) -> list[str]:
+    """The stale runs whose records do not say so (read-only): what CI refuses. A marked run may stay stale until
+    it is re-measured; a figure that silently outlived the code it measures may not."""
+    return [line for line, marked in _check(records, root) if not marked]
+
+
+def _check(records: Path, root: Path = ROOT, mark: bool = False, results: Path = RESULTS) -> list[tuple[str, bool]]:
     out = []
     for section in load_index(records)["sections"]:
         for name in section["runs"]:
             run = load_run(records, section["slug"], name)
             found = staleness(run, root)
             if found is not None:
-                out.append(f"{section['heading'][3:]} / {run['title'][4:]}: {stale_line(found)[2:]}")
+                out.append((f"{section['heading'][3:]} / {run['title'][4:]}: {stale_line(found)[2:]}",
+                            bool(run.get("stale"))))
             if mark and (found or None) != (run.get("stale") or None):
                 run["stale"] = found
                 if found is None:
@@ -291,17 +304,26 @@ def check(records: Path, root: Path = ROOT, mark: bool = False, results: Path = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="bench/RESULTS.md from bench/records")
+    parser = argparse.ArgumentParser(description="bench/RESULTS.md from bench/records. `check` lists the stale runs "
+                                     "and exits 1 when one of them is not marked stale in its record (CI runs it); "
+                                     "`check --mark` writes the marks (commit them).")
     parser.add_argument("action", choices=["render", "check"])
     parser.add_argument("--mark", action="store_true", help="check: write stale runs into records and RESULTS.md")
+    parser.add_argument("--quiet", action="store_true", help="check: print only the count and the unmarked runs")
     args = parser.parse_args(argv)
     records = records_dir(RESULTS)
     if args.action == "render":
         RESULTS.write_text(render(records))
         return 0
-    stale = check(records, mark=args.mark)
-    print("\n".join(stale) if stale else "every run is as fresh as the code it measures")
-    print(f"{len(stale)} of {len(all_runs(records))} runs stale")
+    found = _check(records, mark=args.mark)
+    silent = [line for line, marked in found if not marked and not args.mark]
+    if not args.quiet:
+        print("\n".join(line for line, _ in found) if found else "every run is as fresh as the code it measures")
+    print(f"{len(found)} of {len(all_runs(records))} runs stale")
+    if silent:
+        print(f"{len(silent)} stale run(s) not marked so in bench/RESULTS.md:\n" + "\n".join(silent) +
+              "\nre-run them, or mark them: python bench/results.py check --mark (and commit the records)")
+        return 1
     return 0
 
 

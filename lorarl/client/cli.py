@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from lorarl.client.commands import demo, evaluate, jobs, run, serve, slurm, tinker
+from lorarl.client.commands import data, demo, evaluate, jobs, run, serve, slurm, status, stop, tinker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,8 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parsers(subcommands)
     evaluate.add_parsers(subcommands)
     demo.add_parser(subcommands)
+    data.add_parser(subcommands)
     slurm.add_parser(subcommands)
     jobs.add_parser(subcommands)
+    status.add_parser(subcommands)
+    stop.add_parser(subcommands)
     tinker.add_parser(subcommands)
     return parser
 

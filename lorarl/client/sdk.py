@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from lorarl.client.calls import ServiceCallError, client_token
-from lorarl.client.job.config import JobFileConfig, load_job_config, training_spec
+from lorarl.client.job.config import JobFileConfig, base_model_name, load_job_config, training_spec
 from lorarl.client.rl.loop import job_config_proto
 from lorarl.client.workflow import Episode, Sampled
 from lorarl.common.channel import ClientTls, sync_channel
@@ -53,6 +53,8 @@ def _config(config: str | Path | JobFileConfig | None, overrides: Sequence[str])
             return config
         cfg = load_job_config(None, [*_as_overrides(config), *overrides])
         cfg.job_dir = getattr(config, "job_dir", "")
+        if not any(o.startswith("model.path=") for o in overrides):  # the base keeps the name the job gave it
+            cfg.model_name = base_model_name(config)
         return cfg
     return load_job_config(str(config) if config is not None else None, list(overrides))
 

@@ -551,3 +551,40 @@ def _describe(tp: Any) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return f"one of {_choices([m.value for m in tp])}"
     return str(tp)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    """One leaf key of a config tree, as a reference page lists it."""
+
+    key: str
+    kind: str
+    default: Any
+    doc: str
+    section_doc: str
+
+
+def describe_keys(cls: type, prefix: str = "", section_doc: str = "") -> list[KeyDoc]:
+    """Every leaf key of the config class ``cls``, depth first in field order, with its type, default and doc:
+    the one source a generated key reference is made from, so it cannot drift from what `load_config` accepts."""
+    hints = typing.get_type_hints(cls)
+    out: list[KeyDoc] = []
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        key, tp = _join(prefix, field.name), hints[field.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out += describe_keys(tp, key, _first_line(tp.__doc__ or ""))
+            continue
+        out.append(KeyDoc(key, _describe(tp), to_dict(_default_of(field)), field.metadata.get("doc", ""), section_doc))
+    return out
+
+
+def _first_line(doc: str) -> str:
+    """A class docstring's summary (dataclasses give undocumented classes their signature as __doc__)."""
+    line = doc.strip().split("\n\n", 1)[0].replace("\n", " ")
+    return "" if "(" in line.split(" ", 1)[0] else " ".join(line.split())

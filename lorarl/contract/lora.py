@@ -109,13 +109,15 @@ class LoraSpec:
             raise SpecError("lora", "target_modules", "in_proj_z needs in_proj_qkv too (vLLM serves them packed)")
         return self
 
-    def peft_config(self, base_model_path: str = "", target_modules: list[str] | None = None) -> dict[str, Any]:
+    def peft_config(self, base_model_name_or_path: str = "", target_modules: list[str] | None = None
+                    ) -> dict[str, Any]:
         """adapter_config.json as PEFT writes it (the fields PEFT and vLLM's PEFTHelper read), naming the
-        modules the tensors adapt (``target_modules``; default: this spec's own)."""
+        modules the tensors adapt (``target_modules``; default: this spec's own). ``base_model_name_or_path``:
+        where PEFT loads the base from, a Hub id or a path (a trainer's: TrainingSpec.base_model_name_or_path)."""
         return {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": base_model_path,
+            "base_model_name_or_path": base_model_name_or_path,
             "r": self.rank,
             "lora_alpha": self.alpha,
             "lora_dropout": self.dropout,

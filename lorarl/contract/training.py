@@ -308,9 +308,9 @@ class OptimizerSpec:
 
     learning_rate: float = setting(DEFAULT_LEARNING_RATE, doc="Adam's learning rate, in (0, 10].")
     weight_decay: float = setting(0.0, doc="AdamW weight decay (of this job's adapter only).")
-    beta1: float = setting(0.9)
-    beta2: float = setting(0.999)
-    eps: float = setting(1e-8)
+    beta1: float = setting(0.9, doc="Adam's first-moment decay, in [0, 1).")
+    beta2: float = setting(0.999, doc="Adam's second-moment decay, in [0, 1).")
+    eps: float = setting(1e-8, doc="Adam's epsilon, > 0.")
     warmup_steps: int = setting(0, doc="Linear warmup steps.")
     total_steps: int = setting(0, doc="Cosine decay to 0 at this step (0: constant after warmup).")
     max_grad_norm: float = setting(1.0, doc="Gradient clipping norm (0: no clipping; the norm is still reported).")
@@ -496,6 +496,9 @@ class TrainingSpec:
     ('flag'), or not checked ('off'). ``share``: the job's weight when jobs on one resident base take turns on it
     (lorarl.trainer.service.fair_share): a job of share 2 gets twice the compute time of a job of share 1 while
     both wait.
+    ``base_model_name``: the base as the job named it (a Hub id, or the path as the job file wrote it), which exports
+    record where PEFT looks for the base (``base_model_name_or_path``); empty: ``base_model_path``, where this
+    trainer loads it from (an absolute path of one host, which names nothing on another).
     """
 
     base_model_path: str
@@ -516,6 +519,7 @@ class TrainingSpec:
     routing_replay: RoutingReplay = "auto"
     fingerprint_check: FingerprintCheck = "refuse"
     share: float = 1.0
+    base_model_name: str = ""
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str) -> None:
@@ -556,6 +560,12 @@ class TrainingSpec:
         if self.full_finetune and self.loss.kl_coef:
             fail("loss.kl_coef", "must be 0 with full_finetune (the reference is the base with adapters off)")
 
+    @property
+    def base_model_name_or_path(self) -> str:
+        """What every adapter this job exports names as its base (adapter_config.json's field of that name): the
+        one rule for the torch and Megatron exports, checkpoints' offline export and the Tinker front's."""
+        return self.base_model_name or self.base_model_path
+
     def decoupled(self, loss: LossSpec | None = None) -> bool:
         """Whether proximal logprobs must be recomputed before the step (decoupled PPO)."""
         loss = loss or self.loss
@@ -573,7 +583,7 @@ class TrainingSpec:
             max_buffered_trajectories=self.limits.max_buffered_trajectories, megatron=self.megatron.to_proto(),
             memory=self.memory.to_proto(), layer_devices=self.layer_devices,
             init_adapter_path=self.init_adapter_path, routing_replay=self.routing_replay,
-            fingerprint_check=self.fingerprint_check, share=self.share)
+            fingerprint_check=self.fingerprint_check, share=self.share, base_model_name=self.base_model_name)
 
     @classmethod
     def from_proto(cls, cfg: trainer_pb2.JobConfig, default_device: str = "cpu",
@@ -592,7 +602,7 @@ class TrainingSpec:
             layer_devices=cfg.layer_devices or 1, init_adapter_path=cfg.init_adapter_path,
             routing_replay=cfg.routing_replay or "auto",  # type: ignore[arg-type]  # checked on construction
             fingerprint_check=cfg.fingerprint_check or "refuse",  # type: ignore[arg-type]
-            share=cfg.share or 1.0)
+            share=cfg.share or 1.0, base_model_name=cfg.base_model_name)
 
 
 def loss_for_loop(loss: LossSpec, *, mode: str, max_staleness: int, max_tokens: int) -> LossSpec:

@@ -219,7 +219,9 @@ class TinkerService:
         if optimizer != "adamw":
             raise UserError(f"optimizer_config.type {optimizer!r}: lorarl serves adamw")
         try:
-            spec = TrainingSpec(base_model_path=path, lora=LoraSpec(rank=rank, alpha=2 * rank, target_modules=targets),
+            # exports name the base as the client did (the front's model name), not this host's folder
+            spec = TrainingSpec(base_model_path=path, base_model_name=base_model,
+                                lora=LoraSpec(rank=rank, alpha=2 * rank, target_modules=targets),
                                 loss=LossSpec(type="importance_sampling"),
                                 optimizer=OptimizerSpec(beta2=TINKER_ADAM["beta2"], eps=TINKER_ADAM["eps"],
                                                         max_grad_norm=0.0),

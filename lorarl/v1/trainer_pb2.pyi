@@ -122,7 +122,7 @@ class OptimizerConfig(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., micro_batch_tokens: _Optional[int] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("base_model_path", "device", "dtype", "lora", "loss", "optimizer", "full_finetune", "seed", "engine", "max_sequence_tokens", "max_buffered_trajectories", "megatron", "memory", "layer_devices", "init_adapter_path", "routing_replay", "fingerprint_check", "share")
+    __slots__ = ("base_model_path", "device", "dtype", "lora", "loss", "optimizer", "full_finetune", "seed", "engine", "max_sequence_tokens", "max_buffered_trajectories", "megatron", "memory", "layer_devices", "init_adapter_path", "routing_replay", "fingerprint_check", "share", "base_model_name")
     BASE_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class JobConfig(_message.Message):
     ROUTING_REPLAY_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_CHECK_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     base_model_path: str
     device: str
     dtype: str
@@ -159,7 +160,8 @@ class JobConfig(_message.Message):
     routing_replay: str
     fingerprint_check: str
     share: float
-    def __init__(self, base_model_path: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraSpec, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., full_finetune: _Optional[bool] = ..., seed: _Optional[int] = ..., engine: _Optional[str] = ..., max_sequence_tokens: _Optional[int] = ..., max_buffered_trajectories: _Optional[int] = ..., megatron: _Optional[_Union[MegatronConfig, _Mapping]] = ..., memory: _Optional[_Union[MemoryConfig, _Mapping]] = ..., layer_devices: _Optional[int] = ..., init_adapter_path: _Optional[str] = ..., routing_replay: _Optional[str] = ..., fingerprint_check: _Optional[str] = ..., share: _Optional[float] = ...) -> None: ...
+    base_model_name: str
+    def __init__(self, base_model_path: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraSpec, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., full_finetune: _Optional[bool] = ..., seed: _Optional[int] = ..., engine: _Optional[str] = ..., max_sequence_tokens: _Optional[int] = ..., max_buffered_trajectories: _Optional[int] = ..., megatron: _Optional[_Union[MegatronConfig, _Mapping]] = ..., memory: _Optional[_Union[MemoryConfig, _Mapping]] = ..., layer_devices: _Optional[int] = ..., init_adapter_path: _Optional[str] = ..., routing_replay: _Optional[str] = ..., fingerprint_check: _Optional[str] = ..., share: _Optional[float] = ..., base_model_name: _Optional[str] = ...) -> None: ...
 
 class MemoryConfig(_message.Message):
     __slots__ = ("activation_checkpointing", "logits_chunk_tokens")

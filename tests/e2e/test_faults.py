@@ -4,6 +4,8 @@
   trainer, the rollout, the rollout's vLLM engine core and weight sync are killed in turn, mid-run; its
   supervisor restarts each and the loop carries on from its last resume point. The run is co-located
   (placement.colocate): each restarted service maps the launcher's one copy of the base again.
+  With output.prometheus on, each service's /metrics is scraped once during the run, at the port its ready file
+  names; a restarted service serves them on the same port.
 - `lorarl train` against services it does not own: each is killed and started again by hand (same
   port, 3 s later, as compose or Kubernetes would); the loop waits each restart out. A re-run
   attaches to the job instead of failing with ALREADY_EXISTS.
@@ -12,15 +14,19 @@ bench/recovery.py measures the same faults (time to detect and recover) for benc
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from bench.recovery import TARGETS, Kill, lorarl_command, read_rows, run_with_faults
 from lorarl.client.job.config import load_job_config
@@ -68,12 +74,49 @@ def leftover_processes(marker: str) -> list[str]:
     return found
 
 
+#: A series each service's /metrics shows once the run has called it (lorarl.common.metrics; the trainer's per-job
+#: series: lorarl.trainer.service.job_metrics).
+SERIES = {"weightsync": "lorarl_rpc_handled_total{", "rollout": "lorarl_rpc_handled_total{",
+          "trainer": 'lorarl_trainer_job_version{job_id="demo"}'}
+
+
+def scrape_each_service(out: Path, scraped: dict[str, tuple[int, str]], stop: threading.Event) -> None:
+    """Each service's /metrics, once it shows its series, at the port its ready file names; a service not up (or
+    restarting) is tried again on the next round."""
+    while set(SERIES) - set(scraped) and not stop.wait(0.5):
+        for name in set(SERIES) - set(scraped):
+            try:
+                port = json.loads((out / "services" / f"{name}.ready.json").read_text())["metrics_port"]
+                with urllib.request.urlopen(f"http://127.0.0.1:{int(port)}/metrics", timeout=5) as response:
+                    body = response.read().decode()
+            except (OSError, ValueError, KeyError, TypeError):  # no ready file yet, half a restart, ...
+                continue
+            if SERIES[name] in body:
+                scraped[name] = (int(port), body)
+
+
 def test_lorarl_run_finishes_through_a_sigkill_of_each_service(tmp_path: Path) -> None:
     out = tmp_path / "run"
     steps = 14
     kills = [Kill(target, 2 + 3 * i) for i, target in enumerate(TARGETS)]
-    run = run_with_faults(out, kills, [f"loop.steps={steps}", *ASYNC, "placement.colocate=true"], timeout_s=800)
+    scraped: dict[str, tuple[int, str]] = {}
+    stop = threading.Event()
+    scraper = threading.Thread(target=scrape_each_service, args=(out, scraped, stop), daemon=True)
+    scraper.start()
+    try:
+        run = run_with_faults(out, kills, [f"loop.steps={steps}", *ASYNC, "placement.colocate=true",
+                                           "output.prometheus=true"], timeout_s=800)
+    finally:
+        stop.set()
+        scraper.join(timeout=30)
     assert run.returncode == 0, run.text()
+    # output.prometheus: every service served its metrics where its ready file (and the start line) said, and a
+    # restarted one on the same port (its config file, rewritten at the restart, asks for the port it had)
+    assert set(scraped) == set(SERIES), (sorted(scraped), run.text())
+    assert "lorarl: Prometheus metrics at weightsync http://127.0.0.1:" in run.stdout, run.stdout[-2000:]
+    for name, (port, _) in scraped.items():
+        assert yaml.safe_load((out / "services" / f"{name}.yaml").read_text())["server"]["metrics_port"] == port
+        assert f"{name} http://127.0.0.1:{port}/metrics" in run.stdout
     assert all(k.killed_at for k in kills), kills
     assert_versions_never_reused(run.rows, steps)
     stderr = "\n".join(line for _, line in run.stderr)

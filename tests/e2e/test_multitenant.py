@@ -2,7 +2,7 @@
 (single-turn) and the calculator agent (multi-turn, through the rollout's OpenAI endpoint), with their own
 tasks, LoRA ranks, losses and rewards, on one base that knows both. The trainer holds the base once for all of
 them (its log says so when the jobs are created), the one rollout serves every job's adapters, and each job's
-held-out success rises by at least 30 points (the issue's bar; a healthy run: +58.0 and +53.0). While they run,
+held-out success rises: sorting by at least 42 points, the agent by 30 (FLOOR; healthy runs below). While they run,
 a third job attaches to their stack (`--attach`) and trains on it, and the owner keeps the services up until it
 ends. One stack for both checks: starting a second one would cost the suite a minute (#29's budget). The jobs
 run the first 20 (sorting) and 12 (the agent) of their 40 steps here: sorting was past +50 at step 10 in every
@@ -26,6 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multitenant"
 SORT_STEPS, AGENT_STEPS = 20, 12
+#: Each job's held-out gain, within ~10 points of what healthy runs reach at these steps (issue "the first hour"):
+#: sorting +52 at step 10 in both runs measured (2026-12-05; +58.0 at 40 steps), the agent +40 and +45 at step 10
+#: (+53.0 at 40). The jobs are async and share one engine: not reproducible run to run.
+FLOOR = {"sort": 0.42, "tools": 0.30}
 
 
 def job_file(tmp: Path, name: str, job_id: str | None = None, steps: int | None = None) -> Path:
@@ -112,7 +116,6 @@ def test_two_jobs_on_one_base_both_learn_and_a_third_attaches(tmp_path: Path) ->
         print(f"{name}: held-out {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f} in "
               f"{evals[-1]['time_s']:.0f} s of loop")
         assert len(steps) == steps_run and sorted(r["train/version"] for r in steps)[-1] == steps_run
-        # healthy runs here: sorting +52 at step 10 (twice), the agent +40 and +45 at step 10 (2026-12-05)
-        assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.30, (name, evals)
+        assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= FLOOR[name], (name, evals)
         assert evals[0]["eval/accuracy"] == pytest.approx(start[name], abs=0.02), (name, start)
     assert all(r["rollout/context_tokens"] > 0 for r in metrics(tmp_path / "tools") if "rollout/reward_mean" in r)

@@ -131,7 +131,9 @@ def test_ray_launcher_places_learns_and_rides_a_changing_fleet(cluster: RayClust
 
     # It learned.
     before, after = map(float, re.search(r"held-out greedy accuracy: ([\d.]+) -> ([\d.]+)", text).groups())
-    assert after - before >= 0.30, text[-3000:]
+    # within ~10 points of a healthy run (issue "the first hour"): 0.360 -> 0.910 (+55.0) in these 60 steps
+    # (2026-12-07, 90ce2ec with stop 52's changes, this 2-core machine)
+    assert after - before >= 0.45, text[-3000:]
 
     # The replica that joined took prompts within two steps of starting to serve.
     assert first_use["rollout-extra"] <= joined_at + 2, (joined_at, first_use)

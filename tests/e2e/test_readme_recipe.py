@@ -1,7 +1,7 @@
-"""README's "Starting each service" block, run as written: the token file, three `lorarl serve` with the
-example configs on their fixed ports, then `lorarl train` on them (shortened with overrides after its
-flags, as a user may write them). The job trains, its versions reach the rollout, and no dtype warning
-is printed; a rollout started with the checkpoint's other dtype gets the warning."""
+"""docs/services.md's "Starting each service" block (README links it), run as written: the token file, three
+`lorarl serve` with the example configs on their fixed ports, then `lorarl train` on them (shortened with
+overrides after its flags, as a user may write them). The job trains, its versions reach the rollout, and no
+dtype warning is printed; a rollout started with the checkpoint's other dtype gets the warning."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ SHORT = ["loop.steps=2", "loop.mode=sync", "loop.eval_every=0", "data.eval_size=
 
 
 def recipe() -> list[str]:
-    """The shell lines of README's block under "## Starting each service"."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Starting each service", 1)[1]
+    """The shell lines of the first block of docs/services.md, under its title "Starting each service"."""
+    text = (ROOT / "docs" / "services.md").read_text()
+    section = text.split("# Starting each service", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
 

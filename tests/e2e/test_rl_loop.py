@@ -87,7 +87,14 @@ REPLICAS = {"sync": 2, "async": 1}
 #: launcher holds in shared memory, and each version reaches the engine as a memory file, not over gloo. It runs
 #: long enough for the issue's bar (held-out gain >= +30 points) with the guard probing every version.
 SETTINGS = {"sync": ["loop.steps=8"], "async": ["loop.steps=20", "placement.colocate=true"]}
-GAIN = {"sync": 0.10, "async": 0.30}
+#: Held-out gain each run must show, within ~10 points of what healthy runs reach (issue "the first hour"), from
+#: two runs each of these settings on this 2-core machine (2026-12-07, 90ce2ec with stop 52's changes): sync
+#: 0.36 -> 0.58 (+22) both times, async co-located 0.36 -> 0.73 (+37) both times.
+GAIN = {"sync": 0.15, "async": 0.30}
+#: The Megatron TP-2 run below: 0.36 -> 0.62 (+26) in 6 steps; the MoE merged run: 0.32 -> 0.59 (+27) in 6 steps,
+#: both times (same machine and date).
+MEGATRON_GAIN = 0.18
+MOE_GAIN = 0.18
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -143,7 +150,7 @@ def test_moe_auto_mode_syncs_merged_and_learns(tmp_path: Path) -> None:
                     *COMMON, *CORRECTIONS["moe"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     accuracy = evals(out)
-    assert accuracy[-1] >= accuracy[0] + 0.05, accuracy
+    assert accuracy[-1] >= accuracy[0] + MOE_GAIN, accuracy
     # The merged weights the rollout serves give the trainer's own logprobs (base + adapter).
     diffs = [r["train/behavior_logprob_abs_diff"] for r in steps(out)]
     assert max(diffs) < 1e-3, diffs
@@ -198,7 +205,7 @@ def test_megatron_tensor_parallel_run_learns_and_stays_on_policy(tmp_path: Path)
                     "trainer.engine=megatron", "trainer.parallel.tensor=2", *COMMON, *CORRECTIONS["megatron"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     accuracy = evals(out)
-    assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
+    assert accuracy[-1] >= accuracy[0] + MEGATRON_GAIN, accuracy
     assert max(r["train/behavior_logprob_abs_diff"] for r in steps(out)) < 1e-3
     assert_monitored(out, result.stdout, on_policy=True)
     assert "trainer rank 1 of 2 following rank 0" in (out / "services" / "trainer.log").read_text()

@@ -57,7 +57,9 @@ def test_the_tinker_style_example_learns() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     before = float(re.search(r"accuracy before: ([\d.]+)", done.stdout).group(1))
     after = float(re.search(r"accuracy after:\s+([\d.]+)", done.stdout).group(1))
-    assert after - before >= 0.2, done.stdout
+    # within ~10 points of healthy runs (issue "the first hour"): 0.360 -> 0.733 (+37.3) in 20 steps, both of two
+    # runs (2026-12-07, 90ce2ec with stop 52's changes, this 2-core machine)
+    assert after - before >= 0.28, done.stdout
 
 
 def test_rljob_reproduces_lorarl_runs_curve(tmp_path: Path) -> None:

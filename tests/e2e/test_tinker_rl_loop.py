@@ -34,7 +34,9 @@ def test_the_cookbook_style_loop_learns_through_the_tinker_front(tmp_path: Path)
         before = float(re.search(r"accuracy before: ([\d.]+)", done.stdout).group(1))
         after = float(re.search(r"accuracy after:\s+([\d.]+)", done.stdout).group(1))
         print(done.stdout[-1500:])
-        assert after - before >= 0.2, done.stdout
+        # within ~10 points of healthy runs (issue "the first hour"): +41.0 (b6a6082, 2026-12-04) and +37.0
+        # (90ce2ec with stop 52's changes, 2026-12-07), 16 steps on this 2-core machine
+        assert after - before >= 0.28, done.stdout
 
         service = tinker.ServiceClient(base_url=front.base_url, api_key=front.api_key)
         training = service.create_lora_training_client(base_model=front.base_model, rank=4).result()

@@ -1,10 +1,16 @@
 """A time budget per test file, enforced at the end of `make test` (`--budget tests/budget.json`).
 
 The suite has to fit CI's limit as it grows, so each file's wall time (setup + call + teardown of all its
-tests) is held to what was recorded for it, with headroom for a noisy machine, scaled by the run's pace (the
-recorded files' seconds against their record, so a machine slower throughout moves every budget alike while
-one file that grows against the rest still goes over); a file that is not in the
-record gets the default. A file past its budget fails the session and is named, with its measured and
+tests) is held to what was recorded for it, with headroom for a noisy machine, scaled by the run's pace; a file
+that is not in the record gets the default, and the whole run's wall time at pace 1.0 is capped (``total_s``).
+
+The pace is how much slower the machine runs a fixed calibration workload (`calibrate`: pure Python and
+hashing, no lorarl code) than it did when the record was taken (``calibration_s``), sampled every
+CALIBRATE_EVERY_S seconds while the suite runs, the median taken, between 1 and MAX_PACE. So a busier or slower
+machine moves every budget alike, while code that gets slower (one file, or all of it) does not move the pace
+and goes over. (Until stop 52 the pace was the recorded files' own seconds against their record: a uniform
+slowdown of the code read as a slow machine.) A record without ``calibration_s`` falls back to that old pace.
+A file past its budget fails the session and is named, with its measured and
 allowed seconds, so a new slow test is seen when it lands. Session-scoped fixtures (a shared engine, a
 shared demo run) are budgeted under their own name (``fixture:NAME``), not under whichever file happened
 to need them first, so the figures do not move with test order or selection.
@@ -27,9 +33,59 @@ from pathlib import Path
 
 import pytest
 
-DEFAULTS = {"headroom": 1.5, "slack_s": 15.0, "default_s": 20.0, "unmarked_s": 10.0}
+DEFAULTS = {"headroom": 1.5, "slack_s": 15.0, "default_s": 20.0, "unmarked_s": 10.0, "total_s": 1800.0,
+            "calibration_s": 0.0}
 #: A machine past twice the record's pace is not let off: its run fails where a file goes over at 2x.
 MAX_PACE = 2.0
+#: Seconds between two samples of the calibration workload while the suite runs.
+CALIBRATE_EVERY_S = 15.0
+
+
+def calibrate() -> float:
+    """Seconds of one fixed workload on one thread: an interpreter loop and SHA-256 over a buffer (~0.1 s on the
+    2-core development machine, idle). It reads the machine, not the code under test: nothing in it changes when
+    lorarl does."""
+    import hashlib
+
+    start = time.perf_counter()
+    total = 0
+    for i in range(200_000):
+        total += (i * i) % 7
+    block = bytes(range(256)) * 4096  # 1 MiB
+    digest = hashlib.sha256()
+    for _ in range(24):
+        digest.update(block)
+    digest.hexdigest()
+    return time.perf_counter() - start
+
+
+class PaceClock:
+    """Samples `calibrate` on a background thread of the controlling process for as long as the run lasts."""
+
+    def __init__(self, every_s: float = CALIBRATE_EVERY_S) -> None:
+        import threading
+
+        self.every_s = every_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lorarl-pace-clock", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(calibrate())
+            self._stop.wait(self.every_s)
+
+    def median(self) -> float | None:
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[len(ordered) // 2]
 
 
 @dataclass(frozen=True)
@@ -41,6 +97,8 @@ class Budget:
     slack_s: float = DEFAULTS["slack_s"]
     default_s: float = DEFAULTS["default_s"]
     unmarked_s: float = DEFAULTS["unmarked_s"]  # a test not marked slow may take this long
+    total_s: float = DEFAULTS["total_s"]  # the whole run's wall seconds at pace 1.0
+    calibration_s: float = DEFAULTS["calibration_s"]  # calibrate()'s median while the record was taken (0: none)
 
     @classmethod
     def load(cls, path: Path) -> Budget:
@@ -58,33 +116,35 @@ class Budget:
             return self.default_s
         return self.files[name] * self.headroom * pace + self.slack_s
 
-    def pace(self, measured: Mapping[str, float]) -> float:
-        """How much slower this run's machine went than the record's: the seconds of the files both name over
-        their recorded seconds, between 1 and MAX_PACE. A suite that slows alike (a slower or busier machine:
-        the same commit's suite took 23.7 and 31.6 min here hours apart) moves every budget with it; one file
-        that grows against the rest still goes over."""
+    def pace(self, measured: Mapping[str, float], calibration_s: float | None = None) -> float:
+        """How much slower this run's machine went than the record's, between 1 and MAX_PACE: the calibration
+        workload's median seconds this run over the record's, where both exist (a slower or busier machine:
+        the same commit's suite took 23.7 and 31.6 min here hours apart). Else the old way: the seconds of the
+        files both name over their recorded seconds (which reads code that slows alike as a slow machine)."""
+        if calibration_s and self.calibration_s:
+            return min(MAX_PACE, max(1.0, calibration_s / self.calibration_s))
         common = [n for n in measured if self.files.get(n, 0.0) > 0]
         recorded = sum(self.files[n] for n in common)
         if not recorded:
             return 1.0
         return min(MAX_PACE, max(1.0, sum(measured[n] for n in common) / recorded))
 
-    def over(self, measured: Mapping[str, float]) -> list[tuple[str, float, float]]:
-        """(name, measured, allowed) for each name past its budget, slowest first."""
-        pace = self.pace(measured)
+    def over(self, measured: Mapping[str, float], pace: float) -> list[tuple[str, float, float]]:
+        """(name, measured, allowed) for each name past its budget at this ``pace``, slowest first."""
         found = [(n, s, self.allowed(n, pace)) for n, s in measured.items() if s > self.allowed(n, pace)]
         return sorted(found, key=lambda row: -row[1])
 
-    def nearest(self, measured: Mapping[str, float], count: int) -> list[tuple[str, float, float]]:
+    def nearest(self, measured: Mapping[str, float], count: int, pace: float) -> list[tuple[str, float, float]]:
         """(name, measured, allowed) for the `count` names that used most of their budget, most first."""
-        pace = self.pace(measured)
         rows = [(n, s, self.allowed(n, pace)) for n, s in measured.items()]
         return sorted(rows, key=lambda row: -row[1] / row[2])[:count]
 
-    def recorded(self, measured: Mapping[str, float]) -> dict:
-        """This run's figures as a new record, the settings kept."""
+    def recorded(self, measured: Mapping[str, float], calibration_s: float | None = None) -> dict:
+        """This run's figures as a new record, the settings kept (and this run's calibration, where sampled)."""
         return {"headroom": self.headroom, "slack_s": self.slack_s, "default_s": self.default_s,
-                "unmarked_s": self.unmarked_s, "files": {n: round(s, 1) for n, s in sorted(measured.items())}}
+                "unmarked_s": self.unmarked_s, "total_s": self.total_s,
+                "calibration_s": round(calibration_s or self.calibration_s, 4),
+                "files": {n: round(s, 1) for n, s in sorted(measured.items())}}
 
     @classmethod
     def slowest(cls, records: list[Budget]) -> Budget:
@@ -93,8 +153,12 @@ class Budget:
         fast run), the last run's settings kept."""
         last = records[-1]
         files = {n: max(r.files.get(n, 0.0) for r in records) for n in last.files}
+        # the files at their slowest, and the machine as slow as the slowest calibration seen with them: pace
+        # 1.0 is the record's busiest run, so a run on a busier machine still gets a pace above 1
+        calibrations = [r.calibration_s for r in records if r.calibration_s]
         return cls(files=files, headroom=last.headroom, slack_s=last.slack_s, default_s=last.default_s,
-                   unmarked_s=last.unmarked_s)
+                   unmarked_s=last.unmarked_s, total_s=last.total_s,
+                   calibration_s=max(calibrations) if calibrations else 0.0)
 
 
 NEAREST_SHOWN = 12
@@ -166,7 +230,8 @@ class FixtureClock:
 
 
 class BudgetPlugin:
-    """In the controlling process: adds up the reports, writes a record, fails a run past its budget."""
+    """In the controlling process: adds up the reports, samples the pace, writes a record, fails a run past its
+    budget."""
 
     def __init__(self, budget_path: Path | None, record_path: Path | None) -> None:
         self.budget_path = budget_path
@@ -175,22 +240,36 @@ class BudgetPlugin:
         self.budget: Budget | None = None
         self.over: list[tuple[str, float, float]] = []
         self.unmarked: list[tuple[str, float]] = []
+        self.pace = 1.0
+        self.clock = PaceClock()
+        self.started = time.monotonic()
+        self.wall_s = 0.0
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.started = time.monotonic()
+        self.clock.start()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.timings.report(report)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        self.clock.stop()
+        self.wall_s = time.monotonic() - self.started
         measured = dict(self.timings.per_name)
+        calibration = self.clock.median()
         if self.record_path is not None:
             base = Budget.load(self.record_path) if self.record_path.exists() else Budget(files={})
-            self.record_path.write_text(json.dumps(base.recorded(measured), indent=1) + "\n")
+            self.record_path.write_text(json.dumps(base.recorded(measured, calibration), indent=1) + "\n")
         if self.budget_path is None:
             return
         self.budget = Budget.load(self.budget_path)
-        self.over = self.budget.over(measured)
+        self.pace = self.budget.pace(measured, calibration)
+        self.over = self.budget.over(measured, self.pace)
+        if self.wall_s > self.budget.total_s * self.pace:
+            self.over.append(("the whole run (wall time)", self.wall_s, self.budget.total_s * self.pace))
         # the unmarked rule moves with the machine's pace as the file budgets do (a busy machine took 14.7 s
         # for a test of 10 s elsewhere, and failed a green suite on it)
-        self.unmarked = self.timings.unmarked_slow(self.budget.unmarked_s * self.budget.pace(measured))
+        self.unmarked = self.timings.unmarked_slow(self.budget.unmarked_s * self.pace)
         if (self.over or self.unmarked) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -199,16 +278,21 @@ class BudgetPlugin:
         if self.budget is None:
             return
         total = sum(self.timings.per_name.values())
-        pace = self.budget.pace(self.timings.per_name)
+        calibration = self.clock.median()
+        how = (f"calibration {calibration:.3f} s against the record's {self.budget.calibration_s:.3f} s, "
+               f"{len(self.clock.samples)} samples" if calibration and self.budget.calibration_s
+               else "from the recorded files' seconds: the record has no calibration")
         terminalreporter.write_sep("=", f"time budget ({self.budget_path}): {total / 60:.1f} min of tests, "
-                                        f"at {pace:.2f}x the record's pace")
-        for name, seconds, allowed in self.budget.nearest(self.timings.per_name, NEAREST_SHOWN):
+                                        f"{self.wall_s / 60:.1f} min of wall time (at most "
+                                        f"{self.budget.total_s / 60:.0f} at pace 1.0), at {self.pace:.2f}x the "
+                                        f"record's pace ({how})")
+        for name, seconds, allowed in self.budget.nearest(self.timings.per_name, NEAREST_SHOWN, self.pace):
             terminalreporter.write_line(f"{seconds / allowed:4.0%} of budget  {name}: {seconds:.1f} s of "
                                         f"{allowed:.1f} s")
         for name, seconds, allowed in self.over:
             terminalreporter.write_line(f"OVER BUDGET {name}: {seconds:.1f} s, allowed {allowed:.1f} s "
                                         "(share an engine or a run, or re-record with --budget-record)")
-        limit = self.budget.unmarked_s * pace
+        limit = self.budget.unmarked_s * self.pace
         for name, seconds in self.unmarked:
             terminalreporter.write_line(f"NOT MARKED SLOW {name}: {seconds:.1f} s, past {limit:.1f} s at this pace "
                                         "(mark it pytest.mark.slow)")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import results
-from bench.results import all_runs, check, provenance, render, staleness, write_results
+from bench.results import all_runs, check, provenance, render, staleness, unmarked, write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,10 @@ def test_the_stale_check_finds_runs_whose_measured_code_changed_and_marks_them(t
     git(repo, "commit", "-qam", "helper")
     found = staleness(fast, repo)
     assert found["changed"] == ["lorarl/core/helper.py"] and found["commits"] == 1 and found["since"] == first
+    # CI's read-only check: both runs are stale and neither record says so yet
+    assert len(unmarked(records, repo)) == 2 and "(checked at" in unmarked(records, repo)[0]
     lines = check(records, repo, mark=True, results=repo / "bench" / "RESULTS.md")
+    assert unmarked(records, repo) == []  # marked: CI passes while they wait to be re-measured
     assert len(lines) == 2 and "fast" in lines[0] and "`lorarl/core/helper.py` changed in 1 commit(s)" in lines[0]
     text = (repo / "bench" / "RESULTS.md").read_text()
     assert text.count("> **Stale**") == 2 and text == render(records)

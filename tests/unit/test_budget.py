@@ -47,19 +47,40 @@ def budget_file(path: Path, files: dict[str, float], default_s: float = 20.0) ->
 def test_allowed_is_the_record_with_headroom_and_the_default_for_a_new_file() -> None:
     budget = Budget(files={"tests/a.py": 10.0}, headroom=1.5, slack_s=5.0, default_s=20.0)
     assert budget.allowed("tests/a.py") == 20.0 and budget.allowed("tests/new.py") == 20.0
-    assert budget.over({"tests/a.py": 19.9, "tests/new.py": 21.0, "tests/b.py": 1.0}) == [
+    assert budget.over({"tests/a.py": 19.9, "tests/new.py": 21.0, "tests/b.py": 1.0}, 1.0) == [
         ("tests/new.py", 21.0, 20.0)]
 
 
-def test_a_machine_slower_throughout_moves_every_budget_but_a_file_that_grows_still_goes_over() -> None:
+def test_a_busier_machine_moves_every_budget_but_code_that_slows_alike_still_goes_over() -> None:
+    """The pace comes from the calibration workload, not from the code under test: a machine that runs the
+    calibration 1.6x slower lets every file take 1.6x; the same files 1.6x slower on a machine that is not is
+    code that got slower, and every one of them is over."""
+    budget = Budget(files={"tests/a.py": 100.0, "tests/b.py": 100.0, "tests/c.py": 10.0}, headroom=1.2, slack_s=0.0,
+                    calibration_s=0.1)
+    slower = {"tests/a.py": 160.0, "tests/b.py": 160.0, "tests/c.py": 16.0}
+    busy = budget.pace(slower, calibration_s=0.16)
+    assert busy == pytest.approx(1.6) and budget.over(slower, busy) == []
+    quiet = budget.pace(slower, calibration_s=0.1)
+    assert quiet == 1.0 and [name for name, _, _ in budget.over(slower, quiet)] == ["tests/a.py", "tests/b.py",
+                                                                                   "tests/c.py"]
+    grown = {**slower, "tests/c.py": 60.0}  # on the busy machine c grew past the others: only c is over
+    assert [name for name, _, _ in budget.over(grown, busy)] == ["tests/c.py"]
+    assert budget.pace(slower, calibration_s=0.05) == 1.0  # a faster machine never tightens the budget
+    assert budget.pace(slower, calibration_s=9.0) == MAX_PACE  # nor does a far slower one lift it without bound
+
+
+def test_a_record_without_calibration_paces_by_its_files_as_before() -> None:
     budget = Budget(files={"tests/a.py": 100.0, "tests/b.py": 100.0, "tests/c.py": 10.0}, headroom=1.5, slack_s=0.0)
-    slower = {"tests/a.py": 160.0, "tests/b.py": 160.0, "tests/c.py": 16.0}  # 1.6x throughout: a slower machine
-    assert budget.pace(slower) == pytest.approx(1.6) and budget.over(slower) == []
-    grown = {**slower, "tests/c.py": 60.0}  # c grew 6x, the rest 1.6x: c is over at this pace, not the others
-    assert [name for name, _, _ in budget.over(grown)] == ["tests/c.py"]
-    assert budget.pace({"tests/a.py": 50.0}) == 1.0  # a faster run never tightens the budget
-    assert budget.pace({"tests/a.py": 900.0}) == MAX_PACE  # nor does a far slower one lift it without bound
-    assert [name for name, _, _ in budget.over({"tests/a.py": 900.0})] == ["tests/a.py"]
+    slower = {"tests/a.py": 160.0, "tests/b.py": 160.0, "tests/c.py": 16.0}
+    assert budget.pace(slower, calibration_s=0.2) == pytest.approx(1.6)
+    assert budget.pace({"tests/a.py": 50.0}) == 1.0 and budget.pace({"tests/a.py": 900.0}) == MAX_PACE
+
+
+def test_the_calibration_reads_the_machine_in_about_a_tenth_of_a_second() -> None:
+    from tests.support.budget import calibrate
+
+    samples = sorted(calibrate() for _ in range(3))
+    assert 0.005 < samples[1] < 2.0
 
 
 def test_session_fixture_time_is_its_own_line_not_the_first_files() -> None:
@@ -175,3 +196,42 @@ def test_several_runs_make_one_record_each_file_at_its_slowest(tmp_path: Path) -
     # the last run's names; each at the slowest any run took (a file gone from the suite is dropped)
     assert merged.files == {"tests/a.py": 93.1, "tests/b.py": 30.0, "tests/new.py": 5.0}
     assert (merged.headroom, merged.slack_s) == (1.0, 0.0)  # the settings kept
+
+
+def test_a_run_records_its_calibration_and_a_run_past_the_total_fails(pytester: Pytester) -> None:
+    pytester.makepyfile(test_grown=SLOW_FILE)
+    record = pytester.path / "record.json"
+    assert pytester.runpytest_subprocess("--budget-record", str(record)).ret == 0
+    calibration = json.loads(record.read_text())["calibration_s"]
+    assert 0.005 < calibration < 2.0  # sampled while the run lasted
+    # the same files, a record taken on a machine 100x faster at the calibration: pace at its bound, and reported
+    path = pytester.path / "budget.json"
+    path.write_text(json.dumps({"calibration_s": calibration / 100, "total_s": 60.0,
+                                "files": {"test_grown.py": 5.0, "fixture:shared": 5.0}}))
+    result = pytester.runpytest_subprocess("--budget", str(path))
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines([f"*at {MAX_PACE:.2f}x the record's pace (calibration *"])
+    # the whole run capped: 0.2 s at pace 1.0 is past for a run that sleeps 1.4 s
+    path.write_text(json.dumps({"calibration_s": calibration * 100, "total_s": 0.2,
+                                "files": {"test_grown.py": 5.0, "fixture:shared": 5.0}}))
+    result = pytester.runpytest_subprocess("--budget", str(path))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*OVER BUDGET the whole run (wall time): * s, allowed 0.2 s*"])
+
+
+def test_a_file_made_three_times_slower_goes_over_though_the_machine_is_not(pytester: Pytester) -> None:
+    """The gate's job (issue "the first hour"): code that got 3x slower fails the run at pace 1.0; the
+    calibration, not the slowed file, sets the pace. tests/support/slowdown.py makes the file slower."""
+    pytester.makepyfile(test_grown=SLOW_FILE)
+    record = pytester.path / "record.json"
+    assert pytester.runpytest_subprocess("--budget-record", str(record)).ret == 0
+    data = json.loads(record.read_text())
+    data.update(headroom=1.5, slack_s=0.0)
+    record.write_text(json.dumps(data))
+    assert pytester.runpytest_subprocess("--budget", str(record)).ret == pytest.ExitCode.OK
+    slowed = pytester.runpytest_subprocess("-p", "tests.support.slowdown", "--slowdown", "test_grown.py=3",
+                                           "--budget", str(record))
+    assert slowed.ret == pytest.ExitCode.TESTS_FAILED, slowed.stdout.str()
+    slowed.stdout.fnmatch_lines(["*OVER BUDGET test_grown.py: * s, allowed * s*"])
+    assert "the record's pace (calibration" in slowed.stdout.str()  # paced by the machine, not by the slowed file
+

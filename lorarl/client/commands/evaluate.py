@@ -59,12 +59,12 @@ def read_adapter(directory: Path) -> tuple[dict, dict]:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from lorarl.client.commands.run import load, stop_on_sigterm
+    from lorarl.client.commands.run import data_ready, load, stop_on_sigterm
     from lorarl.client.launch.local import LocalStack
     from lorarl.client.launch.services import stack_sections
 
     cfg = load(args)
-    if cfg is None:
+    if cfg is None or not data_ready(cfg, ("test",)):  # the held-out split there before the rollout starts
         return 2
     try:
         adapters = [read_adapter(Path(directory)) for directory in args.adapter]

@@ -21,9 +21,11 @@ from typing import Any
 
 from lorarl.client.calls import ServiceCallError, client_token
 from lorarl.client.job.inputs import inputs_ok
+from lorarl.client.job.resume_check import resume_ok
 from lorarl.client.launch.attach import wait_for_attached
+from lorarl.client.launch.launcher_record import launcher_recorded
 from lorarl.client.launch.local import ServiceFailedError
-from lorarl.client.launch.services import check_startable, launch_stack
+from lorarl.client.launch.services import check_startable, launch_stack, metrics_line
 from lorarl.client.rl.drive import drive
 from lorarl.client.rl.recovery import ActivationFailedError, RecoveryExhaustedError
 from lorarl.common.channel import ClientTls
@@ -63,7 +65,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. loop.steps=10")
     parser.add_argument("--dry-run", action="store_true", help="validate the config, print the plan, and exit")
     parser.add_argument("--fresh", action="store_true",
-                        help="start the job over: ignore the output dir's resume point (train: delete the job)")
+                        help="start the job over: ignore the output dir's resume point (train: delete the job); "
+                        "without it, a run that would resume refuses changes to the settings its resume point "
+                        "depends on (lorarl/client/job/resume_check.py)")
 
 
 def add_token_file(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +136,7 @@ def run_many(args: argparse.Namespace, files: list[str]) -> int:
             print(f"== {path} ({cfg.job_id})")
             if code := dry_run(cfg):
                 return code
-        elif not inputs_ok(cfg):
+        elif not inputs_ok(cfg) or not resume_ok(as_shared_job(cfg), args.fresh):
             return 2
         cfgs.append(cfg)
     try:
@@ -155,6 +159,30 @@ def run_many(args: argparse.Namespace, files: list[str]) -> int:
         return 2
     except RUN_ENDING_ERRORS as e:
         return report(e, Path(cfgs[0].output.dir))
+
+
+def as_shared_job(cfg):
+    """A copy of ``cfg`` as its `lorarl train` runs it on a stack shared with other jobs (adapters only:
+    lorarl.client.launch.many_jobs), for the resume check to compare what that run will record."""
+    import copy
+
+    shared = copy.deepcopy(cfg)
+    shared.sync.mode = "adapter"
+    return shared
+
+
+def data_ready(cfg, splits: tuple[str, ...] = ("train", "test")) -> bool:
+    """The job's data (``splits`` of it) there before the model is fetched or anything starts: a Hub dataset
+    (data.dataset) downloaded into the datasets cache, a missing file refused naming its key and what makes it;
+    False, said on stderr, otherwise."""
+    from lorarl.client.job.inputs import fetch_data
+
+    try:
+        fetch_data(cfg, splits)
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def model_ready(cfg) -> bool:
@@ -185,7 +213,9 @@ def stop_on_sigterm() -> None:
 def dry_run(cfg) -> int:
     """--dry-run: the memory and placement plan, then the job's own inputs (every row of its data, its
     reward, its workflow); "config OK" only when both hold. A Hub model not in the cache is planned from
-    model.shape, and said to be downloaded by `lorarl run`."""
+    model.shape, and said to be downloaded by `lorarl run`; data that is not there yet (a file to be made, a Hub
+    dataset not in the cache) is a WARNING naming its key and what makes it, so a job file checks out on a fresh
+    clone (`lorarl run` refuses it, or downloads the Hub dataset, before anything starts)."""
     from lorarl.client.job.hub import is_repo_id
     from lorarl.client.job.inputs import check_inputs
     from lorarl.client.job.plan import print_plan
@@ -198,13 +228,14 @@ def dry_run(cfg) -> int:
     if code:
         return code
     try:
-        lines = check_inputs(cfg)
+        lines = check_inputs(cfg, missing_ok=True)
     except ConfigError as e:
         print(f"lorarl: bad config: {e}")
         return 2
     for line in lines:
         print(line)
-    print("config OK")
+    warnings = sum(line.startswith("WARNING") for line in lines)
+    print("config OK" + (f", with {warnings} WARNING{'S' if warnings > 1 else ''} above" if warnings else ""))
     return 0
 
 
@@ -233,7 +264,9 @@ def run_command(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"lorarl: bad config: {e}", file=sys.stderr)
         return 2
-    if not model_ready(cfg) or not inputs_ok(cfg):
+    if not resume_ok(cfg, args.fresh):  # a changed job file against the saved state: before any download
+        return 2
+    if not data_ready(cfg) or not model_ready(cfg) or not inputs_ok(cfg):  # data first: the model may be large
         return 2
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -243,10 +276,12 @@ def run_command(args: argparse.Namespace) -> int:
     # (~6 s of imports; lorarl.contract.tokenizer), import them while the services start.
     in_background(import_in_advance, cfg.model.path)
     try:
-        with stack:
+        with launcher_recorded(out / "services"), stack:  # `lorarl stop RUN_DIR` finds this process by it
             rollouts = stack.addresses("rollout")
             print(f"lorarl: services up (trainer {stack.address('trainer')}, rollout {', '.join(rollouts)}, "
                   f"weightsync {stack.address('weightsync')}); logs in {out / 'services'}", flush=True)
+            if line := metrics_line(stack, out):
+                print(line, flush=True)
             stack.supervise(cfg.recovery.restarts if cfg.recovery.enabled else 0)
             code = asyncio.run(drive(cfg, stack.address("trainer"), None, stack.token, out,
                                      stack.address("weightsync"), fresh=args.fresh, give_up=stack.raise_if_failed,
@@ -286,6 +321,8 @@ def attach_run(args: argparse.Namespace, files: list[str]) -> int:
     if not inputs_ok(cfg):
         return 2
     cfg.sync.mode = "adapter"  # auto or adapter (merged is refused above): a merged version replaces the shared base
+    if not resume_ok(cfg, args.fresh):
+        return 2
     print(f"lorarl: attached to the services of {args.attach} (trainer {addresses['trainer']}, weightsync "
           f"{addresses['weightsync']})", flush=True)
     return drive_services(cfg, args, addresses["trainer"], [], token, addresses["weightsync"],
@@ -308,7 +345,7 @@ def train_command(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"lorarl train: {e}", file=sys.stderr)
         return 2
-    if not inputs_ok(cfg):
+    if not inputs_ok(cfg) or not resume_ok(cfg, args.fresh):
         return 2
     rollouts = [a.strip() for a in (args.rollout or "").split(",") if a.strip()]
     openai_urls = [u.strip() for u in (args.openai or "").split(",") if u.strip()]

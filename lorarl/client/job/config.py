@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lorarl.client.job.datasets import SOURCES
+from lorarl.client.job.datasets import HUB_SOURCES, SOURCES
 from lorarl.client.job.rewards import REWARD_ERRORS
-from lorarl.common.config import ConfigError, all_of, in_range, multiple_of, setting
+from lorarl.common.config import Check, ConfigError, all_of, in_range, multiple_of, setting
 from lorarl.contract import staleness
 from lorarl.contract.errors import SpecError
 from lorarl.contract.lora import (
@@ -54,14 +54,25 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = setting("tasks", doc="'tasks' (the shipped synthetic tasks), 'jsonl', 'gsm8k', or 'datasets' "
-                                       "(any local file or folder Hugging Face datasets reads: jsonl, json, parquet, "
-                                       "csv, arrow, save_to_disk; or a hub dataset already in the local cache).")
+    source: str = setting("tasks", doc="How rows become examples: 'tasks' (the shipped synthetic tasks), 'jsonl', "
+                                       "'gsm8k' (question/answer, the gold number taken from the solution), or "
+                                       "'datasets' (any local file or folder Hugging Face datasets reads: jsonl, json, "
+                                       "parquet, csv, arrow, save_to_disk; or a hub dataset already in the local "
+                                       "cache). Where a Hub dataset's rows come from is data.dataset.")
     train_path: str = setting("", doc="Train file, folder or cached hub name (relative paths: from the job file's "
                                       "folder, then the working directory).")
     test_path: str = setting("", doc="Held-out file, folder or cached hub name.")
-    train_split: str = setting("train", doc="Split of a folder or hub dataset to train on (data.source=datasets).")
-    test_split: str = setting("test", doc="Split of a folder or hub dataset to evaluate on (data.source=datasets).")
+    dataset: str = setting("", doc="A Hugging Face Hub dataset (ORG/NAME, e.g. openai/gsm8k) whose splits "
+                                   "data.train_split and data.test_split are the data, instead of data.train_path / "
+                                   "test_path; with data.source datasets or gsm8k. Read from the datasets cache "
+                                   "(HF_HOME / HF_DATASETS_CACHE): a dry run never downloads; `lorarl run` downloads "
+                                   "it first where missing, unless HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set.")
+    config: str = setting("", doc="The configuration (subset) of data.dataset, e.g. 'main' of openai/gsm8k (empty: "
+                                  "its only one).")
+    train_split: str = setting("train", doc="Split to train on, of data.dataset or of a folder or hub name "
+                                            "(data.source=datasets).")
+    test_split: str = setting("test", doc="Split to evaluate on, of data.dataset or of a folder or hub name "
+                                          "(data.source=datasets).")
     tasks: list[str] = setting(default_factory=list, doc="data.source=tasks: which of the shipped tasks ('add', "
                                                          "'sort') to train and evaluate on (empty: all).")
     columns: dict[str, str] = setting(default_factory=dict, doc="Which columns hold the prompt and the answer, "
@@ -89,9 +100,16 @@ class DataConfig:
         if self.reward_errors not in REWARD_ERRORS:
             raise ConfigError("reward_errors", f"expected one of {list(REWARD_ERRORS)}, got {self.reward_errors!r}")
         if self.source not in SOURCES:
-            raise ConfigError("source", f"expected one of {list(SOURCES)}, got {self.source!r}")
-        if self.source != "tasks" and not (self.train_path and self.test_path):
-            raise ConfigError("train_path", f"data.source={self.source} needs data.train_path and data.test_path")
+            raise ConfigError("source", f"expected one of {list(SOURCES)}, got {self.source!r} (a Hugging Face Hub "
+                                        "dataset is data.dataset: ORG/NAME, with data.source datasets or gsm8k)")
+        if self.dataset:
+            self._check_dataset()
+        elif self.config:
+            raise ConfigError("config", "names a configuration of data.dataset (a Hugging Face Hub dataset): set "
+                                        "data.dataset: ORG/NAME too, or drop data.config")
+        elif self.source != "tasks" and not (self.train_path and self.test_path):
+            hub = " (or data.dataset: a Hugging Face Hub dataset's two splits)" if self.source in HUB_SOURCES else ""
+            raise ConfigError("train_path", f"data.source={self.source} needs data.train_path and data.test_path{hub}")
         if self.tasks:
             from lorarl.assets.tasks import TASK_KINDS
 
@@ -102,6 +120,22 @@ class DataConfig:
         unknown = set(self.columns) - {"prompt", "answer"}
         if unknown:
             raise ConfigError("columns", f"maps 'prompt' and 'answer' only, got {sorted(unknown)}")
+
+    def _check_dataset(self) -> None:
+        """data.dataset: a Hub id, read with a source that takes any rows, and the only place the data is named."""
+        from lorarl.client.job.hub import REPO_ID
+
+        if self.source not in HUB_SOURCES:
+            raise ConfigError("dataset", f"is read with data.source datasets (its columns as data.columns maps them) "
+                                         f"or gsm8k (question/answer, the gold number taken); data.source is "
+                                         f"{self.source!r}")
+        if not REPO_ID.fullmatch(self.dataset):
+            raise ConfigError("dataset", f"expected a Hugging Face Hub dataset id ORG/NAME (e.g. openai/gsm8k), got "
+                                         f"{self.dataset!r}; local files and folders go in data.train_path / "
+                                         "data.test_path")
+        if self.train_path or self.test_path:
+            raise ConfigError("dataset", "names both splits (data.train_split, data.test_split): drop "
+                                         "data.train_path / data.test_path, or data.dataset")
 
 
 @dataclass
@@ -117,12 +151,16 @@ class WorkflowSection:
 class LoraSection:
     """The job file's `trainer.lora`: the fields of lorarl.contract.lora.LoraSpec, with its defaults."""
 
-    rank: int = setting(DEFAULT_RANK, check=in_range(1, MAX_RANK))
+    rank: int = setting(DEFAULT_RANK, check=in_range(1, MAX_RANK), doc="LoRA rank r of every adapted module.")
     alpha: float | None = setting(None, check=in_range(0.0), doc="Default: twice the rank.")
-    dropout: float = setting(0.0, check=in_range(0.0, 0.99))
-    target_modules: list[str] = setting(default_factory=lambda: [ALL_LINEAR])
-    expert_mode: ExpertMode = setting("per_expert")
-    use_rslora: bool = setting(False)
+    dropout: float = setting(0.0, check=in_range(0.0, 0.99), doc="Dropout on the adapter's input (0: none).")
+    target_modules: list[str] = setting(default_factory=lambda: [ALL_LINEAR], doc="Projections to adapt: 'all-linear' "
+        "or names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj); a name that matches no module of "
+        "the model is refused.")
+    expert_mode: ExpertMode = setting("per_expert", doc="MoE models: an adapter per expert, one 'shared' by all "
+        "experts of a layer, or 'none' (experts not adapted).")
+    use_rslora: bool = setting(False, doc="rsLoRA: the adapter's scale divides alpha by the square "
+        "root of the rank, not by the rank.")
 
     def validate(self) -> None:
         try:
@@ -160,7 +198,7 @@ class TrainerSection:
     device: str = setting("cpu", doc="cpu, cuda or npu (the first of the trainer's devices).")
     engine: Literal["torch", "megatron"] = setting("torch", doc="'torch' (transformers) or 'megatron' (TP/PP/EP).")
     parallel: ParallelSection = field(default_factory=ParallelSection)
-    seed: int = setting(0, check=in_range(0))
+    seed: int = setting(0, check=in_range(0), doc="Seed of the adapter's initialisation and the trainer's RNG.")
     lora: LoraSection = field(default_factory=LoraSection)
     # The training spec's own classes (lorarl.contract.training): their defaults, bounds and docs.
     loss: LossSpec = field(default_factory=LossSpec)
@@ -182,15 +220,19 @@ class TrainerSection:
 
 @dataclass
 class RolloutSection:
-    engine: Literal["vllm", "hf"] = setting("vllm")
+    engine: Literal["vllm", "hf"] = setting("vllm", doc="'vllm', or 'hf' (transformers generate: slow, no prompt "
+        "logprobs; for platforms vLLM does not run on).")
     dtype: Literal["float32", "bfloat16"] | None = setting(
         None, doc="The rollout engines' dtype (null: model.dtype, the trainer's). bfloat16 rollouts with a float32 "
                   "trainer is a common mismatch: the rollout-vs-trainer monitor and rollout correction see it.")
     group_size: int = setting(8, check=in_range(1, 64), doc="Completions per prompt (GRPO group).")
-    temperature: float = setting(1.0, check=in_range(0.0, 10.0))
-    top_p: float = setting(1.0, check=in_range(0.0, 1.0))
-    max_tokens: int = setting(8, check=in_range(1, 65536))
-    eval_max_tokens: int = setting(8, check=in_range(1, 65536))
+    temperature: float = setting(1.0, check=in_range(0.0, 10.0), doc="Sampling temperature of training rollouts "
+        "(held-out evaluation is greedy).")
+    top_p: float = setting(1.0, check=in_range(0.0, 1.0), doc="Nucleus sampling of training rollouts (1: off).")
+    max_tokens: int = setting(8, check=in_range(1, 65536), doc="Longest completion sampled for training, in tokens (a "
+        "longer one is cut: rollout/truncated_fraction).")
+    eval_max_tokens: int = setting(8, check=in_range(1, 65536), doc="Longest completion of a held-out evaluation, in "
+        "tokens.")
     kv_cache_gib: float = setting(1.0, check=in_range(0.0625), doc="vLLM's KV cache per replica, in GiB.")
     gpu_memory_utilization: float | None = setting(
         None, check=in_range(0.05, 1.0), doc="Share of a GPU a vLLM engine may use (null: vLLM's 0.9).")
@@ -263,9 +305,11 @@ class PolicyGuardSection:
 class LoopSection:
     mode: LoopMode = setting("async", doc="'sync': generate, then train, then sync; 'async': generate while "
                                           "training, at most max_staleness versions behind.")
-    steps: int = setting(40, check=in_range(1))
-    prompts_per_step: int = setting(16, check=in_range(1))
-    max_staleness: int = setting(1, check=in_range(0, 64))
+    steps: int = setting(40, check=in_range(1), doc="Training steps (one optimizer step and one policy version each).")
+    prompts_per_step: int = setting(16, check=in_range(1), doc="Prompts per step; each is sampled rollout.group_size "
+        "times.")
+    max_staleness: int = setting(1, check=in_range(0, 64), doc="Async loop: how many policy versions a sample may lag "
+        "the trainer; older tokens are masked.")
     eval_every: int = setting(10, check=in_range(0), doc="Evaluate every K steps (0: only before and after).")
     checkpoint_every: int = setting(0, check=in_range(0), doc="Checkpoint every K steps (0: only at the end).")
     keep_checkpoints: int = setting(0, check=in_range(0), doc="Step checkpoints kept on the trainer, the newest "
@@ -275,6 +319,9 @@ class LoopSection:
         1800.0, check=in_range(0.0), doc="Deadline of every call the loop makes to a service (0: none): a service "
         "that hangs ends its call with DEADLINE_EXCEEDED naming service and call, which the loop recovers from "
         "(recovery.max_recoveries) or fails with, instead of waiting forever.")
+    success_reward: float = setting(1.0, doc="A sample whose reward is >= this counts as a success: rollout/accuracy "
+                                    "and eval/accuracy are the share of successes (a 0-1 reward: 1 is a correct "
+                                    "answer). Lower it for rewards on another scale or with partial credit.")
     mismatch_alarm: MismatchAlarmSection = field(default_factory=MismatchAlarmSection)
     policy_guard: PolicyGuardSection = field(default_factory=PolicyGuardSection)
     stall: StallSection = field(default_factory=StallSection)
@@ -306,6 +353,34 @@ class SyncSection:
     collective: bool = setting(True, doc="Bytes over a gloo/nccl/hccl group (False: inline gRPC).")
 
 
+#: `lorarl slurm`: a service's Prometheus port is its gRPC port plus this (output.prometheus).
+METRICS_PORT_OFFSET = 1000
+#: What W&B refuses in a project or entity name.
+WANDB_FORBIDDEN = "/\\#?%:"
+
+
+def wandb_name(*, empty: bool = True, forbidden: str = WANDB_FORBIDDEN, longest: int = 128) -> Check:
+    """A check of a name W&B takes: refused when the job file loads, not by the first wandb.init of a run that
+    has already started its services."""
+
+    def check(value: Any) -> str | None:
+        names = value if isinstance(value, list) else [value]  # wandb_tags: each of them
+        for name in names:
+            if not name:
+                if not empty:
+                    return "a name, got ''"
+                continue
+            if len(name) > longest:
+                return f"at most {longest} characters, got {len(name)}"
+            if bad := sorted({c for c in name if c in forbidden}):
+                return f"no {' '.join(repr(c) for c in bad)} (W&B refuses them), got {name!r}"
+            if name != name.strip():
+                return f"no leading or trailing spaces, got {name!r}"
+        return None
+
+    return check
+
+
 @dataclass
 class OutputSection:
     dir: str = setting("runs/demo", doc="Metrics, plots, checkpoints and service logs go here.")
@@ -316,13 +391,34 @@ class OutputSection:
                                      "(<dir>/services/NAME.log) is rotated when it reaches this size (0: never).")
     service_log_backups: int = setting(2, check=in_range(0, 100), doc="Rotated copies of each service log kept "
                                        "(NAME.log.1 newest); older output is dropped.")
+    prometheus: bool = setting(False, doc="Each service serves Prometheus metrics over HTTP (GET /metrics: its RPC "
+                               "counts and latencies, the trainer's per-job series): `lorarl run` and "
+                               "launcher.kind=ray on a free port per service, kept across its restarts; `lorarl slurm` "
+                               f"on the service's gRPC port + {METRICS_PORT_OFFSET}. Printed at start, and written "
+                               "under <dir>/services: each service's ready file (NAME.ready.json: metrics_port) and, "
+                               "for `lorarl run`, stack.json.")
+    prometheus_host: str = setting("127.0.0.1", doc="Address the metrics endpoints bind. They have no "
+                                   "authentication: loopback unless a scraper on another host needs them (then e.g. "
+                                   "0.0.0.0, on a network you trust).")
+    wandb_project: str = setting("lorarl", check=wandb_name(empty=False),
+                                 doc="Weights & Biases project of the run (output.wandb).")
+    wandb_run: str = setting("", check=wandb_name(forbidden=""), doc="Weights & Biases run name ('': the job_id).")
+    wandb_entity: str = setting("", check=wandb_name(), doc="Weights & Biases entity, a team or user ('': your "
+                                "default entity).")
+    wandb_tags: list[str] = setting(default_factory=list, check=wandb_name(empty=False, forbidden="", longest=64),
+                                    doc="Weights & Biases tags of the run (each 1-64 characters).")
+
+    def validate(self) -> None:
+        if not self.prometheus_host.strip():
+            raise ConfigError("prometheus_host", "must not be empty (127.0.0.1: this host only)")
 
 
 @dataclass
 class PlacementSection:
     """Where the job runs: devices and memory for the --dry-run plan, CPUs for `lorarl run`."""
 
-    nodes: int = setting(1, check=in_range(1, 4096))
+    nodes: int = setting(1, check=in_range(1, 4096), doc="Hosts the job runs on (the plan and the cluster launchers; "
+        "`lorarl run` on one host uses 1).")
     devices_per_node: int = setting(0, check=in_range(0, 64), doc="Accelerators per node (0: CPU only).")
     device_memory_gib: float = setting(0.0, check=in_range(0.0), doc="Memory per accelerator (0: unknown).")
     device_tflops: float = setting(0.0, check=in_range(0.0), doc="Dense peak TFLOP/s per accelerator in the job's "
@@ -489,13 +585,23 @@ class JobFileConfig:
 
 def load_job_config(path: str | None, overrides: list[str]) -> JobFileConfig:
     """The job file with its overrides, validated; ``job_dir`` (not a setting) is the file's folder, where the
-    job's own reward and workflow modules and relative data paths are looked up first."""
+    job's own reward and workflow modules and relative data paths are looked up first; ``model_name`` (not a
+    setting either) is model.path as written, before it is resolved to a folder (``base_model_name``)."""
     from lorarl.common.config import load_config
 
     cfg = load_config(JobFileConfig, path, overrides=overrides, env={})
     cfg.job_dir = str(Path(path).resolve().parent) if path else ""
+    cfg.model_name = cfg.model.path
     cfg.model.path = model_location(cfg.model.path, cfg.job_dir)
     return cfg
+
+
+def base_model_name(cfg: JobFileConfig) -> str:
+    """The base model as the job names it: model.path as the job file (or an override) wrote it, a Hugging Face
+    Hub id staying a Hub id (``Qwen/Qwen3-8B``, not its snapshot folder in this host's cache). Exported adapters
+    record it as ``base_model_name_or_path``, where PEFT loads the base from, as PEFT itself records the name a
+    model was loaded by; a resumed run is compared by it (a moved checkout is the same model)."""
+    return getattr(cfg, "model_name", "") or cfg.model.path
 
 
 #: The folder lorarl is installed in: a shipped model's path (lorarl/assets/models/...) is found from any folder.
@@ -545,7 +651,8 @@ def training_spec(cfg: JobFileConfig, model_path: str) -> TrainingSpec:
             optimizer=t.optimizer, seed=t.seed, engine=t.engine, megatron=megatron, memory=t.memory,
             layer_devices=t.parallel.pipeline if t.engine == "torch" else 1, init_adapter_path=init,
             limits=LimitsSpec(max_sequence_tokens=max(serving_length(cfg) or 0, DEFAULT_MAX_SEQUENCE_TOKENS)),
-            routing_replay=t.routing_replay, fingerprint_check=t.fingerprint_check, share=t.share)
+            routing_replay=t.routing_replay, fingerprint_check=t.fingerprint_check, share=t.share,
+            base_model_name=base_model_name(cfg))
     except SpecError as e:
         raise ConfigError(f"trainer.{e.path}", e.problem) from None
 

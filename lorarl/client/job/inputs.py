@@ -1,14 +1,19 @@
 """A job's own inputs — its data, reward and workflow — found from the job file (its folder first) and
 checked before any service starts (`lorarl run --dry-run` reads every row of each split and measures its
-prompt against data.max_prompt_tokens, imports the reward and builds the workflow: a missing file, a bad row or
-a bad reward fails there, not a minute into the run)."""
+prompt against data.max_prompt_tokens, imports the reward and builds the workflow: a bad row or a bad reward
+fails there, not a minute into the run).
+
+Data that is not there yet (a file still to be made, a Hub dataset not yet in the cache) is a warning in the dry
+run's plan, naming the key and what makes it, so a job file checks out on a fresh clone; `lorarl run` downloads a
+missing Hub dataset and refuses a missing file, before it fetches the model or starts a service."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from lorarl.client.job.config import JobFileConfig, job_path
-from lorarl.client.job.datasets import Example, load_examples
+from lorarl.client.job.datasets import GSM8K_HUB, Example, MissingDataError, load_examples
 from lorarl.client.job.rewards import RewardFn, load_reward
 from lorarl.client.workflow import Workflow, load_workflow
 from lorarl.common.config import ConfigError
@@ -17,11 +22,59 @@ from lorarl.contract.peft_files import read_peft_config
 
 
 def job_examples(cfg: JobFileConfig, split: str, limit: int | None = None) -> list[Example]:
-    """The train or test split's examples (``limit``: only the first rows)."""
+    """The train or test split's examples (``limit``: only the first rows); data that is not there is a
+    MissingDataError that says what makes it."""
     d = cfg.data
     path = job_path(cfg, d.train_path if split == "train" else d.test_path)
-    return load_examples(d.source, split, path, d.columns, d.train_split if split == "train" else d.test_split,
-                         limit=limit, tasks=d.tasks)
+    try:
+        return load_examples(d.source, split, path, d.columns, d.train_split if split == "train" else d.test_split,
+                             limit=limit, tasks=d.tasks, dataset=d.dataset, config=d.config)
+    except MissingDataError as e:
+        raise MissingDataError(e.key, e.what, how_to_get(cfg, split)) from None
+
+
+def how_to_get(cfg: JobFileConfig, split: str) -> str:
+    """What makes a split's missing data, and what `lorarl run` does meanwhile."""
+    from lorarl.client.job.hub_datasets import offline
+
+    d = cfg.data
+    if d.dataset:
+        if offline():
+            return ("HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set, so `lorarl run` cannot download it: fetch it where "
+                    "the network allows, with the same HF_HOME (`lorarl run` there downloads it)")
+        return "`lorarl run` downloads it before anything starts"
+    written = d.train_path if split == "train" else d.test_path
+    if d.source == "gsm8k":
+        folder = Path(written).parent.as_posix()
+        return (f"`lorarl data gsm8k {folder}` writes {folder}/train.jsonl and test.jsonl (GSM8K, from the Hub's "
+                f"{GSM8K_HUB[0]}); or read that from the Hub: data.dataset={GSM8K_HUB[0]} "
+                f"data.config={GSM8K_HUB[1]}, in place of data.train_path / test_path. `lorarl run` refuses to start "
+                "until the data is there")
+    return (f"relative paths are looked up in the job file's folder ({getattr(cfg, 'job_dir', '') or '.'}), then "
+            "the working directory; a Hugging Face Hub dataset goes in data.dataset (ORG/NAME), which `lorarl run` "
+            "downloads. `lorarl run` refuses to start until the data is there")
+
+
+def data_label(cfg: JobFileConfig, split: str) -> str:
+    """Where a split's rows come from, as the plan says it."""
+    d = cfg.data
+    if d.dataset:
+        from lorarl.client.job.hub_datasets import describe
+
+        return f"{describe(d.dataset, d.config)} split {d.train_split if split == 'train' else d.test_split!r}"
+    return job_path(cfg, d.train_path if split == "train" else d.test_path) or "(shipped tasks)"
+
+
+def fetch_data(cfg: JobFileConfig, splits: tuple[str, ...] = ("train", "test")) -> None:
+    """The job's data made present before anything starts: a Hub dataset (data.dataset) downloaded into the datasets
+    cache where it is missing, and the first row of each of ``splits`` read, so a missing file is refused
+    (ConfigError naming its key) before the model is fetched or a service started."""
+    from lorarl.client.job.hub_datasets import download_dataset
+
+    if cfg.data.dataset:
+        download_dataset(cfg.data.dataset, cfg.data.config, "data.dataset")
+    for split in splits:
+        job_examples(cfg, split, limit=1)
 
 
 def job_reward(cfg: JobFileConfig) -> RewardFn:
@@ -51,8 +104,6 @@ def check_warm_start(cfg: JobFileConfig) -> str:
 def prompt_renderer(cfg: JobFileConfig) -> ChatRenderer | None:
     """The loop's renderer for this job's prompts, or None where model.path holds no tokenizer (a plan-only
     model: its prompts cannot be measured here)."""
-    from pathlib import Path
-
     root = Path(cfg.model.path)
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
@@ -61,21 +112,30 @@ def prompt_renderer(cfg: JobFileConfig) -> ChatRenderer | None:
                         enable_thinking=d.enable_thinking)
 
 
-def check_inputs(cfg: JobFileConfig) -> list[str]:
+def check_inputs(cfg: JobFileConfig, missing_ok: bool = False) -> list[str]:
     """Reads every row of both splits (their count said), measures each prompt as the loop renders it against
     data.max_prompt_tokens, imports the reward, builds the workflow; raises ConfigError naming the key at the
-    first problem, else returns one line per input for the plan."""
-    lines = []
+    first problem, else returns one line per input for the plan. ``missing_ok`` (the dry run): data that is not
+    there yet is a WARNING line naming its key and what makes it, not an error."""
+    lines, fixes = [], []
     renderer = prompt_renderer(cfg)
     for split in ("train", "test"):
-        rows = job_examples(cfg, split)
+        try:
+            rows = job_examples(cfg, split)
+        except MissingDataError as e:
+            if not missing_ok:
+                raise
+            for line, said in ((f"WARNING {e.key}: {e.what}", lines), (f"  hint: {e.fix}", fixes)):
+                if line not in said:  # data.dataset, or both files of one folder: said once
+                    said.append(line)
+            continue
         if not rows:
             raise ConfigError(f"data.{split}_path", f"the {split} split has no rows")
         columns = sorted(rows[0].columns)
         kind = "chat" if isinstance(rows[0].prompt, list) else "text"
-        where = job_path(cfg, cfg.data.train_path if split == "train" else cfg.data.test_path) or "(shipped tasks)"
-        lines.append(f"data {split}: {cfg.data.source} {where}, {len(rows)} rows, {kind} prompts, columns "
-                     f"{columns}{prompt_lengths(cfg, renderer, rows, split)}")
+        lines.append(f"data {split}: {cfg.data.source} {data_label(cfg, split)}, {len(rows)} rows, {kind} prompts, "
+                     f"columns {columns}{prompt_lengths(cfg, renderer, rows, split)}")
+    lines += fixes
     job_reward(cfg)
     lines.append(f"reward: {cfg.data.reward}")
     if cfg.trainer.init_adapter:
@@ -110,6 +170,11 @@ def inputs_ok(cfg) -> bool:
 
     from lorarl.client.job.plan import print_plan
 
+    try:
+        fetch_data(cfg)
+    except ConfigError as e:
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return False
     plan = io.StringIO()
     with contextlib.redirect_stdout(plan):
         code = print_plan(cfg)

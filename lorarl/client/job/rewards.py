@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from lorarl.client.job.datasets import gsm8k_gold
 from lorarl.common.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,14 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def gsm8k_reward(completion: str, answer: str) -> float:
-    """1.0 when the last number in the completion equals the gold number."""
+    """1.0 when the last number in the completion equals the gold number. ``answer`` is the number, or a whole
+    GSM8K solution ('... #### 72'), whose number is taken as data.source=gsm8k takes it: GSM8K read with
+    data.source=datasets scores the same, instead of 0 for every sample."""
     numbers = _NUMBER.findall(completion)
     if not numbers:
         return 0.0
     try:
-        return 1.0 if float(numbers[-1].replace(",", "")) == float(answer) else 0.0
+        return 1.0 if float(numbers[-1].replace(",", "")) == float(gsm8k_gold(answer)) else 0.0
     except ValueError:
         return 0.0
 

@@ -119,6 +119,11 @@ class LocalStack(Stack):
     restart_log: list[tuple[str, int, float]] = field(default_factory=list)
     #: The address every service binds and is reached at (a Ray node's own address under the Ray launcher).
     host: str = "127.0.0.1"
+    #: output.prometheus: each service serves Prometheus metrics (GET /metrics) on a port of its own, free at its
+    #: first start and the same after each restart (a scraper's target stays valid); False: none.
+    metrics: bool = False
+    #: output.prometheus_host: the address the metrics endpoints bind (no authentication: loopback by default).
+    metrics_host: str = "127.0.0.1"
     #: How much of each service's log (NAME.log in workdir) is kept (output.service_log_mib / _backups).
     log_retention: LogRetention = field(default_factory=LogRetention)
     log_rotator: LogRotator = field(init=False)
@@ -145,6 +150,11 @@ class LocalStack(Stack):
     def addresses(self, service: str) -> list[str]:
         """Every process of ``service`` (all rollout replicas), in start order."""
         return [p.address for p in self.processes.values() if p.service == service]
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Each process's Prometheus endpoint, as its ready file says (empty when output.prometheus is off)."""
+        return {name: metrics_url(self.metrics_host, p.address.rsplit(":", 1)[0], p.info["metrics_port"])
+                for name, p in self.processes.items() if p.info.get("metrics_port")}
 
     def openai_urls(self) -> list[str]:
         """Each rollout replica's OpenAI-compatible endpoint (rollout.openai_port), as now: a restarted
@@ -237,22 +247,34 @@ class LocalStack(Stack):
                      # its engine serves as adapters (its ready file's word: lorarl.contract.sharing.EngineLora)
                      **{key: self.sections.get("rollout", {}).get(key) for key in ("max_lora_rank", "max_loras")},
                      "lora": next((p.info["lora"] for p in self.processes.values()
-                                   if p.service == "rollout" and "lora" in p.info), None)}
+                                   if p.service == "rollout" and "lora" in p.info), None),
+                     "metrics": self.metrics_urls()}
         (self.workdir / "stack.json").write_text(json.dumps(addresses, indent=1) + "\n")
 
-    def _launch(self, name: str, section: dict[str, Any], service: str = "", port: int = 0) -> ServiceProcess:
-        return self._await_ready(self._spawn(name, section, service, port))
+    def _launch(self, name: str, section: dict[str, Any], service: str = "", port: int = 0,
+                metrics_port: int = 0) -> ServiceProcess:
+        return self._await_ready(self._spawn(name, section, service, port, metrics_port))
 
-    def _spawn(self, name: str, section: dict[str, Any], service: str = "", port: int = 0) -> ServiceProcess:
-        """The service's process, started; its address is known once it is ready (``_await_ready``)."""
+    def service_config(self, name: str, section: dict[str, Any], service: str = "", port: int = 0,
+                       metrics_port: int = 0) -> dict[str, Any]:
+        """The config file of process ``name``: its service's ``section`` under a `server:` section that binds
+        ``port`` (0: a free one), takes the stack's token and, with ``metrics``, serves Prometheus metrics on
+        ``metrics_port`` (0: a free one)."""
         service = service or name
-        config = {
-            "server": {"host": self.host, "port": port, "metrics_port": -1, "log_format": "text",
+        return {
+            "server": {"host": self.host, "port": port, "metrics_port": metrics_port if self.metrics else -1,
+                       **({"metrics_host": self.metrics_host} if self.metrics else {}), "log_format": "text",
                        "shutdown_grace_s": 5, "auth": {"token_file": str(self.token_file), "token_env": None,
                                                          "required": True},
                        **self.server_sections.get(name, {})},
             service: section,
         }
+
+    def _spawn(self, name: str, section: dict[str, Any], service: str = "", port: int = 0,
+               metrics_port: int = 0) -> ServiceProcess:
+        """The service's process, started; its address is known once it is ready (``_await_ready``)."""
+        service = service or name
+        config = self.service_config(name, section, service, port, metrics_port)
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         ready = self._ready_file(name)
@@ -331,7 +353,8 @@ class LocalStack(Stack):
         if self._stopping.wait(pause):
             return
         try:
-            fresh = self._launch(name, svc.section, svc.service, port=int(svc.address.rsplit(":", 1)[1]))
+            fresh = self._launch(name, svc.section, svc.service, port=int(svc.address.rsplit(":", 1)[1]),
+                                 metrics_port=int(svc.info.get("metrics_port") or 0))
         except RuntimeError as e:  # did not come up: counts as another exit
             svc.restarts += 1
             print(f"lorarl: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
@@ -381,6 +404,15 @@ class LocalStack(Stack):
             if svc.process.poll() is not None:
                 tail = svc.log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{svc.name} service exited with code {svc.process.returncode}\n{tail}")
+
+
+def metrics_url(bind_host: str, node_host: str, port: int) -> str:
+    """Where a scraper reaches a service's metrics endpoint: at the address it binds, or at its node's own address
+    when it binds every interface (0.0.0.0, ::)."""
+    host = node_host if bind_host in ("0.0.0.0", "::", "[::]") else bind_host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}/metrics"
 
 
 def _kill_group(pgid: int) -> None:

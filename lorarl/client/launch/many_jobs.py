@@ -23,8 +23,9 @@ from typing import Any
 from lorarl.client.job.config import serving_length
 from lorarl.client.job.plan import rollout_lora_blocker
 from lorarl.client.launch.attach import wait_for_attached
+from lorarl.client.launch.launcher_record import launcher_recorded
 from lorarl.client.launch.local import lorarl_command
-from lorarl.client.launch.services import decode_wave, local_stack, stack_sections
+from lorarl.client.launch.services import decode_wave, local_stack, metrics_line, stack_sections
 from lorarl.common.config import ConfigError, to_dict
 from lorarl.common.parent_watch import child_env
 from lorarl.contract import sharing, staleness
@@ -93,11 +94,13 @@ def run_jobs(cfgs: Sequence[Any], config_paths: Sequence[str], overrides: Sequen
     stack = local_stack(cfgs[0], out, sections=shared_sections(cfgs, out))
     restarts = cfgs[0].recovery.restarts if cfgs[0].recovery.enabled else 0
     children: list[tuple[str, subprocess.Popen[str]]] = []
-    try:
-        with stack:
+    try:  # the launcher of every job's directory: `lorarl stop` on any of them stops them all, with the stack
+        with launcher_recorded(*(Path(cfg.output.dir) / "services" for cfg in cfgs)), stack:
             print(f"lorarl: services up for {len(cfgs)} jobs (trainer {stack.address('trainer')}, rollout "
                   f"{', '.join(stack.addresses('rollout'))}, weightsync {stack.address('weightsync')}); logs in "
                   f"{out / 'services'}", flush=True)
+            if line := metrics_line(stack, out):  # the stack is the first job's: its output.prometheus
+                print(line, flush=True)
             stack.supervise(restarts)
             for cfg, path in zip(cfgs, config_paths, strict=True):
                 # adapters only (auto could pick merged, whose version replaces the base the other jobs share)

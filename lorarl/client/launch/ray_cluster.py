@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.launch.local import ServiceFailedError, Stack
+from lorarl.client.launch.local import ServiceFailedError, Stack, metrics_url
 from lorarl.client.launch.log_files import LogRetention, rotate_if_full
 from lorarl.client.launch.ray_host import ServiceHost
 from lorarl.common.config import ConfigError
@@ -188,6 +188,17 @@ class RayStack(Stack):
     def addresses(self, service: str) -> list[str]:
         return [s.address for s in self.services.values() if s.service == service]
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Each service's Prometheus endpoint on its node (output.prometheus; empty when off): a restarted service
+        keeps its port."""
+        return {s.name: metrics_url(self.cfg.output.prometheus_host, s.node_ip, s.info["metrics_port"])
+                for s in self.services.values() if s.info.get("metrics_port")}
+
+    def host_options(self) -> dict[str, Any]:
+        """What every ServiceHost takes from the job beyond its own service: log retention, Prometheus metrics."""
+        return {"log_retention": (self.log_retention.max_bytes, self.log_retention.backups),
+                "metrics": self.cfg.output.prometheus, "metrics_host": self.cfg.output.prometheus_host}
+
     def openai_urls(self) -> list[str]:
         return [f"{s.info.get('openai_scheme', 'http')}://{s.node_ip}:{s.info['openai_port']}/v1"
                 for s in self.services.values() if s.service == "rollout" and s.info.get("openai_port")]
@@ -232,7 +243,7 @@ class RayStack(Stack):
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=resources,
                 max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(group, index),
             ).remote(name, service, section, self.token, str(workdir / name), self.threads_per_service,
-                     log_retention=(self.log_retention.max_bytes, self.log_retention.backups))
+                     **self.host_options())
             self.services[name] = RayService(name, service, actor)
             return self.services[name]
 
@@ -265,8 +276,10 @@ class RayStack(Stack):
 
     def _write_placement(self) -> None:
         nodes = {n["NodeID"]: n for n in self._ray.nodes()}
+        metrics = self.metrics_urls()
         placement = {s.name: {"service": s.service, "address": s.address, "node_id": s.node_id, "node_ip": s.node_ip,
-                              "pid": s.pid, "node_resources": nodes.get(s.node_id, {}).get("Resources", {})}
+                              "pid": s.pid, "node_resources": nodes.get(s.node_id, {}).get("Resources", {}),
+                              **({"metrics": metrics[s.name]} if s.name in metrics else {})}
                      for s in self.services.values()}
         (self.logs / "stack.json").write_text(json.dumps(placement, indent=2))
 

@@ -22,7 +22,9 @@ LOG_CHUNK_BYTES = 1 << 20
 class ServiceHost:
     def __init__(self, name: str, service: str, section: dict[str, Any], token: str, workdir: str,
                  threads: int = 1, env: dict[str, str] | None = None,
-                 log_retention: tuple[int, int] | None = None) -> None:
+                 log_retention: tuple[int, int] | None = None, metrics: bool = False,
+                 metrics_host: str = "127.0.0.1") -> None:
+        """``metrics``, ``metrics_host``: output.prometheus and output.prometheus_host (LocalStack's)."""
         import ray
 
         from lorarl.common.parent_watch import mark
@@ -33,7 +35,8 @@ class ServiceHost:
         self.host = ray.util.get_node_ip_address()
         self.stack = LocalStack(Path(workdir), {service: section}, token=token, services=(service,), host=self.host,
                                 threads_per_service=threads, process_env={service: dict(env or {})},
-                                log_retention=LogRetention(*log_retention) if log_retention else LogRetention())
+                                log_retention=LogRetention(*log_retention) if log_retention else LogRetention(),
+                                metrics=metrics, metrics_host=metrics_host)
 
     def start(self) -> dict[str, Any]:
         """Starts the service; where it serves and on which node (RuntimeError with its log tail if it did not)."""

@@ -133,12 +133,23 @@ def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = Non
                       shared_base_model=str(Path(cfg.model.path).resolve()) if cfg.placement.colocate else "",
                       process_env={**visible_devices(cfg), **pinned_threads(pins)},
                       server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {},
-                      log_retention=log_retention(cfg))
+                      log_retention=log_retention(cfg), metrics=cfg.output.prometheus,
+                      metrics_host=cfg.output.prometheus_host)
 
 
 def log_retention(cfg) -> LogRetention:
     """How much of each service log the job keeps (output.service_log_mib, output.service_log_backups)."""
     return LogRetention.from_mib(cfg.output.service_log_mib, cfg.output.service_log_backups)
+
+
+def metrics_line(stack, out: Path) -> str:
+    """The line `lorarl run` prints once the services are up, naming each one's Prometheus endpoint
+    (output.prometheus); "" when they serve none."""
+    urls = stack.metrics_urls()
+    if not urls:
+        return ""
+    return ("lorarl: Prometheus metrics at " + ", ".join(f"{name} {url}" for name, url in urls.items())
+            + f" (also in {out / 'services' / 'stack.json'})")
 
 
 def launch_stack(cfg, out: Path):

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from lorarl.client.job.config import METRICS_PORT_OFFSET
+from lorarl.client.launch.local import metrics_url
 from lorarl.client.launch.log_files import MIB
 from lorarl.common.config import ConfigError
 
@@ -92,12 +94,36 @@ def service_configs(cfg, run_dir: Path) -> dict[str, dict[str, Any]]:
     sections["rollout"].pop("replica_id", None)
     token = str(run_dir / "services" / "token")
     configs = {}
+    metrics = cfg.output.prometheus
     for service, port in (("weightsync", WEIGHTSYNC_PORT), ("trainer", TRAINER_PORT), ("rollout", ROLLOUT_PORT)):
         configs[service] = {
-            "server": {"host": "0.0.0.0", "port": port, "metrics_port": -1, "log_format": "text",
+            "server": {"host": "0.0.0.0", "port": port, "metrics_port": port + METRICS_PORT_OFFSET if metrics else -1,
+                       **({"metrics_host": cfg.output.prometheus_host} if metrics else {}), "log_format": "text",
                        "shutdown_grace_s": 10, "auth": {"token_file": token, "token_env": None, "required": True}},
             service: sections[service]}
     return configs
+
+
+def metrics_overrides(cfg, task: Task) -> list[str]:
+    """output.prometheus: the task's metrics port (its gRPC port + METRICS_PORT_OFFSET, fixed as the gRPC ports are,
+    so a scrape config can name it up front) and its ready file beside its log, which says the port too."""
+    if not cfg.output.prometheus:
+        return []
+    return [f"server.metrics_port={task.port + METRICS_PORT_OFFSET}",
+            f"server.ready_file=$RUN/services/{task.name}.ready.json"]
+
+
+def metrics_echo(cfg, steps: list[Task]) -> list[str]:
+    """output.prometheus: the script's line naming every service's metrics endpoint once all are up."""
+    if not cfg.output.prometheus:
+        return []
+    host = cfg.output.prometheus_host
+    where = []
+    for task in steps:
+        node = f"${{NODES[{task.node}]}}"
+        url = metrics_url(host, node, task.port + METRICS_PORT_OFFSET)
+        where.append(f"{task.name} {url}" + ("" if node in url else f" on {node}"))
+    return [f'echo "lorarl: Prometheus metrics at {", ".join(where)}"']
 
 
 def sbatch_script(cfg, config_path: str, overrides: list[str], run_dir: Path, partition: str = "",
@@ -157,7 +183,8 @@ def sbatch_script(cfg, config_path: str, overrides: list[str], run_dir: Path, pa
             if task.service == "rollout":
                 env.append(f"LORARL_ROLLOUT__ADVERTISE_ADDRESS=${{NODES[{task.node}]}}")
                 env.append(f"LORARL_ROLLOUT__SYNC_HOST=${{NODES[{task.node}]}}")
-            serve = ["lorarl", "serve", task.service, "--config", f"$RUN/slurm/{task.service}.yaml", *task.overrides]
+            serve = ["lorarl", "serve", task.service, "--config", f"$RUN/slurm/{task.service}.yaml", *task.overrides,
+                     *metrics_overrides(cfg, task)]
             if task.nodes > 1:  # one torchrun agent per node; rank 0 (node 0) serves gRPC
                 nodelist = ",".join(f"${{NODES[{task.node + i}]}}" for i in range(task.nodes))
                 torchrun = ["torchrun", f"--nnodes={task.nodes}", f"--nproc-per-node={len(task.devices)}",
@@ -176,6 +203,7 @@ def sbatch_script(cfg, config_path: str, overrides: list[str], run_dir: Path, pa
             lines.append("PIDS+=($!)")
         for task in group:
             lines.append(f'ready "${{NODES[{task.node}]}}:{task.port}" {task.name}')
+    lines += metrics_echo(cfg, steps)
     lines += [
         "# The loop, on the batch host: it learns the rollout replicas from weight sync.",
         " ".join(["lorarl", "train", _quote(config_path),

@@ -76,7 +76,7 @@ def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str |
 @contextlib.contextmanager
 def local_front(config: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None) -> Iterator[Front]:
     """The job file's three services (as `lorarl run` starts them) and the front over them."""
-    from lorarl.client.job.config import load_job_config
+    from lorarl.client.job.config import base_model_name, load_job_config
     from lorarl.client.launch.many_jobs import shared_sections
     from lorarl.client.launch.services import local_stack
     from lorarl.contract.sharing import TINKER_SDK_DEFAULT_RANK
@@ -88,6 +88,7 @@ def local_front(config: str | Path, overrides: Sequence[str] = (), out: str | Pa
     api_key = f"tml-{secrets.token_urlsafe(24)}"
     with stack:
         trainer, rollout = stack.address("trainer"), stack.addresses("rollout")[0]
-        models = model_names(cfg.model.path)
+        # also under the name the job gave its base (a Hub id): the name the clients' exported adapters then record
+        models = {**model_names(cfg.model.path), base_model_name(cfg): str(Path(cfg.model.path).resolve())}
         with serve_front(models, trainer, rollout, stack.token, api_key) as base_url:
             yield Front(base_url, api_key, Path(cfg.model.path).name, trainer, rollout)

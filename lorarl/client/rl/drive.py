@@ -28,7 +28,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     from lorarl.client.rl.preflight import rollout_warnings
     from lorarl.client.rl.recovery import wait_serving
     from lorarl.client.rl.rollout_pool import BUSY_WAIT_S, RolloutPool
-    from lorarl.client.rl.run_log import RunLog
+    from lorarl.client.rl.run_log import RunLog, wandb_init
     from lorarl.client.rl.session import JobSession
     from lorarl.client.rl.stall import CallTracker, run_watched
     from lorarl.common.channel import aio_channel
@@ -85,7 +85,8 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
                 f"{rollout.names[a]} at {a}" for a in rollout.members), flush=True)
         await rollout_warnings(cfg, rollout.stubs)
         log = RunLog(out, total_steps=cfg.loop.steps, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
-                     progress=cfg.output.progress, config=to_dict(cfg))
+                     progress=cfg.output.progress, config=to_dict(cfg), wandb_settings=wandb_init(cfg),
+                     success_reward=cfg.loop.success_reward)
         log.rewind(state.step if state.step else -1)  # rows past the resume point are redone; a fresh run starts clean
 
         async def recover():

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from lorarl.client.job.config import JobFileConfig, training_spec
 from lorarl.client.job.datasets import Example, TrainStream
 from lorarl.client.job.rewards import Reward, RewardFn
+from lorarl.client.rl import metric_names as names
 from lorarl.client.rl.guard import PolicyGuard, Probe
 from lorarl.client.rl.mismatch import MismatchAlarm
 from lorarl.client.rl.recovery import ActivationFailedError, RecoveryBudget, recoverable
@@ -85,12 +86,12 @@ def rollout_stats(batch: Batch) -> dict[str, float]:
     mean = sum(rewards) / max(len(rewards), 1)
     spread = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1))
     groups = [g for g in batch.groups if len(g) > 1]
-    stats = {"rollout/reward_std": spread,
-             "rollout/truncated_fraction": batch.truncated / max(len(batch.lengths), 1),
-             "rollout/zero_advantage_groups": sum(max(g) == min(g) for g in groups) / max(len(groups), 1)}
+    stats = {names.REWARD_STD: spread,
+             names.TRUNCATED_FRACTION: batch.truncated / max(len(batch.lengths), 1),
+             names.ZERO_ADVANTAGE_GROUPS: sum(max(g) == min(g) for g in groups) / max(len(groups), 1)}
     if batch.lengths:
-        stats.update({"rollout/response_length_mean": sum(batch.lengths) / len(batch.lengths),
-                      "rollout/response_length_max": float(max(batch.lengths))})
+        stats.update({names.RESPONSE_LENGTH_MEAN: sum(batch.lengths) / len(batch.lengths),
+                      names.RESPONSE_LENGTH_MAX: float(max(batch.lengths))})
     return stats
 
 
@@ -237,7 +238,7 @@ class RLLoop:
                 if not episode.policy_tokens:
                     continue  # nothing the policy sampled: nothing to learn from
                 trajectories.append(episode.to_proto(self.cfg.job_id, f"b{index}-p{p}-c{c}", f"b{index}-p{p}"))
-        accuracy = sum(1.0 for x in rewards if x >= 1.0) / max(len(rewards), 1)
+        accuracy = names.successes(rewards, self.cfg.loop.success_reward)
         return Batch(index, trajectories, rewards, accuracy, elapsed, tokens,
                      min_version if min_version < 1 << 62 else 0, sum(c.reward_errors for c in contexts),
                      context_tokens, sum(c.unpinned for c in contexts), lengths, truncated, groups, samples)
@@ -261,8 +262,8 @@ class RLLoop:
 
         results = await asyncio.gather(*(run(c, e) for c, e in zip(contexts, self.test, strict=True)))
         scores = [float(episode.reward) for episodes in results for episode in episodes]
-        return {"eval/accuracy": sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1),
-                "eval/mean_reward": sum(scores) / max(len(scores), 1),
+        return {names.EVAL_ACCURACY: names.successes(scores, self.cfg.loop.success_reward),
+                names.EVAL_MEAN_REWARD: sum(scores) / max(len(scores), 1),
                 "eval/reward_errors": float(sum(c.reward_errors for c in contexts))}
 
     # ------------------------------------------------------------------ trainer
@@ -285,8 +286,8 @@ class RLLoop:
             raise RuntimeError(f"the trainer refused all {refused} trajectories of step {batch.index} "
                                f"({rejected[0].field}: {rejected[0].message}); nothing to train on")
         result = await self.trainer.TrainStep(trainer_pb2.TrainStepRequest(job_id=job))
-        metrics = {f"train/{k}": v for k, v in result.metrics.values.items()}
-        metrics["train/version"] = result.version
+        metrics = names.train_metrics(result.metrics.values)
+        metrics[names.VERSION] = result.version
         # moves when the trainer renumbered: result.version is what batch.index's step made
         self.state.version_base = versions.base_of(result.version, batch.index + 1)
         return metrics
@@ -340,14 +341,14 @@ class RLLoop:
     def _record(self, batch: Batch, train: dict[str, float], sync: dict[str, float], version_before: int) -> None:
         step = self.state.step
         metrics = {"step": float(step), "time_s": time.perf_counter() - self.started,
-                   "rollout/reward_mean": sum(batch.rewards) / max(len(batch.rewards), 1),
-                   "rollout/accuracy": batch.accuracy, "rollout/seconds": batch.generate_s,
+                   names.REWARD_MEAN: sum(batch.rewards) / max(len(batch.rewards), 1),
+                   names.ACCURACY: batch.accuracy, "rollout/seconds": batch.generate_s,
                    "rollout/tokens": float(batch.tokens),
-                   "rollout/tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9),
+                   names.TOKENS_PER_S: batch.tokens / max(batch.generate_s, 1e-9),
                    "rollout/reward_errors": float(batch.reward_errors),
                    "rollout/context_tokens": float(batch.context_tokens),
                    "rollout/unpinned_samples": float(batch.unpinned),
-                   "policy/version_lag": float(version_before - batch.min_version), **rollout_stats(batch),
+                   names.VERSION_LAG: float(version_before - batch.min_version), **rollout_stats(batch),
                    **train, **sync, **self.guard.metrics()}
         if hasattr(self.rollout, "take_usage"):  # a pool: which replicas served the latest generation
             usage, redone = self.rollout.take_usage()
@@ -496,7 +497,7 @@ class RLLoop:
                 self.state.step += 1
                 self.state.cursor = self.state.step * self.cfg.loop.prompts_per_step
                 # the trainer's version before this step (the served one may still be activating)
-                self._record(batch, train, sync, versions.previous(int(train["train/version"])))
+                self._record(batch, train, sync, versions.previous(int(train[names.VERSION])))
                 await self._maybe_eval_and_checkpoint()
             await self.settled()
         finally:

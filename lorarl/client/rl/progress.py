@@ -1,7 +1,9 @@
-"""The progress bar of a run: step, reward, accuracy (the share of samples whose reward is >= 1), mean response
-length, policy version lag, the KL to the reference (``kl_ref``, when the loss has a KL term), the rollout-vs-
-trainer mismatch (``mismatch``: k3 KL between the logprobs the rollout sampled with and the trainer's, not the KL
-to the reference), throughput and ETA. Each quantity is named as in metrics.jsonl (README, "Metrics").
+"""The progress bar of a run: step, reward, accuracy (``acc``: the share of samples whose reward is >=
+loop.success_reward, 1 by default), mean response length, policy version lag, the KL to the reference (``kl_ref``:
+train/kl_ref, when the loss has a KL term), the rollout-vs-trainer mismatch (``mismatch``: train/rollout_kl_k3, k3
+KL between the logprobs the rollout sampled with and the trainer's, not the KL to the reference), throughput and
+ETA. Each label is its metric's name in metrics.jsonl (lorarl.client.rl.metric_names says the scheme); evaluation
+lines and the summary name the success rule.
 
 On a terminal it is one line redrawn in place (evaluations print above it and stay); when the
 output is a file or a pipe (CI logs, `| tee`), every step prints its own line, since carriage
@@ -14,6 +16,8 @@ import shutil
 import sys
 import time
 from typing import TextIO
+
+from lorarl.client.rl import metric_names as names
 
 BAR_WIDTH = 24
 
@@ -36,8 +40,12 @@ def bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
 class ProgressBar:
     """Renders train-step and eval metric dicts (the loop's rows) as a progress display."""
 
-    def __init__(self, total_steps: int, stream: TextIO | None = None, clock=time.monotonic) -> None:
+    def __init__(self, total_steps: int, stream: TextIO | None = None, clock=time.monotonic,
+                 success_reward: float = 1.0) -> None:
+        """``success_reward``: the job's loop.success_reward, said beside each held-out accuracy (a reader must
+        not guess what counts as correct)."""
         self.total = total_steps
+        self.success_reward = success_reward
         self.stream = stream or sys.stdout
         self.clock = clock
         self.started = clock()
@@ -58,14 +66,14 @@ class ProgressBar:
         eta = f"ETA {format_duration((self.total - step) / rate)}" if rate > 0 and step < self.total else ""
         parts = [
             f"{bar(step, self.total)} {step}/{self.total}",
-            f"reward {m.get('rollout/reward_mean', 0):.3f}",
-            f"acc {m.get('rollout/accuracy', 0):.3f}",
-            f"len {m['rollout/response_length_mean']:.0f}" if "rollout/response_length_mean" in m else "",
-            f"v{int(m.get('train/version', 0))} lag {int(m.get('policy/version_lag', 0))}",
-            f"kl_ref {m['train/kl']:.1e}" if "train/kl" in m else "",
-            f"mismatch {m['train/rollout_kl_k3']:.1e}{' (!)' if m.get('policy/mismatch_alarm') else ''}"
-            if "train/rollout_kl_k3" in m else "",
-            f"{m.get('rollout/tokens_per_s', 0):.0f} tok/s",
+            f"reward {m.get(names.REWARD_MEAN, 0):.3f}",
+            f"acc {m.get(names.ACCURACY, 0):.3f}",
+            f"len {m[names.RESPONSE_LENGTH_MEAN]:.0f}" if names.RESPONSE_LENGTH_MEAN in m else "",
+            f"v{int(m.get(names.VERSION, 0))} lag {int(m.get(names.VERSION_LAG, 0))}",
+            f"kl_ref {m[names.KL_REF]:.1e}" if names.KL_REF in m else "",
+            f"mismatch {m[names.MISMATCH]:.1e}{' (!)' if m.get(names.MISMATCH_ALARM) else ''}"
+            if names.MISMATCH in m else "",
+            f"{m.get(names.TOKENS_PER_S, 0):.0f} tok/s",
             f"{rate:.2f} step/s" if rate else "",
             format_duration(m.get("time_s", 0)),
             eta,
@@ -73,11 +81,12 @@ class ProgressBar:
         return "  ".join(p for p in parts if p)
 
     def render_eval(self, m: dict[str, float]) -> str:
-        return (f"[eval] step {int(m.get('step', 0))}/{self.total}  held-out accuracy {m['eval/accuracy']:.3f}  "
-                f"mean reward {m['eval/mean_reward']:.3f}  ({format_duration(m.get('time_s', 0))})")
+        return (f"[eval] step {int(m.get('step', 0))}/{self.total}  held-out accuracy {m[names.EVAL_ACCURACY]:.3f} "
+                f"(reward >= {self.success_reward:g})  mean reward {m[names.EVAL_MEAN_REWARD]:.3f}  "
+                f"({format_duration(m.get('time_s', 0))})")
 
     def update(self, m: dict[str, float]) -> None:
-        if "eval/accuracy" in m:
+        if names.EVAL_ACCURACY in m:
             self._println(self.render_eval(m))
             return
         if self.first_step is None:

@@ -10,7 +10,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lorarl.client.rl import metric_names as names
 from lorarl.client.rl.progress import ProgressBar
+
+
+def wandb_init(cfg) -> dict[str, Any]:
+    """wandb.init's keywords from the job file (output.wandb_*): the run takes the job's name unless the file gives
+    one, so a project's runs read as the jobs they are rather than W&B's generated names."""
+    o = cfg.output
+    return {"project": o.wandb_project, "name": o.wandb_run or cfg.job_id,
+            **({"entity": o.wandb_entity} if o.wandb_entity else {}),
+            **({"tags": list(o.wandb_tags)} if o.wandb_tags else {})}
 
 
 def finite(row: dict[str, Any]) -> dict[str, Any]:
@@ -22,13 +32,19 @@ class RunLog:
     """Appends metric dicts (each with a ``step``) to every configured sink."""
 
     def __init__(self, out_dir: Path, *, total_steps: int, tensorboard: bool = True, wandb: bool = False,
-                 progress: bool = True, config: dict[str, Any] | None = None) -> None:
+                 progress: bool = True, config: dict[str, Any] | None = None,
+                 wandb_settings: dict[str, Any] | None = None, wandb_module: Any = None,
+                 success_reward: float = 1.0) -> None:
+        """``wandb_settings``: wandb.init's keywords (``wandb_init``; project "lorarl" unless they name one).
+        ``wandb_module``: what stands for the ``wandb`` package (None: import it), the seam a test records through
+        without an account or the package. ``success_reward``: loop.success_reward, said wherever accuracy is."""
         self.out_dir = out_dir
+        self.success_reward = success_reward
         out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = out_dir / "metrics.jsonl"
         self._jsonl = self.jsonl_path.open("a")
         self.total_steps = total_steps
-        self.progress = ProgressBar(total_steps) if progress else None
+        self.progress = ProgressBar(total_steps, success_reward=success_reward) if progress else None
         self.rows: list[dict[str, float]] = []
         self._tb = None
         if tensorboard:
@@ -40,12 +56,14 @@ class RunLog:
                 self._tb = None
         self._wandb = None
         if wandb:
-            try:
-                import wandb as wandb_module
-
-                self._wandb = wandb_module.init(project="lorarl", config=config or {}, dir=str(out_dir))
-            except ImportError:
-                print("wandb is not installed; skipping Weights & Biases logging", file=sys.stderr)
+            if wandb_module is None:
+                try:
+                    import wandb as wandb_module
+                except ImportError:
+                    print("wandb is not installed; skipping Weights & Biases logging", file=sys.stderr)
+            if wandb_module is not None:
+                self._wandb = wandb_module.init(**{"project": "lorarl", **(wandb_settings or {})},
+                                                config=config or {}, dir=str(out_dir))
 
     def __call__(self, metrics: dict[str, float]) -> None:
         row = {"wall_time": time.time(), **metrics}
@@ -105,7 +123,7 @@ class RunLog:
     # ------------------------------------------------------------------ end of run
 
     def evals(self) -> list[dict[str, float]]:
-        return [r for r in self.rows if "eval/accuracy" in r]
+        return [r for r in self.rows if names.EVAL_ACCURACY in r]
 
     def plot(self, path: Path | None = None) -> Path:
         import matplotlib
@@ -114,13 +132,13 @@ class RunLog:
         import matplotlib.pyplot as plt
 
         path = path or self.out_dir / "learning_curve.png"
-        steps = [r for r in self.rows if "rollout/reward_mean" in r]
+        steps = [r for r in self.rows if names.REWARD_MEAN in r]
         evals = self.evals()
         fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-        ax.plot([r["step"] for r in steps], [r["rollout/reward_mean"] for r in steps], label="train reward (mean)",
+        ax.plot([r["step"] for r in steps], [r[names.REWARD_MEAN] for r in steps], label="train reward (mean)",
                 color="tab:blue", alpha=0.8)
-        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy",
-                color="tab:orange")
+        ax.plot([r["step"] for r in evals], [r[names.EVAL_ACCURACY] for r in evals], "o-",
+                label=f"held-out accuracy (reward >= {self.success_reward:g})", color="tab:orange")
         ax.set_xlabel("step")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
@@ -136,12 +154,14 @@ class RunLog:
         if not evals:
             return "no evaluation recorded"
         first, last = evals[0], evals[-1]
-        steps = [r for r in self.rows if "rollout/reward_mean" in r]
-        lags = [r.get("policy/version_lag", 0) for r in steps]
+        steps = [r for r in self.rows if names.REWARD_MEAN in r]
+        lags = [r.get(names.VERSION_LAG, 0) for r in steps]
+        accuracy, mean_reward = names.EVAL_ACCURACY, names.EVAL_MEAN_REWARD
         lines = [
-            f"held-out greedy accuracy: {first['eval/accuracy']:.3f} -> {last['eval/accuracy']:.3f} "
-            f"({100 * (last['eval/accuracy'] - first['eval/accuracy']):+.1f} points)",
-            f"held-out mean reward:     {first['eval/mean_reward']:.3f} -> {last['eval/mean_reward']:.3f}",
+            f"held-out greedy accuracy: {first[accuracy]:.3f} -> {last[accuracy]:.3f} "
+            f"({100 * (last[accuracy] - first[accuracy]):+.1f} points), counting reward >= {self.success_reward:g} "
+            "as a success",
+            f"held-out mean reward:     {first[mean_reward]:.3f} -> {last[mean_reward]:.3f}",
             f"steps: {len(steps)}, wall time: {last.get('time_s', 0):.0f} s, max policy version lag: "
             f"{int(max(lags, default=0))}",
         ]

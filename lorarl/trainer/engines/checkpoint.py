@@ -68,9 +68,11 @@ class CheckpointMeta:
     loss: dict[str, Any]
     full_finetune: bool
     dtype: str
-    # Recorded for offline export (lorarl.trainer.engines.offline_export), not compared on load.
+    # Recorded for offline export (lorarl.trainer.engines.offline_export), not compared on load: where the base
+    # was, and the name its adapters record as their base (TrainingSpec.base_model_name; "": the path).
     base_model_path: str = ""
     engine: str = "torch"
+    base_model_name: str = ""
 
     def mismatches(self, other: CheckpointMeta) -> list[str]:
         problems = []
@@ -240,7 +242,7 @@ def save_checkpoint(path: str | Path, meta: CheckpointMeta, state: TrainingState
         "format": FORMAT, "format_version": FORMAT_VERSION, "created_at": time.time(),
         "base_model_fingerprint": meta.base_model_fingerprint, "lora": meta.lora, "loss": meta.loss,
         "full_finetune": meta.full_finetune, "dtype": meta.dtype, "step": state.step, "version": state.version,
-        "base_model_path": meta.base_model_path, "engine": meta.engine,
+        "base_model_path": meta.base_model_path, "engine": meta.engine, "base_model_name": meta.base_model_name,
         "files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
                   for name, data in payloads.items()},
     }

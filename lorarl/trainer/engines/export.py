@@ -41,16 +41,17 @@ def _publish_dir(tmp: Path, final: Path) -> None:
         tmp.rename(final)
 
 
-def save_peft_adapter(model: nn.Module, lora: LoraSpec, base_model_path: str, out_dir: str | Path,
+def save_peft_adapter(model: nn.Module, lora: LoraSpec, base_model_name: str, out_dir: str | Path,
                       dtype: torch.dtype = torch.float32, slot: AdapterSlot | None = None) -> Path:
     """adapter_config.json + adapter_model.safetensors (``slot``'s adapters, default the attached ones),
-    written to a temp dir then renamed."""
+    written to a temp dir then renamed; ``base_model_name``: the base as PEFT is to find it
+    (TrainingSpec.base_model_name_or_path)."""
     final = Path(out_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _atomic_dir(final)
     tensors = {k: v.to(dtype).contiguous().cpu() for k, v in peft_state_dict(model, slot).items()}
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = lora.peft_config(base_model_path, adapted_module_names(tensors))
+    config = lora.peft_config(base_model_name, adapted_module_names(tensors))
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     _publish_dir(tmp, final)
     return final

@@ -3,7 +3,8 @@
 The checkpoint is loaded into the engine that wrote it, rebuilt from the checkpoint's own manifest
 (base model, LoRA, dtype, loss), and exported by that engine's export code: the files are the ones
 the live trainer's Export RPC writes for the same state. The base model comes from the manifest
-(checkpoints record its path) or from ``base_model``; its fingerprint must match the checkpoint's.
+(checkpoints record its path) or from ``base_model``; its fingerprint must match the checkpoint's. The adapter
+names its base as the job did (the name the checkpoint records), wherever the base is read from now.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def spec_from_manifest(path: Path, manifest: dict[str, Any], base_model: str | P
         lora = LoraConfig(**{**lora_fields, "target_modules": tuple(lora_fields.get("target_modules", ()))}) \
             if lora_fields else LoraConfig()
         return TrainingSpec(base_model_path=base, device="cpu", dtype=manifest.get("dtype") or "float32", lora=lora,
+                            base_model_name=str(manifest.get("base_model_name") or ""),
                             loss=loss_from_manifest(manifest.get("loss") or {}),
                             full_finetune=bool(manifest.get("full_finetune")),
                             memory=MemorySpec(activation_checkpointing="off"))

@@ -319,7 +319,8 @@ class PolicyEngine(TrainEngine):
             base_model_fingerprint=self._fingerprint,
             lora=None if self.spec.full_finetune else ckpt.lora_identity(self.spec.lora),
             loss=asdict(self.spec.loss), full_finetune=self.spec.full_finetune, dtype=self.spec.dtype,
-            base_model_path=str(Path(self.spec.base_model_path).resolve()), engine=self.spec.engine)
+            base_model_path=str(Path(self.spec.base_model_path).resolve()), engine=self.spec.engine,
+            base_model_name=self.spec.base_model_name)
 
     def _training_state(self, data_cursor: Any) -> ckpt.TrainingState:
         """What a checkpoint holds; engines with sharded parameters override it to gather them."""

@@ -80,7 +80,6 @@ def test_rows_keep_every_column_and_their_types(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "key", "words"), [
-    (["data.train_path=missing.parquet"], "data.train_path", "no such file or folder"),
     (["data.test_path=notes.txt"], "data.test_path", "unknown file type '.txt'"),
     (["data.columns.prompt=nope"], "data.train_path", "has no column 'nope'"),
     (["data.reward=nomodule:score"], "data.reward", "cannot import 'nomodule'"),
@@ -97,6 +96,21 @@ def test_the_dry_run_fails_on_a_bad_input_naming_its_key(overrides: list[str], k
     assert main(["run", str(job), "--dry-run", *overrides]) == 2
     out = capsys.readouterr().out
     assert f"lorarl: bad config: {key}:" in out and words in out and "config OK" not in out, out
+
+
+def test_a_missing_data_file_is_a_warning_of_the_plan_and_refused_by_run(tmp_path: Path, capsys) -> None:
+    """Issue "the first hour": a job file whose data is still to be made checks out (its plan printed, exit 0, the
+    missing file a WARNING naming the key and what to do); `lorarl run` refuses it before anything starts."""
+    job = write_job(tmp_path / "job", reward="exact")  # not myreward: a module imported once stays in sys.modules
+    assert main(["run", str(job), "--dry-run", "data.train_path=missing.parquet"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING data.train_path: no such file or folder: 'missing.parquet'" in out, out
+    assert "hint: relative paths are looked up in the job file's folder" in out and "data.dataset (ORG/NAME)" in out
+    assert "data test: datasets " in out and out.rstrip().endswith("config OK, with 1 WARNING above")
+    assert main(["run", str(job), "data.train_path=missing.parquet", f"output.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "lorarl: bad config: data.train_path: no such file or folder: 'missing.parquet'" in err, err
+    assert not (tmp_path / "run" / "services").exists()
 
 
 def test_reward_forms_get_what_they_ask_for(tmp_path: Path) -> None:

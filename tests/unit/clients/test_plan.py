@@ -57,6 +57,29 @@ def test_every_example_job_passes_the_dry_run(capsys) -> None:
         assert out.rstrip().endswith("config OK"), path.name
 
 
+def test_every_real_model_example_dry_runs_on_a_fresh_clone_and_run_refuses_its_missing_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Issue "the first hour": GSM8K is not shipped, so on a fresh clone every examples/models job's data is missing.
+    Its dry run still prints the plan and exits 0, the data a WARNING naming the key and the command that writes it;
+    `lorarl run` refuses it, naming the key, before anything starts."""
+    monkeypatch.chdir(tmp_path)  # no data/gsm8k here, whatever the checkout holds
+    for path in sorted((ROOT / "examples/models").glob("*.yaml")):
+        code = main(["run", str(path), "--dry-run"])
+        out = capsys.readouterr().out
+        folder = Path(load_job_config(str(path), []).data.train_path).parent.as_posix()
+        assert code == 0 and out.rstrip().endswith("config OK, with 2 WARNINGS above"), f"{path.name}: {out}"
+        assert "WARNING data.train_path: no such file" in out and "WARNING data.test_path: no such file" in out
+        assert f"hint: `lorarl data gsm8k {folder}` writes {folder}/train.jsonl and test.jsonl" in out, out
+    code = main(["run", str(ROOT / "examples/models/qwen3-0.6b.yaml"), f"output.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "lorarl: bad config: data.train_path: no such file: 'data/gsm8k/train.jsonl'; `lorarl data " \
+                         "gsm8k data/gsm8k`" in err, err
+    code = main(["eval", str(ROOT / "examples/models/qwen3-0.6b.yaml"), f"output.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err  # eval reads the held-out split only, before its rollout starts
+    assert code == 2 and "lorarl: bad config: data.test_path: no such file: 'data/gsm8k/test.jsonl'" in err, err
+    assert not (tmp_path / "run" / "services").exists() and not (tmp_path / "run" / "eval").exists()
+
+
 def test_npu_jobs_pass_the_ascend_checks_and_the_demo_settings_fail_them(capsys) -> None:
     assert {p.name for p in NPU_JOB_FILES} == {"qwen3-0.6b.yaml", "qwen3-30b-a3b-merged.yaml"}
     for path in NPU_JOB_FILES:

@@ -106,7 +106,7 @@ def test_step_line_shows_the_rollout_vs_trainer_kl_and_its_alarm() -> None:
 
 def test_step_line_names_the_kl_to_the_reference_apart_from_the_mismatch_and_shows_the_length() -> None:
     progress = ProgressBar(40, stream=io.StringIO(), clock=FakeClock())
-    progress.update(step_row(1, **{"train/kl": 0.004, "train/rollout_kl_k3": 0.0001,
+    progress.update(step_row(1, **{"train/kl_ref": 0.004, "train/rollout_kl_k3": 0.0001,
                                    "rollout/response_length_mean": 41.6}))
     line = progress.stream.getvalue().splitlines()[-1]
     assert "kl_ref 4.0e-03" in line and "mismatch 1.0e-04" in line and "len 42" in line
@@ -139,3 +139,93 @@ def test_a_steps_samples_go_to_samples_jsonl(tmp_path) -> None:
     assert row == {"step": 1, "prompt": "sort 3 1", "completion": "1 3", "reward": 1.0, "answer": "1 3",
                    "truncated": False}
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+class WandbRecorder:
+    """Stands for the wandb package at RunLog's seam (``wandb_module``): records what a run hands W&B, with no
+    account and no package installed."""
+
+    def __init__(self) -> None:
+        self.inits: list[dict] = []
+        self.logged: list[tuple[int, dict]] = []
+        self.finished = False
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.logged.append((step, metrics))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_the_wandb_run_takes_project_name_entity_and_tags_from_the_job_file(tmp_path) -> None:
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.rl.run_log import wandb_init
+
+    cfg = load_job_config("examples/demo.yaml", ["output.wandb=true", "output.wandb_project=rl-sweeps",
+                                                 "output.wandb_entity=my-team", "output.wandb_tags=[lora, grpo]"])
+    recorder = WandbRecorder()
+    log = RunLog(tmp_path, total_steps=1, tensorboard=False, progress=False, config={"job_id": cfg.job_id},
+                 wandb=cfg.output.wandb, wandb_settings=wandb_init(cfg), wandb_module=recorder)
+    log(step_row(1))
+    log.close()
+    assert recorder.inits == [{"project": "rl-sweeps", "name": cfg.job_id, "entity": "my-team",
+                               "tags": ["lora", "grpo"], "config": {"job_id": cfg.job_id}, "dir": str(tmp_path)}]
+    assert recorder.logged[0][0] == 1 and recorder.logged[0][1]["rollout/accuracy"] == 0.25 and recorder.finished
+    # by default: project lorarl, the run named for the job, W&B's own entity; a name of its own when given
+    default = load_job_config("examples/demo.yaml", [])
+    assert wandb_init(default) == {"project": "lorarl", "name": default.job_id}
+    named = load_job_config("examples/demo.yaml", ["output.wandb_run=try 3: lr 1e-4"])
+    assert wandb_init(named)["name"] == "try 3: lr 1e-4"
+
+
+@pytest.mark.parametrize(("override", "problem"), [
+    ("output.wandb_project=", "expected a name"),
+    ("output.wandb_project=team/rl", "no '/'"),
+    ("output.wandb_entity=a#b", "no '#'"),
+    ("output.wandb_tags=[ok, '']", "expected a name"),
+    (f"output.wandb_tags=[{'x' * 65}]", "at most 64 characters"),
+])
+def test_wandb_names_wandb_would_refuse_are_refused_when_the_job_loads(override: str, problem: str) -> None:
+    from lorarl.client.job.config import load_job_config
+    from lorarl.common.config import ConfigError
+
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError, match=rf"^{key}: .*{problem}"):
+        load_job_config("examples/demo.yaml", [override])
+
+
+def test_accuracy_counts_rewards_at_or_above_loop_success_reward_and_says_so() -> None:
+    """The rule behind rollout/accuracy and eval/accuracy is the job's (loop.success_reward, 1 by default), and the
+    evaluation line, the plot and the summary name it."""
+    from lorarl.client.job.config import load_job_config
+    from lorarl.client.rl.metric_names import successes
+
+    assert load_job_config("examples/demo.yaml", []).loop.success_reward == 1.0
+    assert load_job_config("examples/demo.yaml", ["loop.success_reward=0.5"]).loop.success_reward == 0.5
+    assert successes([1.0, 0.5, 0.2, 1.5], 1.0) == 0.5 and successes([1.0, 0.5, 0.2, 1.5], 0.5) == 0.75
+    assert successes([], 1.0) == 0.0
+    progress = ProgressBar(4, stream=io.StringIO(), success_reward=0.5)
+    progress.update({"step": 1.0, "eval/accuracy": 0.75, "eval/mean_reward": 0.8, "time_s": 12.0})
+    assert "held-out accuracy 0.750 (reward >= 0.5)" in progress.stream.getvalue()
+
+
+def test_the_summary_names_the_success_rule(tmp_path) -> None:
+    log = RunLog(tmp_path, total_steps=1, tensorboard=False, progress=False, success_reward=0.5)
+    log({"step": 0.0, "eval/accuracy": 0.25, "eval/mean_reward": 0.3, "time_s": 0.0})
+    log({"step": 1.0, "eval/accuracy": 0.5, "eval/mean_reward": 0.6, "time_s": 1.0})
+    log.close()
+    summary = log.summary()
+    assert "held-out greedy accuracy: 0.250 -> 0.500 (+25.0 points), counting reward >= 0.5 as a success" in summary
+
+
+def test_loop_names_the_trainers_kl_for_what_it_is() -> None:
+    """The trainer says "kl"; a run's log says train/kl_ref (KL to the reference), apart from the rollout-vs-trainer
+    mismatch (train/rollout_kl_k3)."""
+    from lorarl.client.rl.metric_names import train_metrics
+
+    assert train_metrics({"kl": 0.01, "entropy": 1.5, "rollout_kl_k3": 0.001}) == {
+        "train/kl_ref": 0.01, "train/entropy": 1.5, "train/rollout_kl_k3": 0.001}

@@ -291,7 +291,7 @@ class MegatronEngine(PolicyEngine):
     def export_adapter(self, path: str | Path) -> Path:
         tensors = dict(self.iter_adapter_tensors())
         if self.rank == 0:
-            save_peft(tensors, self.spec.lora, self.spec.base_model_path, path)
+            save_peft(tensors, self.spec.lora, self.spec.base_model_name_or_path, path)
         self._barrier()
         return Path(path)
 

@@ -75,14 +75,15 @@ def peft_tensors(full: dict[str, torch.Tensor], layout: convert.Qwen3Layout) -> 
     return out
 
 
-def save_peft(tensors: dict[str, torch.Tensor], lora: LoraConfig, base_model_path: str, out_dir: str | Path,
+def save_peft(tensors: dict[str, torch.Tensor], lora: LoraConfig, base_model_name: str, out_dir: str | Path,
               dtype: torch.dtype = torch.float32) -> Path:
-    """adapter_config.json + adapter_model.safetensors, written to a temp dir and renamed into place."""
+    """adapter_config.json + adapter_model.safetensors, written to a temp dir and renamed into place;
+    ``base_model_name``: the base as PEFT is to find it (TrainingSpec.base_model_name_or_path)."""
     final = Path(out_dir)
     with atomic_directory(final) as tmp:
         data = {k: v.to(dtype).contiguous().cpu() for k, v in tensors.items()}
         save_file(data, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = lora.peft_config(base_model_path, adapted_module_names(data))
+        config = lora.peft_config(base_model_name, adapted_module_names(data))
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return final
 

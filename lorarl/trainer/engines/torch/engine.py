@@ -274,7 +274,8 @@ class TorchEngine(PolicyEngine):
     def export_adapter(self, path: str | Path) -> Path:
         if self.spec.full_finetune:
             raise EngineStateError("a full fine-tune has no adapter to export; export the merged model")
-        return save_peft_adapter(self.model, self.spec.lora, self.spec.base_model_path, path, slot=self.slot)
+        return save_peft_adapter(self.model, self.spec.lora, self.spec.base_model_name_or_path, path,
+                                 slot=self.slot)
 
     def export_merged(self, path: str | Path) -> Path:
         return save_merged_model(self.model, self.spec.base_model_path, path, slot=self._export_slot())
