@@ -235,10 +235,10 @@ SINGLE_DEFINITIONS = {
     # a child that leaves with its starter: the mark is set and read in one place
     "parent-watch mark": (re.compile(r"LORARL_WATCH_PARENT"), "lorarl.common.parent_watch"),
     # the first hour (#46): a run's metric names (rollout/, train/, eval/, policy/; the three KLs) in one scheme,
-    # and the job-file key reference made from the typed config by one generator
+    # and one walk over a config class's keys (the generated key reference and the resume check both use it)
     "metric names": (re.compile(r"[\"'](train/kl_ref|rollout/accuracy|eval/accuracy|train/entropy|"
                                 r"rollout/reward_mean)[\"']"), "lorarl.client.rl.metric_names"),
-    "job-file key reference": (re.compile(r"\bdescribe_keys\(JobFileConfig"), "lorarl.client.job.reference"),
+    "config key walk": (re.compile(r"\bget_type_hints\("), "lorarl.common.config"),
 }
 
 

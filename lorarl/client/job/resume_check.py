@@ -12,16 +12,14 @@ note. A directory written before this file existed is compared with its config.j
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lorarl.client.job.config import JobFileConfig, base_model_name
-from lorarl.common.config import to_dict
+from lorarl.common.config import describe_keys, to_dict
 
 SAVED = "resume_config.json"
 #: What every run wrote before resume_config.json: the resolved job (model.path is a folder of this host there).
@@ -92,19 +90,10 @@ def saved_settings(out: Path) -> dict[str, Any] | None:
     return None
 
 
-def leaf_keys(cls: type = JobFileConfig, prefix: str = "") -> list[str]:
-    """Every setting of the job file as a dotted key (a mapping-valued setting, data.columns, is one key)."""
-    hints = typing.get_type_hints(cls)
-    keys = []
-    for field in dataclasses.fields(cls):
-        if not field.init:
-            continue
-        kind = hints[field.name]
-        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-            keys += leaf_keys(kind, f"{prefix}{field.name}.")
-        else:
-            keys.append(f"{prefix}{field.name}")
-    return keys
+def leaf_keys() -> list[str]:
+    """Every setting of the job file as a dotted key (a mapping-valued setting, data.columns, is one key): the
+    keys the job-file reference lists (lorarl.common.config.describe_keys)."""
+    return [k.key for k in describe_keys(JobFileConfig)]
 
 
 _ABSENT = object()
