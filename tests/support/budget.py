@@ -2,7 +2,8 @@
 
 The suite has to fit CI's limit as it grows, so each file's wall time (setup + call + teardown of all its
 tests) is held to what was recorded for it, with headroom for a noisy machine, scaled by the run's pace; a file
-that is not in the record gets the default, and the whole run's wall time at pace 1.0 is capped (``total_s``).
+that is not in the record gets the default, and the whole run's wall time at pace 1.0 is capped (``total_s``,
+with TOTAL_MARGIN for the calibration's error).
 
 The pace is how much slower the machine runs a fixed calibration workload (`calibrate`: pure Python and
 hashing, no lorarl code) than it did when the record was taken (``calibration_s``), sampled every
@@ -39,6 +40,11 @@ DEFAULTS = {"headroom": 1.5, "slack_s": 15.0, "default_s": 20.0, "unmarked_s": 1
 MAX_PACE = 2.0
 #: Seconds between two samples of the calibration workload while the suite runs.
 CALIBRATE_EVERY_S = 15.0
+#: The whole-run cap's allowance for the calibration reading a busy machine low: beside a busy-looping process
+#: the calibration read 1.20x while the suite ran 1.30x slower (clean-clone run ci7, 2026-12-07), since the
+#: suite's multi-threaded torch work loses more to a neighbour than one Python thread does. The per-file
+#: budgets have their own headroom.
+TOTAL_MARGIN = 1.1
 
 
 def calibrate() -> float:
@@ -265,8 +271,9 @@ class BudgetPlugin:
         self.budget = Budget.load(self.budget_path)
         self.pace = self.budget.pace(measured, calibration)
         self.over = self.budget.over(measured, self.pace)
-        if self.wall_s > self.budget.total_s * self.pace:
-            self.over.append(("the whole run (wall time)", self.wall_s, self.budget.total_s * self.pace))
+        if self.wall_s > self.budget.total_s * self.pace * TOTAL_MARGIN:
+            self.over.append(("the whole run (wall time)", self.wall_s,
+                              self.budget.total_s * self.pace * TOTAL_MARGIN))
         # the unmarked rule moves with the machine's pace as the file budgets do (a busy machine took 14.7 s
         # for a test of 10 s elsewhere, and failed a green suite on it)
         self.unmarked = self.timings.unmarked_slow(self.budget.unmarked_s * self.pace)
@@ -284,7 +291,8 @@ class BudgetPlugin:
                else "from the recorded files' seconds: the record has no calibration")
         terminalreporter.write_sep("=", f"time budget ({self.budget_path}): {total / 60:.1f} min of tests, "
                                         f"{self.wall_s / 60:.1f} min of wall time (at most "
-                                        f"{self.budget.total_s / 60:.0f} at pace 1.0), at {self.pace:.2f}x the "
+                                        f"{self.budget.total_s / 60:.0f} at pace 1.0, x{TOTAL_MARGIN}), at "
+                                        f"{self.pace:.2f}x the "
                                         f"record's pace ({how})")
         for name, seconds, allowed in self.budget.nearest(self.timings.per_name, NEAREST_SHOWN, self.pace):
             terminalreporter.write_line(f"{seconds / allowed:4.0%} of budget  {name}: {seconds:.1f} s of "
