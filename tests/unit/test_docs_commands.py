@@ -26,7 +26,6 @@ import re
 import runpy
 import shlex
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,20 +155,8 @@ def test_every_make_target_shown_exists():
     assert not missing
 
 
-@contextlib.contextmanager
-def working_dir(path: Path) -> Iterator[None]:
-    import os
-
-    before = Path.cwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(before)
-
-
 def run_cli(argv: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    with working_dir(cwd):
+    with contextlib.chdir(cwd):
         try:
             code = cli.main(argv)
         except SystemExit as e:  # argparse: --help, --version, a refused argument
