@@ -160,7 +160,7 @@ def evaluate_tool_greedy(model: Any, problems: Sequence[Any], batch_size: int = 
     calculator, its result follows and turn 2 answers. Success rate, call rate, and misreads among calls."""
     from lorarl.assets.tool_task import TOOLS, calculate, final_answer
     from lorarl.contract.chat import ChatRenderer
-    from lorarl.rollout.openai.tool_calls import parse_tool_calls
+    from lorarl.contract.tool_calls import parse_tool_calls
 
     tokenizer = default_tokenizer()
     renderer = ChatRenderer(str(TOKENIZER_DIR))

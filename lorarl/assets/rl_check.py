@@ -23,8 +23,7 @@ from lorarl.assets.evaluate import evaluate_greedy, generate_token_ids
 from lorarl.assets.paths import DENSE_MODEL_DIR
 from lorarl.assets.tasks import exact_reward, load_split
 from lorarl.assets.tokenizer import default_tokenizer, prompt_token_ids
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from lorarl.contract.lora import DENSE_TARGETS
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def run(model_dir: Path, minutes: float, cfg: GRPOConfig = GRPOConfig()) -> list
     rng = random.Random(cfg.seed)
     tokenizer = default_tokenizer()
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(DENSE_TARGETS), lora_dropout=0.0)
     model = get_peft_model(base, lora)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     train, test = load_split("train"), load_split("test")

@@ -23,20 +23,18 @@ import os
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
 
-T = TypeVar("T")
+from lorarl.contract.fields import CHECK_KEY, Check, setting  # noqa: F401  (re-exported: sections import them here)
 
-#: Returns None when the value is fine, else what was expected (e.g. "an integer in 0..65535").
-Check = Callable[[Any], str | None]
+T = TypeVar("T")
 
 ENV_PREFIX = "LORARL_"
 ENV_SEPARATOR = "__"
-_CHECK_KEY = "lorarl.check"
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _NONE_WORDS = frozenset({"", "~", "null", "none", "None", "NULL"})
 
@@ -69,20 +67,6 @@ class RawText(str):
 
 # --------------------------------------------------------------------------------------------
 # Field helpers and checks
-
-
-def setting(
-    default: Any = dataclasses.MISSING,
-    *,
-    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
-    check: Check | None = None,
-    doc: str = "",
-) -> Any:
-    """A dataclass field with an optional validity check and a description."""
-    metadata: dict[str, Any] = {"doc": doc}
-    if check is not None:
-        metadata[_CHECK_KEY] = check
-    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 def in_range(low: float | None = None, high: float | None = None) -> Check:
@@ -436,7 +420,7 @@ def _build_dataclass(cls: type[T], value: Any, key: str) -> T:
         origin = given.origin if isinstance(given, RawText) else None
         raise ConfigError(_join(key, exc.field), exc.problem, origin=origin) from None
     for name, field in fields.items():
-        check: Check | None = field.metadata.get(_CHECK_KEY)
+        check: Check | None = field.metadata.get(CHECK_KEY)
         if check is not None:
             problem = check(getattr(instance, name))
             if problem:

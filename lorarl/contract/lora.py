@@ -19,13 +19,18 @@ from lorarl.contract.errors import SpecError
 from lorarl.v1 import common_pb2
 
 ALL_LINEAR = "all-linear"
-DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Attention-only and MLP-only adapters (the Tinker API's train_attn / train_mlp): with both, "all-linear".
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+DENSE_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+#: Never adapted by "all-linear" (PEFT excludes the output layer; embeddings are not linears).
+NOT_LINEAR = frozenset({"lm_head", "embed_tokens"})
 #: Qwen3.5 / Qwen3.6 Gated DeltaNet (linear-attention) projections; vLLM serves LoRA on all five
 #: (packed as in_proj_qkvz = [in_proj_qkv, in_proj_z], in_proj_ba = [in_proj_b, in_proj_a], out_proj).
 LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 #: What "all-linear" adapts: every decoder linear of the supported families (absent names match nothing).
 LINEAR_TARGETS = DENSE_TARGETS + LINEAR_ATTENTION_TARGETS
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJS = MLP_TARGETS
 ExpertMode = Literal["none", "per_expert", "shared"]
 
 #: The defaults of every entry point (job file, gRPC JobConfig, Python API): rank 16, alpha twice the rank.

@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from lorarl.common.config import setting
 from lorarl.contract.enums import KL_ESTIMATORS, KL_NAMES, LOSS_NAMES, LOSS_TYPES
 from lorarl.contract.errors import SpecError
+from lorarl.contract.fields import setting
 from lorarl.contract.lora import LoraSpec
 from lorarl.v1 import trainer_pb2
 

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from lorarl.contract.lora import LoraSpec
+from lorarl.contract.peft import pair_tensors
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.model_files import ModelFiles
-from lorarl.rollout.payloads import PEFT_NAME
 from lorarl.rollout.schema import (
     AdapterHandle,
     EngineInfo,
@@ -210,20 +210,15 @@ class HfEngine:
 
     async def add_adapter(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]
                           ) -> None:
-        modules: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in tensors.items():
-            match = PEFT_NAME.match(name)
-            if match is None:
-                raise ValueError(f"{name!r} is not a PEFT LoRA tensor name")
-            modules.setdefault(match["module"], {})[match["which"]] = tensor
+        modules = pair_tensors(tensors)
         named = dict(self.model.named_modules())
         device, dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
         adapter: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        for module_name, halves in modules.items():
+        for module_name, (lora_a, lora_b) in modules.items():
             if not isinstance(named.get(module_name), nn.Linear):
                 raise ValueError(f"{module_name} is not a linear layer of this model")
-            a = halves["A"].detach().to(device=device, dtype=dtype).clone()
-            b = halves["B"].detach().to(device=device, dtype=dtype).clone()
+            a = lora_a.detach().to(device=device, dtype=dtype).clone()
+            b = lora_b.detach().to(device=device, dtype=dtype).clone()
             adapter[module_name] = (a, b, lora.scale)
         async with self._lock:
             for module_name in adapter:

@@ -9,7 +9,6 @@ here with the trainer's arithmetic (lorarl.weightsync.wire.merge).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -17,10 +16,10 @@ import torch
 
 from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError
 from lorarl.contract.lora import LoraSpec
+from lorarl.contract.peft import PeftNameError, pair_tensors
 from lorarl.rollout.model_files import ModelFiles
 from lorarl.rollout.schema import Mode
 
-PEFT_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 LM_HEAD = "lm_head.weight"
 
 
@@ -44,17 +43,10 @@ class PolicyPayload:
 
 def adapter_modules(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{module: (lora_A, lora_B)}; INVALID_ARGUMENT for names that are not PEFT LoRA names or lone halves."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        match = PEFT_NAME.match(name)
-        if match is None:
-            raise InvalidArgumentError("manifest.tensors", f"{name!r} is not a PEFT LoRA tensor name "
-                                       "(base_model.model.<module>.lora_A|lora_B.weight)")
-        halves.setdefault(match["module"], {})[match["which"]] = tensor
-    lone = sorted(m for m, h in halves.items() if len(h) != 2)
-    if lone:
-        raise InvalidArgumentError("manifest.tensors", f"lora_A or lora_B missing for {lone[:3]}")
-    return {module: (h["A"], h["B"]) for module, h in halves.items()}
+    try:
+        return pair_tensors(tensors)
+    except PeftNameError as e:
+        raise InvalidArgumentError("manifest.tensors", str(e)) from None
 
 
 def check_adapter(tensors: Mapping[str, torch.Tensor], lora: LoraSpec, files: ModelFiles, max_rank: int

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from lorarl.common.channel import ClientTls, aio_channel
-from lorarl.contract.lora import LoraSpec
+from lorarl.contract.lora import ALL_LINEAR, ATTENTION_TARGETS, MLP_TARGETS, LoraSpec
 from lorarl.contract.training import AdamStep, LossSpec, OptimizerSpec, TrainingSpec
 from lorarl.tinker import wire
 from lorarl.tinker.futures import UserError
@@ -33,8 +33,6 @@ from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, tr
 
 logger = logging.getLogger(__name__)
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 #: What a Tinker model's Adam runs with unless a step says otherwise (the SDK's AdamParams defaults).
 TINKER_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 #: AdamParams' names -> lorarl's per-step optimizer fields (lorarl.contract.training.AdamStep).
@@ -214,7 +212,7 @@ class TinkerService:
             raise UserError("lora_config: train_attn or train_mlp must be true (lorarl adapts decoder linears)")
         if lora.get("train_unembed", True):
             logger.info("model %s: train_unembed is not served; the unembedding stays frozen", model_id)
-        targets = ("all-linear",) if attn and mlp else ATTENTION if attn else MLP
+        targets = (ALL_LINEAR,) if attn and mlp else ATTENTION_TARGETS if attn else MLP_TARGETS
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserError(f"optimizer_config.type {optimizer!r}: lorarl serves adamw")

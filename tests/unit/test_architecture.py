@@ -118,6 +118,11 @@ FORBIDDEN = [
     ("lorarl.contract", "lorarl.trainer"),
     ("lorarl.contract", "lorarl.rollout"),
     ("lorarl.contract", "lorarl.weightsync"),
+    # the contract is the floor the services stand on: it imports no lorarl package above it (#47 step 0)
+    ("lorarl.contract", "lorarl.common"),
+    # the shipped assets (tiny models, tasks, their evaluation) lean on the contract only, never on a service
+    *(("lorarl.assets", service) for service in ("lorarl.trainer", "lorarl.rollout", "lorarl.weightsync",
+                                                 "lorarl.tinker", "lorarl.client")),
     *((service, "lorarl.client") for service in
       ("lorarl.common", "lorarl.contract", "lorarl.trainer", "lorarl.rollout", "lorarl.weightsync",
        "lorarl.tinker")),
@@ -239,6 +244,18 @@ SINGLE_DEFINITIONS = {
     "metric names": (re.compile(r"[\"'](train/kl_ref|rollout/accuracy|eval/accuracy|train/entropy|"
                                 r"rollout/reward_mean)[\"']"), "lorarl.client.rl.metric_names"),
     "config key walk": (re.compile(r"\bget_type_hints\("), "lorarl.common.config"),
+    # teachers are adapters (#47 step 0): what a PEFT tensor is called and how its halves pair, the LoRA target
+    # lists ("all-linear", attention-only, MLP-only, what is never a linear), the Qwen3 tool-call parser, and
+    # the typed field every spec and section declares its keys with
+    "PEFT tensor names": (re.compile(r"base_model\\?\.model|lora_[AB]\.weight|lora_\{\w+\}\.weight"),
+                          "lorarl.contract.peft"),
+    "PEFT files": (re.compile(r"[\"']adapter_(config\.json|model\.safetensors)[\"']"), "lorarl.contract.peft"),
+    "all-linear": (re.compile(r"[\"']all-linear[\"'](?!\s*\S)|[\"']all-linear[\"']\s*[,)\]]"), "lorarl.contract.lora"),
+    "LoRA target lists": (re.compile(r"[\"']q_proj[\"'],\s*[\"']k_proj[\"'],\s*[\"']v_proj[\"'],\s*[\"']o_proj|"
+                                     r"[\"']gate_proj[\"'],\s*[\"']up_proj[\"'],\s*[\"']down_proj|"
+                                     r"[\"']lm_head[\"'],\s*[\"']embed_tokens[\"']"), "lorarl.contract.lora"),
+    "tool-call parser": (re.compile(r"re\.compile\(r?[\"']<tool_call>"), "lorarl.contract.tool_calls"),
+    "typed field": (re.compile(r"^def setting\("), "lorarl.contract.fields"),
 }
 
 
@@ -332,3 +349,29 @@ def test_no_pickle_on_any_wire_or_file() -> None:
     assert offenders == {}
     assert sorted(pickling(ast.parse("import pickle\ndist.all_gather_object(p, x)\ntorch.load(f)"))) == [
         "line 1: import pickle", "line 2: all_gather_object", "line 3: torch.load without weights_only=True"]
+
+
+def test_the_contract_imports_only_the_platform_and_itself() -> None:
+    """The contract is the floor every service and the Tinker front stand on (#47 step 0): besides the generated
+    code it imports lorarl.platform alone, so a rule it states never depends on a service's helpers."""
+    deps = {d for name, ds in import_graph().items() if _under(name, "lorarl.contract") for d in ds}
+    outside = sorted(d for d in deps if not (_under(d, "lorarl.contract") or _under(d, "lorarl.platform")))
+    assert deps and outside == []
+
+
+def test_the_map_names_every_package() -> None:
+    """docs/architecture.md has a row for each package of lorarl and each service's sub-package: the map a
+    newcomer reads says what is there (it once had no row for the Tinker front)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    packages = sorted({path.parent.relative_to(ROOT).as_posix() for path in modules().values()})
+    unnamed = []
+    for package in packages:
+        parts = package.split("/")
+        ancestors = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        row_of_its_own = any(line.startswith(f"| `{package}/` |") for line in rows)
+        named_in_an_ancestors_row = any(line.startswith(f"| `{a}/` |") and f"`{parts[-1]}/`" in line
+                                        for a in ancestors for line in rows)
+        if not (row_of_its_own or named_in_an_ancestors_row):
+            unnamed.append(package)
+    assert packages and unnamed == []

@@ -19,6 +19,7 @@ from typing import Any
 
 from lorarl.client.commands.run import add_token_file, client_tls
 from lorarl.contract import versions
+from lorarl.contract.peft import read_peft_config, read_peft_tensors
 
 ADAPTER_JOB = "eval-adapter"
 
@@ -49,13 +50,8 @@ def add_parsers(subparsers: Any) -> None:
 
 
 def read_adapter(directory: Path) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
-
-    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
-    if not config_path.is_file() or not weights_path.is_file():
-        raise FileNotFoundError(f"{directory} is not a PEFT adapter directory (adapter_config.json + "
-                                "adapter_model.safetensors)")
-    return json.loads(config_path.read_text()), load_file(str(weights_path))
+    """(adapter_config.json, tensors) of a PEFT adapter directory; ValueError says what is missing."""
+    return read_peft_config(directory), read_peft_tensors(directory)
 
 
 def eval_command(args: argparse.Namespace) -> int:
@@ -68,7 +64,7 @@ def eval_command(args: argparse.Namespace) -> int:
         return 2
     try:
         adapters = [read_adapter(Path(directory)) for directory in args.adapter]
-    except FileNotFoundError as e:
+    except ValueError as e:
         print(f"lorarl eval: {e}", file=sys.stderr)
         return 2
     names = ["base"] * (args.base or not adapters) + list(args.adapter)

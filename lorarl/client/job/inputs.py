@@ -18,7 +18,7 @@ from lorarl.client.job.rewards import RewardFn, load_reward
 from lorarl.client.workflow import Workflow, load_workflow
 from lorarl.common.config import ConfigError
 from lorarl.contract.chat import ChatRenderer
-from lorarl.contract.peft_files import read_peft_config
+from lorarl.contract.peft import read_peft_config
 
 
 def job_examples(cfg: JobFileConfig, split: str, limit: int | None = None) -> list[Example]:

@@ -37,11 +37,11 @@ from lorarl.common.errors import (
     UnavailableError,
 )
 from lorarl.contract.chat import ChatRenderer
+from lorarl.contract.tool_calls import OPEN, parse_tool_calls
 from lorarl.rollout import validation
 from lorarl.rollout.core import RolloutCore
 from lorarl.rollout.openai.requests import ChatBody, CompletionBody, RequestError, parse
 from lorarl.rollout.openai.sessions import SessionStore, Turn, normalized
-from lorarl.rollout.openai.tool_calls import OPEN, parse_tool_calls
 from lorarl.rollout.schema import Finish
 from lorarl.v1 import common_pb2, rollout_pb2
 

@@ -13,7 +13,6 @@ vLLM is imported on start(), not at module import, so `lorarl serve rollout` sta
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -29,6 +28,7 @@ from lorarl.common.cpu_affinity import available_cpus, format_cpu_list, parse_cp
 from lorarl.common.errors import FailedPreconditionError, UnavailableError
 from lorarl.common.vllm_lora import lora_blocker
 from lorarl.contract.lora import LoraSpec
+from lorarl.contract.peft import write_peft_files
 from lorarl.contract.routes import RoutedExperts
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.model_files import ModelFiles
@@ -482,15 +482,10 @@ class VllmEngine:
         self._lora_requests[handle.lora_int_id] = request
 
     def _write_peft_dir(self, handle: AdapterHandle, lora: LoraSpec, tensors: Mapping[str, torch.Tensor]) -> str:
-        from safetensors.torch import save_file
-
         assert self._shm_root is not None
-        path = self._shm_root / handle.key
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "adapter_config.json").write_text(json.dumps(lora.peft_config()))
-        save_file({n: t.detach().contiguous().clone() for n, t in tensors.items()},
-                  str(path / "adapter_model.safetensors"))
-        return str(path)
+        # clones: received tensors may be views of one buffer, which safetensors refuses to write as shared memory
+        clones = {n: t.detach().contiguous().clone() for n, t in tensors.items()}
+        return str(write_peft_files(self._shm_root / handle.key, clones, lora.peft_config()))
 
     async def remove_adapter(self, handle: AdapterHandle) -> None:
         self._lora_requests.pop(handle.lora_int_id, None)

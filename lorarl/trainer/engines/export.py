@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -12,6 +11,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lorarl.contract.lora import LINEAR_TARGETS, LoraSpec
+from lorarl.contract.peft import adapted_leaves, write_peft_files
 from lorarl.trainer.rl.lora import AdapterSlot, iter_merged_weights, peft_state_dict
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -20,8 +20,7 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 
 def adapted_module_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     """Leaf module names (q_proj, in_proj_qkv, ...) that carry adapters, for target_modules."""
-    names = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in tensors}
-    return sorted(names & set(LINEAR_TARGETS)) or sorted(names)
+    return adapted_leaves(tensors, LINEAR_TARGETS)
 
 
 def _atomic_dir(final: Path) -> Path:
@@ -50,9 +49,7 @@ def save_peft_adapter(model: nn.Module, lora: LoraSpec, base_model_name: str, ou
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _atomic_dir(final)
     tensors = {k: v.to(dtype).contiguous().cpu() for k, v in peft_state_dict(model, slot).items()}
-    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = lora.peft_config(base_model_name, adapted_module_names(tensors))
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    write_peft_files(tmp, tensors, lora.peft_config(base_model_name, adapted_module_names(tensors)))
     _publish_dir(tmp, final)
     return final
 

@@ -34,6 +34,7 @@ from lorarl.contract.lora import (  # noqa: F401  (re-exported: the trainer's Lo
     LoraSpec,
 )
 from lorarl.contract.merge import lora_delta, merge_lora
+from lorarl.contract.peft import tensor_name
 
 
 class LoraConfig(LoraSpec):
@@ -372,9 +373,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             m.enabled = was
 
 
-PEFT_PREFIX = "base_model.model."
-
-
 def _slot_modules(model: nn.Module, slot: AdapterSlot | None
                   ) -> Iterator[tuple[str, LoRALinear | LoRAExperts, LinearAdapter | ExpertsAdapter]]:
     """The LoRA layers ``slot`` adapts (None: the attached adapters), each with its adapter."""
@@ -391,14 +389,14 @@ def peft_state_dict(model: nn.Module, slot: AdapterSlot | None = None) -> dict[s
     out: dict[str, torch.Tensor] = {}
     for name, module, adapter in _slot_modules(model, slot):
         if isinstance(module, LoRALinear):
-            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = adapter.lora_a.detach()
-            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = adapter.lora_b.detach()
+            out[tensor_name(name, "A")] = adapter.lora_a.detach()
+            out[tensor_name(name, "B")] = adapter.lora_b.detach()
             continue
         for e in range(module.num_experts):
             for proj in EXPERT_PROJS:
                 a, b = module._adapter(proj, e, adapter)
-                out[f"{PEFT_PREFIX}{name}.{e}.{proj}.lora_A.weight"] = a.detach()
-                out[f"{PEFT_PREFIX}{name}.{e}.{proj}.lora_B.weight"] = b.detach()
+                out[tensor_name(f"{name}.{e}.{proj}", "A")] = a.detach()
+                out[tensor_name(f"{name}.{e}.{proj}", "B")] = b.detach()
     return out
 
 
@@ -416,14 +414,14 @@ def load_peft_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     with torch.no_grad():
         for name, module in lora_modules(model):
             if isinstance(module, LoRALinear):
-                module.lora_a.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
-                module.lora_b.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"])
+                module.lora_a.copy_(tensors[tensor_name(name, "A")])
+                module.lora_b.copy_(tensors[tensor_name(name, "B")])
                 continue
             experts = [0] if module.shared else range(module.num_experts)
             for e in experts:
                 for proj in EXPERT_PROJS:
-                    module.lora_a[proj][e].copy_(tensors[f"{PEFT_PREFIX}{name}.{e}.{proj}.lora_A.weight"])
-                    module.lora_b[proj][e].copy_(tensors[f"{PEFT_PREFIX}{name}.{e}.{proj}.lora_B.weight"])
+                    module.lora_a[proj][e].copy_(tensors[tensor_name(f"{name}.{e}.{proj}", "A")])
+                    module.lora_b[proj][e].copy_(tensors[tensor_name(f"{name}.{e}.{proj}", "B")])
 
 
 def iter_merged_weights(model: nn.Module, merge: bool = True, slot: AdapterSlot | None = None

@@ -34,7 +34,7 @@ from lorarl.common.malloc_arenas import limit_malloc_arenas
 from lorarl.common.validation import check_id
 from lorarl.contract import versions
 from lorarl.contract.errors import SpecError
-from lorarl.contract.peft_files import read_peft_config
+from lorarl.contract.peft import read_peft_config
 from lorarl.trainer.engines.api import AdamStep, Metrics, TrainEngine, TrainingSpec, TrajectoryRecord
 from lorarl.trainer.engines.factory import create_engine
 from lorarl.trainer.service import fit

@@ -7,22 +7,18 @@ tensor whose shape would not load. Errors are InvalidArgumentError naming the of
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from lorarl.common.errors import InvalidArgumentError
+from lorarl.contract.lora import ALL_LINEAR, NOT_LINEAR
+from lorarl.contract.peft import NAME_PATTERN, parse_tensor_name
 from lorarl.v1 import common_pb2, weightsync_pb2
 from lorarl.weightsync.wire.payload import DTYPE_TO_PROTO
 
-PEFT_PREFIX = "base_model.model."
-ALL_LINEAR = "all-linear"
-#: Never adapted by "all-linear" (PEFT excludes the output layer; embeddings are not linears).
-NOT_LINEAR = frozenset({"lm_head", "embed_tokens"})
 FLOAT_DTYPES = frozenset({common_pb2.D_TYPE_FLOAT32, common_pb2.D_TYPE_BFLOAT16, common_pb2.D_TYPE_FLOAT16})
-_ADAPTER_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 
 def catalog_from_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> weightsync_pb2.ModelCatalog:
@@ -31,12 +27,6 @@ def catalog_from_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> weights
     for name, t in tensors:
         catalog.tensors.add(name=name, shape=list(t.shape), dtype=DTYPE_TO_PROTO.get(t.dtype, 0))
     return catalog
-
-
-def adapter_module(name: str) -> tuple[str, str] | None:
-    """('<module>', 'A'|'B') for a PEFT adapter tensor name, else None."""
-    m = _ADAPTER_NAME.match(name)
-    return (m["module"], m["which"]) if m else None
 
 
 @dataclass(frozen=True)
@@ -92,10 +82,10 @@ class JobCatalog:
         halves: dict[str, set[str]] = {}
         for i, t in enumerate(manifest.tensors):
             where = f"{field}.tensors[{i}]"
-            parsed = adapter_module(t.name)
+            parsed = parse_tensor_name(t.name)
             if parsed is None:
                 raise InvalidArgumentError(
-                    where, f"{t.name!r} is not an adapter tensor (base_model.model.<module>.lora_A|B.weight)")
+                    where, f"{t.name!r} is not an adapter tensor ({NAME_PATTERN})")
             module, which = parsed
             base = self.entries.get(f"{module}.weight")
             if base is None or len(base.shape) != 2:

@@ -15,24 +15,13 @@ import torch
 
 from lorarl.contract.lora import LoraSpec
 from lorarl.contract.merge import merge_lora
-from lorarl.weightsync.wire.catalog import adapter_module
-
-
-def adapter_pairs(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{module: (lora_A, lora_B)} from PEFT-named tensors; raises KeyError if a half is missing."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in adapter.items():
-        parsed = adapter_module(name)
-        if parsed is None:
-            raise KeyError(f"{name} is not a PEFT adapter tensor name")
-        halves.setdefault(parsed[0], {})[parsed[1]] = tensor
-    return {module: (h["A"], h["B"]) for module, h in halves.items()}
+from lorarl.contract.peft import pair_tensors
 
 
 def merged_from_adapter(adapter: Mapping[str, torch.Tensor], lora: LoraSpec,
                         base_weight: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, merged weight) for every adapted module; `base_weight(name)` returns the pristine base."""
     scale = lora.scale
-    for module, (a, b) in adapter_pairs(adapter).items():
+    for module, (a, b) in pair_tensors(adapter).items():
         name = f"{module}.weight"
         yield name, merge_lora(base_weight(name), a, b, scale)

@@ -15,8 +15,8 @@ import pytest
 
 from lorarl.client.workflow.sessions import session_episodes
 from lorarl.contract.chat import ChatRenderer
+from lorarl.contract.tool_calls import parse_tool_calls
 from lorarl.rollout.openai.http_server import OpenAIServer
-from lorarl.rollout.openai.tool_calls import parse_tool_calls
 from lorarl.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout.harness import TOKEN, RolloutHarness, openai_served
 from tests.unit.rollout.models import dense_model_dir

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lorarl.common.errors import InvalidArgumentError
+from lorarl.contract.peft import parse_tensor_name
 from lorarl.v1 import common_pb2
-from lorarl.weightsync.wire.catalog import JobCatalog, adapter_module
+from lorarl.weightsync.wire.catalog import JobCatalog
 from tests.unit.weightsync.fixtures import FINGERPRINT, adapter, base_weights, catalog, lora_spec, manifest_of
 
 MERGED = common_pb2.SYNC_MODE_MERGED
@@ -28,9 +29,9 @@ def refusal(tensors: dict[str, torch.Tensor], job: JobCatalog | None = None, mod
 
 
 def test_peft_names_parse() -> None:
-    assert adapter_module("base_model.model.a.b.q_proj.lora_A.weight") == ("a.b.q_proj", "A")
-    assert adapter_module("base_model.model.x.lora_B.weight") == ("x", "B")
-    assert adapter_module("a.b.q_proj.weight") is None
+    assert parse_tensor_name("base_model.model.a.b.q_proj.lora_A.weight") == ("a.b.q_proj", "A")
+    assert parse_tensor_name("base_model.model.x.lora_B.weight") == ("x", "B")
+    assert parse_tensor_name("a.b.q_proj.weight") is None
 
 
 def test_valid_adapter_and_merged_pass() -> None:

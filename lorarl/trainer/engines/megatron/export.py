@@ -16,7 +16,6 @@ one layer is whole.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -28,21 +27,18 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lorarl.contract.merge import merge_lora
+from lorarl.contract.peft import tensor_name, write_peft_files
 from lorarl.trainer.engines.checkpoint import atomic_directory
 from lorarl.trainer.engines.export import HF_SIDE_FILES, adapted_module_names
 from lorarl.trainer.engines.megatron import convert
 from lorarl.trainer.engines.megatron.lora import MegatronLora
 from lorarl.trainer.engines.plain_collectives import broadcast_tensors
-from lorarl.trainer.rl.lora import PEFT_PREFIX, LoraConfig
+from lorarl.trainer.rl.lora import LoraConfig
 
 _ADAPTER = re.compile(r"decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
                       r"mlp\.linear_fc1|mlp\.linear_fc2|mlp\.experts\.(?:local_experts\.(\d+)|shared)\.(linear_fc[12]))"
                       r"\.lora_([AB])")
 _EXPERT_WEIGHT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.\d+\.(linear_fc[12])")
-
-
-def _peft(name: str, which: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-    return f"{PEFT_PREFIX}{name}.lora_{which}.weight", tensor
 
 
 def peft_tensors(full: dict[str, torch.Tensor], layout: convert.Qwen3Layout) -> dict[str, torch.Tensor]:
@@ -70,8 +66,7 @@ def peft_tensors(full: dict[str, torch.Tensor], layout: convert.Qwen3Layout) -> 
             names = [f"{hp}mlp.experts.{e}.{p}" for e in experts for p in projs]
             parts = tuple(split) * len(experts)
         for peft_name, part in zip(names, parts, strict=True):
-            key, value = _peft(peft_name, which, part.contiguous().clone())
-            out[key] = value
+            out[tensor_name(peft_name, which)] = part.contiguous().clone()
     return out
 
 
@@ -82,9 +77,7 @@ def save_peft(tensors: dict[str, torch.Tensor], lora: LoraConfig, base_model_nam
     final = Path(out_dir)
     with atomic_directory(final) as tmp:
         data = {k: v.to(dtype).contiguous().cpu() for k, v in tensors.items()}
-        save_file(data, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = lora.peft_config(base_model_name, adapted_module_names(data))
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        write_peft_files(tmp, data, lora.peft_config(base_model_name, adapted_module_names(data)))
     return final
 
 

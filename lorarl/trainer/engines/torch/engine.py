@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from lorarl.contract import versions
 from lorarl.contract.fingerprint import base_model_fingerprint
-from lorarl.contract.peft_files import read_peft_tensors
+from lorarl.contract.peft import read_peft_tensors
 from lorarl.trainer.engines.api import (
     AdamStep,
     CheckpointInfo,
