@@ -27,14 +27,14 @@ from lorarl.contract.lora import LoraSpec
 from lorarl.v1 import trainer_pb2
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo", "cross_entropy", "importance_sampling",
-                   "token_ppo"]
+                   "token_ppo", "opd"]
 #: The losses that take the caller's per-token advantages (a trajectory's ``token_advantages``; for
 #: cross_entropy, the tokens' weights) and sum over tokens, as the Tinker API defines cross_entropy,
 #: importance_sampling and ppo (here token_ppo): no group rule, no normalisation, no decoupled-PPO weights.
 TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "token_ppo")
 #: What a token loss leaves to the caller, so these settings are refused with it rather than ignored.
 _NOT_WITH_TOKEN_LOSSES = ("dual_clip", "kl_coef", "behavior_weight_cap", "max_staleness", "overlong_buffer",
-                          "overlong_penalty", "entropy_coef", "rollout_correction")
+                          "overlong_penalty", "entropy_coef", "rollout_correction", "distill_weight", "rl_weight")
 KlName = Literal["k1", "k2", "k3"]
 RolloutIsLevel = Literal["token", "sequence"]
 RolloutRejection = Literal["token", "sequence", "geometric", "k3"]
@@ -193,7 +193,8 @@ class LossSpec:
 
     type: LossName = setting("grpo", doc="grpo, dr_grpo, dapo, rloo, gspo or ppo (advantages from rewards by "
                                          "group); cross_entropy, importance_sampling or token_ppo (the caller's "
-                                         "per-token advantages, summed over tokens).")
+                                         "per-token advantages, summed over tokens); opd (on-policy "
+                                         "distillation: each token's advantage the reverse KL to its teacher).")
     clip_eps_low: float = setting(CLIP_EPS, doc="PPO clip range below 1, in [0, 1).")
     clip_eps_high: float | None = setting(None, doc=f"Clip range above 1 (null: {DAPO_CLIP_EPS_HIGH} for dapo's "
                                                     f"clip-higher, else {CLIP_EPS}).")
@@ -214,6 +215,11 @@ class LossSpec:
     rollout_correction: CorrectionSpec = setting(
         default_factory=CorrectionSpec, doc="Rollout correction: importance weights and rejection from the "
                                             "rollout's logprobs vs the trainer's (off by default).")
+    distill_weight: float | None = setting(
+        None, doc="Weight of the per-token reverse KL to the teachers in each token's advantage, "
+                  "-(log pi_old - log pi_teacher) (null: 1 for opd, else 0; needs teachers).")
+    rl_weight: float | None = setting(
+        None, doc="Weight of the reward's group advantage (null: 0 for opd, else 1).")
 
     def __post_init__(self) -> None:
         s = "loss"
@@ -229,8 +235,11 @@ class LossSpec:
             raise SpecError(s, "dual_clip", f"must be > 1 (or 0 to disable), got {self.dual_clip}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise SpecError(s, "kl_estimator", f"must be k1, k2 or k3, got {self.kl_estimator!r}")
+        _finite(s, self, ("distill_weight", "rl_weight"))
         _at_least(s, self, ("kl_coef", "behavior_weight_cap", "max_staleness", "overlong_buffer",
-                            "overlong_penalty", "max_response_tokens"), 0)
+                            "overlong_penalty", "max_response_tokens", "distill_weight", "rl_weight"), 0)
+        if not self.takes_token_advantages and not (self.distill_scale or self.reward_scale):
+            raise SpecError(s, "rl_weight", "and distill_weight are both 0: nothing would be learned")
         if self.overlong_buffer and not self.max_response_tokens:
             raise SpecError(s, "overlong_buffer", "needs loss.max_response_tokens")
         if self.rollout_correction.rollout_is and self.behavior_weight_cap:
@@ -244,6 +253,21 @@ class LossSpec:
                 if (value is not None) if name == "max_staleness" else bool(value):
                     raise SpecError(s, name, f"must be unset with loss type {self.type}: its advantages are the "
                                              "caller's, per token (fold penalties and corrections into them)")
+
+    @property
+    def distill_scale(self) -> float:
+        """The reverse KL's weight in each token's advantage: the given one, else 1 for opd and 0 otherwise."""
+        return self.distill_weight if self.distill_weight is not None else float(self.type == "opd")
+
+    @property
+    def reward_scale(self) -> float:
+        """The reward's group advantage's weight: the given one, else 0 for opd and 1 otherwise."""
+        return self.rl_weight if self.rl_weight is not None else float(self.type != "opd")
+
+    @property
+    def distills(self) -> bool:
+        """Whether each trajectory needs its teacher's logprobs (teacher_logprobs)."""
+        return self.distill_scale > 0
 
     @property
     def takes_token_advantages(self) -> bool:
@@ -283,7 +307,8 @@ class LossSpec:
             behavior_weight_cap=self.behavior_weight_cap, max_staleness=self.max_staleness,
             overlong_buffer=self.overlong_buffer, overlong_penalty=self.overlong_penalty,
             max_response_tokens=self.max_response_tokens, entropy_coef=self.entropy_coef,
-            rollout_correction=self.rollout_correction.to_proto())
+            rollout_correction=self.rollout_correction.to_proto(), distill_weight=self.distill_weight,
+            rl_weight=self.rl_weight)
 
     @classmethod
     def from_proto(cls, cfg: trainer_pb2.LossConfig) -> LossSpec:
@@ -298,7 +323,9 @@ class LossSpec:
                    max_staleness=cfg.max_staleness if cfg.HasField("max_staleness") else None,
                    overlong_buffer=cfg.overlong_buffer, overlong_penalty=cfg.overlong_penalty,
                    max_response_tokens=cfg.max_response_tokens, entropy_coef=cfg.entropy_coef,
-                   rollout_correction=CorrectionSpec.from_proto(cfg.rollout_correction))
+                   rollout_correction=CorrectionSpec.from_proto(cfg.rollout_correction),
+                   distill_weight=cfg.distill_weight if cfg.HasField("distill_weight") else None,
+                   rl_weight=cfg.rl_weight if cfg.HasField("rl_weight") else None)
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "job_id", "group_id", "prompt_token_ids", "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "rewards", "finish_reason", "metrics", "loss_mask", "turn_rewards", "token_advantages", "routed_experts", "policy_fingerprints")
+    __slots__ = ("id", "job_id", "group_id", "prompt_token_ids", "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "rewards", "finish_reason", "metrics", "loss_mask", "turn_rewards", "token_advantages", "routed_experts", "policy_fingerprints", "teacher_logprobs", "teacher")
     class RewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,8 @@ class Trajectory(_message.Message):
     TOKEN_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     group_id: str
@@ -168,7 +170,9 @@ class Trajectory(_message.Message):
     token_advantages: _containers.RepeatedScalarFieldContainer[float]
     routed_experts: RoutedExperts
     policy_fingerprints: _containers.ScalarMap[int, str]
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., rewards: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., token_advantages: _Optional[_Iterable[float]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., policy_fingerprints: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    teacher_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    teacher: str
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., rewards: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., token_advantages: _Optional[_Iterable[float]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., policy_fingerprints: _Optional[_Mapping[int, str]] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., teacher: _Optional[str] = ...) -> None: ...
 
 class RoutedExperts(_message.Message):
     __slots__ = ("data", "positions", "layers", "top_k", "num_experts")

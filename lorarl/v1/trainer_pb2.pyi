@@ -20,6 +20,7 @@ class LossType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_TYPE_CROSS_ENTROPY: _ClassVar[LossType]
     LOSS_TYPE_IMPORTANCE_SAMPLING: _ClassVar[LossType]
     LOSS_TYPE_TOKEN_PPO: _ClassVar[LossType]
+    LOSS_TYPE_OPD: _ClassVar[LossType]
 
 class KlEstimator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ LOSS_TYPE_PPO: LossType
 LOSS_TYPE_CROSS_ENTROPY: LossType
 LOSS_TYPE_IMPORTANCE_SAMPLING: LossType
 LOSS_TYPE_TOKEN_PPO: LossType
+LOSS_TYPE_OPD: LossType
 KL_ESTIMATOR_UNSPECIFIED: KlEstimator
 KL_ESTIMATOR_K1: KlEstimator
 KL_ESTIMATOR_K2: KlEstimator
@@ -54,7 +56,7 @@ ACTIVATION_CHECKPOINTING_ON: ActivationCheckpointing
 ACTIVATION_CHECKPOINTING_OFF: ActivationCheckpointing
 
 class LossConfig(_message.Message):
-    __slots__ = ("type", "clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "kl_estimator", "behavior_weight_cap", "max_staleness", "overlong_buffer", "overlong_penalty", "entropy_coef", "max_response_tokens", "rollout_correction")
+    __slots__ = ("type", "clip_eps_low", "clip_eps_high", "dual_clip", "kl_coef", "kl_estimator", "behavior_weight_cap", "max_staleness", "overlong_buffer", "overlong_penalty", "entropy_coef", "max_response_tokens", "rollout_correction", "distill_weight", "rl_weight")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,8 @@ class LossConfig(_message.Message):
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    DISTILL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     type: LossType
     clip_eps_low: float
     clip_eps_high: float
@@ -81,7 +85,9 @@ class LossConfig(_message.Message):
     entropy_coef: float
     max_response_tokens: int
     rollout_correction: RolloutCorrection
-    def __init__(self, type: _Optional[_Union[LossType, str]] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KlEstimator, str]] = ..., behavior_weight_cap: _Optional[float] = ..., max_staleness: _Optional[int] = ..., overlong_buffer: _Optional[int] = ..., overlong_penalty: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., max_response_tokens: _Optional[int] = ..., rollout_correction: _Optional[_Union[RolloutCorrection, _Mapping]] = ...) -> None: ...
+    distill_weight: float
+    rl_weight: float
+    def __init__(self, type: _Optional[_Union[LossType, str]] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KlEstimator, str]] = ..., behavior_weight_cap: _Optional[float] = ..., max_staleness: _Optional[int] = ..., overlong_buffer: _Optional[int] = ..., overlong_penalty: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., max_response_tokens: _Optional[int] = ..., rollout_correction: _Optional[_Union[RolloutCorrection, _Mapping]] = ..., distill_weight: _Optional[float] = ..., rl_weight: _Optional[float] = ...) -> None: ...
 
 class RolloutCorrection(_message.Message):
     __slots__ = ("rollout_is", "rollout_is_threshold", "rollout_is_threshold_low", "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_low")

@@ -35,6 +35,7 @@ class PackedBatch:
     advantages: torch.Tensor  # [B] float
     completion_lengths: torch.Tensor  # [B] long
     token_advantages: torch.Tensor | None = None  # [B, T] float: the caller's, for the token losses
+    teacher_logp: torch.Tensor | None = None  # [B, T] float: the teachers' logprobs of the tokens (distillation)
     routes: torch.Tensor | None = None  # [B, L, moe layers, k] int16: recorded experts per input position, -1: none
 
     @property
@@ -87,6 +88,7 @@ def pack(records: Sequence[TrajectoryRecord], advantages: torch.Tensor | None = 
     versions = torch.zeros(B, T, dtype=torch.long)
     given = any(r.token_advantages is not None for r in records)
     token_adv = torch.zeros(B, T) if given else None
+    teacher = torch.zeros(B, T) if any(r.teacher_logprobs is not None for r in records) else None
     for b, r in enumerate(records):
         P, C = len(r.prompt_token_ids), len(r.completion_token_ids)
         if P < 1:
@@ -105,10 +107,12 @@ def pack(records: Sequence[TrajectoryRecord], advantages: torch.Tensor | None = 
             versions[b, :C] = torch.tensor(r.token_versions, dtype=torch.long).where(trained, 0)
         if token_adv is not None and r.token_advantages is not None:
             token_adv[b, :C] = torch.tensor(r.token_advantages, dtype=torch.float32).where(trained, 0.0)
+        if teacher is not None and r.teacher_logprobs is not None:
+            teacher[b, :C] = torch.tensor(r.teacher_logprobs, dtype=torch.float32).where(trained, 0.0)
     adv = torch.zeros(B) if advantages is None else advantages.detach().float().reshape(B).clone()
     lengths = torch.tensor([len(r.completion_token_ids) for r in records], dtype=torch.long)
     return PackedBatch(input_ids, attention_mask, target_positions, completion_ids, mask, behavior, versions,
-                       adv, lengths, token_adv, packed_routes(records, L))
+                       adv, lengths, token_adv, teacher, packed_routes(records, L))
 
 
 def packed_routes(records: Sequence[TrajectoryRecord], length: int) -> torch.Tensor | None:

@@ -10,6 +10,13 @@ Decoupled PPO (asynchronous RL): the clipped ratio is taken against the *proxima
 micro-batch (lorarl.contract.staleness) and hands it in as ``LossInputs.fresh``. With
 ``loss.rollout_correction`` set, its weights replace that capped weight and its rejection removes tokens
 or sequences (lorarl.trainer.rl.correction, which also computes the rollout-vs-trainer monitor).
+
+On-policy distillation (``opd``, or ``distill_weight`` beside any group loss): each token's advantage gains
+``-distill_weight * (log pi_old - log pi_teacher)``, the sampled token's reverse KL to the prompt's teacher with
+the teacher held fixed, evaluated at the policy the ratio is anchored to (pi_old: the proximal policy, else the
+behaviour one). It is the sampled token's term, not a top-k sum: an action-independent penalty would give no
+on-policy gradient (Miles #2362), and top-k reverse KL was unstable in verl (PR #5041). The ratio, clipping,
+staleness mask and rollout corrections are the RL losses' own; ``rl_weight`` scales the reward's advantage.
 """
 
 from __future__ import annotations
@@ -100,6 +107,7 @@ AGGREGATION = {
     "rloo": "token-mean",
     "ppo": "token-mean",
     "gspo": "seq-mean-token-mean",
+    "opd": "token-mean",
 }
 
 
@@ -120,6 +128,7 @@ class LossInputs:
     fresh: torch.Tensor | None = None  # [B, T] 1 where a token is fresh enough to train (None: all); step.py's
     token_advantages: torch.Tensor | None = None  # [B, T] the caller's (token losses; cross_entropy: weights)
     current: torch.Tensor | None = None  # [B, T] 1 where the trainer's own version sampled a token (None: all)
+    teacher_logp: torch.Tensor | None = None  # [B, T] the teachers' logprobs of the tokens (distillation)
 
 
 def token_loss(inputs: LossInputs, settings: LossSpec) -> tuple[torch.Tensor, dict[str, float]]:
@@ -178,7 +187,14 @@ def policy_loss(inputs: LossInputs, settings: LossSpec, norm_tokens: int = 0
                 weight = weight.clamp(max=settings.weight_cap)
     weight = weight.detach()
 
-    adv = inputs.advantages.float()[:, None]
+    adv = settings.reward_scale * inputs.advantages.float()[:, None]
+    reverse_kl = None
+    if settings.distills:
+        if inputs.teacher_logp is None:
+            raise ValueError(f"loss {settings.type} distils (distill_weight {settings.distill_scale}) but the batch "
+                             "has no teacher logprobs")
+        reverse_kl = (old.detach() - inputs.teacher_logp) * inputs.mask
+        adv = adv - settings.distill_scale * reverse_kl
     lo, hi = 1.0 - settings.clip_eps_low, 1.0 + settings.upper_clip
     if settings.type == "gspo":
         # Sequence-level ratio: geometric mean of token ratios, gradient through every token.
@@ -210,6 +226,8 @@ def policy_loss(inputs: LossInputs, settings: LossSpec, norm_tokens: int = 0
         "stale_token_fraction": stale_frac,
         "tokens": float(mask.sum()),
     }
+    if reverse_kl is not None:
+        metrics["distill_reverse_kl"] = float(aggregate(reverse_kl, mask, "token-mean"))
     if inputs.ref_logp is not None:
         kl = kl_penalty(inputs.logp, inputs.ref_logp.detach(), settings.kl_estimator)
         kl_value = aggregate(kl, mask, mode, norm_tokens)

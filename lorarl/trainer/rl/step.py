@@ -46,6 +46,8 @@ Metrics = dict[str, float]
 # Metrics averaged over loss weight (the micro-batch's share of the loss) vs over its share of tokens.
 LOSS_WEIGHTED = ("loss", "pg_loss", "kl", "entropy")
 TOKEN_WEIGHTED = ("clip_fraction", "ratio_mean", "importance_weight_mean", "behavior_logprob_abs_diff")
+# Token-weighted too, reported only where the loss computes them (a distilling loss's reverse KL to its teachers).
+OPTIONAL_TOKEN_WEIGHTED = ("distill_reverse_kl",)
 # The rollout-vs-trainer monitor's: over every policy token (stale or rejected too), or every sequence.
 RAW_TOKEN_WEIGHTED = ("stale_token_fraction", *TOKEN_METRICS)
 # (logp, entropy) of a micro-batch -> (its loss share to backpropagate, the loss metrics)
@@ -241,6 +243,7 @@ class RLStep:
         # A fixed key set, so data-parallel ranks (even one with an empty shard) reduce alike.
         keys = [*LOSS_WEIGHTED, *TOKEN_WEIGHTED, *RAW_TOKEN_WEIGHTED, *SEQUENCE_METRICS]
         sums = {k: 0.0 for k in keys if k != "kl" or settings.kl_coef}
+        sums.update(dict.fromkeys(OPTIONAL_TOKEN_WEIGHTED if settings.distills else (), 0.0))
         if logprobs_out is not None:
             logprobs_out[:] = [[] for _ in records]
         for n, idx in enumerate(plan):
@@ -284,6 +287,7 @@ class RLStep:
     def _weighted(m: dict[str, float], shares: Shares) -> dict[str, float]:
         out = {k: m[k] * shares.loss for k in LOSS_WEIGHTED if k in m}
         out.update({k: m[k] * shares.tokens for k in TOKEN_WEIGHTED})
+        out.update({k: m[k] * shares.tokens for k in OPTIONAL_TOKEN_WEIGHTED if k in m})
         out.update({k: m[k] * shares.raw_tokens for k in RAW_TOKEN_WEIGHTED})
         out.update({k: m[k] * shares.sequences for k in SEQUENCE_METRICS})
         return out
@@ -320,7 +324,8 @@ class RLStep:
             proximal = logp
         inputs = LossInputs(logp=logp, mask=batch.mask, advantages=batch.advantages, behavior_logp=batch.behavior_logp,
                             proximal_logp=proximal, ref_logp=ref, entropy=entropy, fresh=fresh,
-                            token_advantages=batch.token_advantages, current=batch.token_versions == version)
+                            token_advantages=batch.token_advantages, current=batch.token_versions == version,
+                            teacher_logp=batch.teacher_logp)
         _, m = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
         return self._weighted(m, shares)
 
@@ -346,7 +351,7 @@ class RLStep:
                                 behavior_logp=batch.behavior_logp,
                                 proximal_logp=logp.detach() if reuse_proximal else proximal, ref_logp=ref,
                                 entropy=entropy, fresh=fresh, token_advantages=batch.token_advantages,
-                                current=batch.token_versions == version)
+                                current=batch.token_versions == version, teacher_logp=batch.teacher_logp)
             loss, metrics = policy_loss(inputs, settings, norm_tokens=totals.norm_tokens)
             return loss * shares.loss, metrics
 

@@ -37,6 +37,10 @@ class TrajectoryRecord:
     routes_problem: tuple[str, str] | None = None
     # Version -> fingerprint of the weights the rollout served it with (lorarl.v1.Trajectory.policy_fingerprints).
     fingerprints: dict[int, str] = field(default_factory=dict)
+    # Per completion token: the sampled token's logprob under the prompt's teacher (on-policy distillation,
+    # LossSpec.distills); None: not scored. ``teacher``: which one, for metrics.
+    teacher_logprobs: list[float] | None = None
+    teacher: str = ""
 
     @property
     def num_tokens(self) -> int:

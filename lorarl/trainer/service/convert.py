@@ -63,7 +63,8 @@ def trajectory_record(t: common_pb2.Trajectory) -> TrajectoryRecord:
         group_id=t.group_id, finish_reason=FINISH_REASONS.get(t.finish_reason, "?"), id=t.id,
         loss_mask=list(t.loss_mask) or None, turn_rewards=list(t.turn_rewards),
         token_advantages=list(t.token_advantages) or None, routes=routes, routes_problem=problem,
-        fingerprints=dict(t.policy_fingerprints),
+        fingerprints=dict(t.policy_fingerprints), teacher_logprobs=list(t.teacher_logprobs) or None,
+        teacher=t.teacher,
     )
 
 

@@ -51,6 +51,13 @@ def check_advantages_fit(rec: TrajectoryRecord, loss: LossSpec) -> None:
                                                     "from `reward` by group")
     if rec.token_advantages is None and loss.takes_token_advantages and loss.type != "cross_entropy":
         raise InvalidTrajectory("token_advantages", f"are needed by loss {loss.type} (one per completion token)")
+    if rec.teacher_logprobs is None and loss.distills:
+        raise InvalidTrajectory("teacher_logprobs", f"are needed by loss {loss.type} with distill_weight "
+                                                    f"{loss.distill_scale} (one per completion token: the job's "
+                                                    "teachers score them in the rollout)")
+    if rec.teacher_logprobs is not None and not loss.distills:
+        raise InvalidTrajectory("teacher_logprobs", f"are read only with a distillation weight (loss opd, or "
+                                                    f"distill_weight > 0); this loss ({loss.type}) has none")
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,14 @@ def validate_trajectory(rec: TrajectoryRecord, vocab_size: int, current_version:
         for i, value in enumerate(rec.token_advantages):
             if not math.isfinite(value):
                 raise InvalidTrajectory("token_advantages", f"entry {i} is {value}, not a finite number")
+    if rec.teacher_logprobs is not None:
+        if len(rec.teacher_logprobs) != n:
+            raise InvalidTrajectory("teacher_logprobs", f"has {len(rec.teacher_logprobs)} entries for {n} "
+                                                        "completion tokens (empty: none given)")
+        for i, (value, trained_token) in enumerate(zip(rec.teacher_logprobs, rec.trained(), strict=True)):
+            if trained_token and not (math.isfinite(value) and value <= 0.0):
+                raise InvalidTrajectory("teacher_logprobs", f"entry {i} is {value}, not a log-probability "
+                                                            "(finite, <= 0)")
     if loss is not None:
         check_advantages_fit(rec, loss)
     trained = rec.trained()
