@@ -31,7 +31,8 @@ def top_logprobs(top: list[dict[int, float]]) -> list[rollout_pb2.TopLogprobs]:
 def completion(c: Completion, prompt_tokens: int) -> rollout_pb2.Completion:
     out = rollout_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, token_versions=c.versions,
                                  finish_reason=FINISH_TO_PROTO[c.finish], text=c.text,
-                                 top_logprobs=top_logprobs(c.top_logprobs))
+                                 top_logprobs=top_logprobs(c.top_logprobs),
+                                 teacher_logprobs=c.teacher_logprobs or [])
     for version, weights in c.fingerprints.items():
         out.policy_fingerprints[version] = weights
     if c.routes is not None:  # exactly the sequence's routed positions: all its tokens but the last

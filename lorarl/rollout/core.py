@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lorarl.contract.transfer_ranks import merges_locally
+from lorarl.rollout import teachers
 from lorarl.rollout.config import RolloutSettings
 from lorarl.rollout.engine_api import GenerationEngine
 from lorarl.rollout.gate import SwitchGate
@@ -81,6 +82,12 @@ class RolloutCore:
 
     async def generate(self, request: GenerateInput) -> list[PromptResult]:
         return await self.runner.generate(request)
+
+    async def generate_scored(self, request: GenerateInput) -> tuple[list[PromptResult], float]:
+        """Generate, then the request's teachers score its completions in this engine (lorarl.rollout.teachers);
+        the results and the seconds scoring took."""
+        results = await self.runner.generate(request)
+        return results, await teachers.score(self.runner.generate, request, results)
 
     def generate_stream(self, request: GenerateInput) -> AsyncIterator[CompletionChunk]:
         return self.runner.generate_stream(request)

@@ -111,6 +111,10 @@ class GenerateInput:
     prompts: tuple[tuple[int, ...], ...]
     sampling: Sampling
     policy: PolicyRef = PolicyRef()
+    #: on-policy distillation: the policies that score every completion (lorarl.rollout.teachers), and per prompt
+    #: each one's weight (() for a prompt that is not scored)
+    teachers: tuple[PolicyRef, ...] = ()
+    teacher_weights: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,8 @@ class Completion:
     routes: RoutedExperts | None = None
     #: the fingerprint of each version that produced tokens of it (the served-policy guard reads them)
     fingerprints: dict[int, str] = field(default_factory=dict)
+    #: per token, the log of the teachers' weighted probability of it (when the request names teachers)
+    teacher_logprobs: list[float] | None = None
 
     def add_routes(self, routes: RoutedExperts) -> None:
         """A segment's routes: over the whole sequence so far, so what it computed is laid over the earlier ones."""

@@ -49,8 +49,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> rollout_pb2.GenerateResponse:
         request_input = validation.generate_input(request, self._limits(), self.core.renderer)
-        results = await self.core.generate(request_input)
-        return rollout_pb2.GenerateResponse(results=[
+        results, teacher_seconds = await self.core.generate_scored(request_input)
+        return rollout_pb2.GenerateResponse(teacher_seconds=teacher_seconds, results=[
             rollout_pb2.PromptCompletions(
                 prompt_token_ids=r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs or [],
                 prompt_top_logprobs=convert.top_logprobs(r.prompt_top_logprobs),

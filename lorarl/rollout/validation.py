@@ -19,6 +19,8 @@ from lorarl.v1 import common_pb2, rollout_pb2
 MAX_TEMPERATURE = 2.0  # vLLM refuses more (and OpenAI allows 0..2)
 MAX_STOP_STRINGS = 32
 MAX_SEED = 2**63 - 1
+#: Teachers one request may name (each a policy this replica serves; every one costs a prefill per scored row).
+MAX_TEACHERS = 16
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,35 @@ def generate_input(request: rollout_pb2.GenerateRequest, limits: Limits, rendere
     if not request.prompts:
         raise InvalidArgumentError("prompts", "at least one prompt is required")
     prompts = tuple(prompt_ids(p, limits, renderer, f"prompts[{i}]") for i, p in enumerate(request.prompts))
-    return GenerateInput(request_id=request.request_id or uuid.uuid4().hex, prompts=prompts,
-                         sampling=sampling(request.sampling, max(map(len, prompts)), limits),
-                         policy=policy_ref(request.policy))
+    teachers = tuple(policy_ref(t) for t in request.teachers)
+    weights = teacher_weights(request, len(teachers))
+    # a teacher re-reads prompt + completion as its prompt and samples one token: one position more
+    params = sampling(request.sampling, max(map(len, prompts)), limits, reserve=1 if teachers else 0)
+    if teachers and params.prompt_logprobs:
+        raise InvalidArgumentError("sampling.prompt_logprobs", "is not served together with teachers")
+    return GenerateInput(request_id=request.request_id or uuid.uuid4().hex, prompts=prompts, sampling=params,
+                         policy=policy_ref(request.policy), teachers=teachers, teacher_weights=weights)
+
+
+def teacher_weights(request: rollout_pb2.GenerateRequest, teachers: int) -> tuple[tuple[float, ...], ...]:
+    """Each prompt's teacher weights: none, or one per teacher, finite, >= 0, not all 0."""
+    if teachers > MAX_TEACHERS:
+        raise InvalidArgumentError("teachers", f"{teachers} teachers; at most {MAX_TEACHERS}")
+    out = []
+    for i, prompt in enumerate(request.prompts):
+        weights = tuple(prompt.teacher_weights)
+        field = f"prompts[{i}].teacher_weights"
+        if weights and not teachers:
+            raise InvalidArgumentError(field, "are given but the request names no teachers")
+        if weights and len(weights) != teachers:
+            raise InvalidArgumentError(field, f"has {len(weights)} entries for {teachers} teachers (one each, or "
+                                              "none: not scored)")
+        if any(not math.isfinite(w) or w < 0 for w in weights):
+            raise InvalidArgumentError(field, f"must be finite and >= 0, got {list(weights)}")
+        if weights and not sum(weights) > 0:
+            raise InvalidArgumentError(field, "are all 0: name at least one teacher (or send none: not scored)")
+        out.append(weights)
+    return tuple(out)
 
 
 def stream_input(request: rollout_pb2.GenerateStreamRequest, limits: Limits, renderer: PromptRenderer | None
@@ -82,8 +110,9 @@ def prompt_ids(prompt: rollout_pb2.Prompt, limits: Limits, renderer: PromptRende
     return tuple(ids)
 
 
-def sampling(params: common_pb2.SamplingParams, longest_prompt: int, limits: Limits) -> Sampling:
-    """Sampling with zero values resolved (n 0 -> 1, top_p 0 -> 1, top_k 0 -> off, max_tokens 0 -> default)."""
+def sampling(params: common_pb2.SamplingParams, longest_prompt: int, limits: Limits, reserve: int = 0) -> Sampling:
+    """Sampling with zero values resolved (n 0 -> 1, top_p 0 -> 1, top_k 0 -> off, max_tokens 0 -> default);
+    ``reserve``: positions kept free after prompt + completion (a teacher's scoring reads one more)."""
     n = params.n or 1
     if n > limits.max_n:
         raise InvalidArgumentError("sampling.n", f"{n} completions per prompt; at most {limits.max_n}")
@@ -98,11 +127,13 @@ def sampling(params: common_pb2.SamplingParams, longest_prompt: int, limits: Lim
     if top_k < -1 or top_k > limits.vocab_size:
         raise InvalidArgumentError("sampling.top_k", f"must be -1 or 0 (disabled) or 1..{limits.vocab_size}, "
                                                     f"got {top_k}")
-    room = limits.max_model_len - longest_prompt
+    room = limits.max_model_len - longest_prompt - reserve
     max_tokens = params.max_tokens or min(limits.default_max_tokens, room)
-    if max_tokens > room:
+    if max_tokens > room or max_tokens < 1:
+        kept = f" less the {reserve} position teachers read" if reserve else ""
         raise InvalidArgumentError("sampling.max_tokens", f"prompt ({longest_prompt} tokens) + max_tokens "
-                                                         f"({max_tokens}) exceeds max_model_len {limits.max_model_len}")
+                                                         f"({max_tokens}) exceeds max_model_len {limits.max_model_len}"
+                                                         f"{kept}")
     stop = tuple(params.stop)
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise InvalidArgumentError("sampling.stop", f"at most {MAX_STOP_STRINGS} non-empty strings")

@@ -16,26 +16,30 @@ class PolicySelector(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("token_ids", "text", "apply_chat_template")
+    __slots__ = ("token_ids", "text", "apply_chat_template", "teacher_weights")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     apply_chat_template: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
+    teacher_weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., teacher_weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling", "policy", "request_id")
+    __slots__ = ("prompts", "sampling", "policy", "request_id", "teachers")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEACHERS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: _common_pb2.SamplingParams
     policy: PolicySelector
     request_id: str
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicySelector, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    teachers: _containers.RepeatedCompositeFieldContainer[PolicySelector]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicySelector, _Mapping]] = ..., request_id: _Optional[str] = ..., teachers: _Optional[_Iterable[_Union[PolicySelector, _Mapping]]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -46,7 +50,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "token_versions", "finish_reason", "text", "top_logprobs", "routed_experts", "policy_fingerprints")
+    __slots__ = ("token_ids", "logprobs", "token_versions", "finish_reason", "text", "top_logprobs", "routed_experts", "policy_fingerprints", "teacher_logprobs")
     class PolicyFingerprintsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +66,7 @@ class Completion(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     token_versions: _containers.RepeatedScalarFieldContainer[int]
@@ -70,7 +75,8 @@ class Completion(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     routed_experts: _common_pb2.RoutedExperts
     policy_fingerprints: _containers.ScalarMap[int, str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ..., policy_fingerprints: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    teacher_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ..., policy_fingerprints: _Optional[_Mapping[int, str]] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PromptCompletions(_message.Message):
     __slots__ = ("prompt_token_ids", "completions", "prompt_logprobs", "prompt_top_logprobs")
@@ -85,10 +91,12 @@ class PromptCompletions(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "teacher_seconds")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[PromptCompletions]
-    def __init__(self, results: _Optional[_Iterable[_Union[PromptCompletions, _Mapping]]] = ...) -> None: ...
+    teacher_seconds: float
+    def __init__(self, results: _Optional[_Iterable[_Union[PromptCompletions, _Mapping]]] = ..., teacher_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("prompt", "sampling", "policy", "request_id")

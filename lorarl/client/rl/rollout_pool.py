@@ -188,7 +188,7 @@ class RolloutPool:
         except ServiceCallError as e:  # weight sync restarting: the known fleet serves meanwhile
             logger.info("could not re-read the rollout fleet: %s", e)
         results: list[rollout_pb2.PromptCompletions | None] = [None] * len(request.prompts)
-        todo, attempt, template = list(range(len(request.prompts))), 0, None
+        todo, attempt, template, teacher_seconds = list(range(len(request.prompts))), 0, None, 0.0
         while todo:
             members = self.live()
             if not members:  # the loop's recovery waits for a replica (wait_members)
@@ -213,6 +213,7 @@ class RolloutPool:
                     failed.append((address, outcome, indices))
                     continue
                 template = template or outcome
+                teacher_seconds = max(teacher_seconds, outcome.teacher_seconds)  # the replicas score side by side
                 self.usage[address] += len(indices)
                 for index, result in zip(indices, outcome.results, strict=True):
                     results[index] = result
@@ -228,6 +229,7 @@ class RolloutPool:
             merged.CopyFrom(template)
             del merged.results[:]
         merged.results.extend(r for r in results if r is not None)
+        merged.teacher_seconds = teacher_seconds
         return merged
 
     async def _one(self, stub, request: rollout_pb2.GenerateRequest, indices: list[int], tag: str,

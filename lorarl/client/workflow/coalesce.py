@@ -32,7 +32,8 @@ class CoalescingRollout:
         """``group``: only calls of one group merge (the loop's batch), as one request per batch did before."""
         if len(request.prompts) != 1:
             return await self.rollout.Generate(request)
-        sampling = rollout_pb2.GenerateRequest(sampling=request.sampling, policy=request.policy, request_id=group)
+        sampling = rollout_pb2.GenerateRequest(sampling=request.sampling, policy=request.policy, request_id=group,
+                                               teachers=request.teachers)
         sampling.sampling.ClearField("seed")
         base = sampling.SerializeToString(deterministic=True)
         # The merged request has one seed, and the engine seeds completions by their index within a prompt:
@@ -62,7 +63,7 @@ class CoalescingRollout:
         if not members:
             return
         first = members[0][0]
-        merged = rollout_pb2.GenerateRequest(sampling=first.sampling, policy=first.policy,
+        merged = rollout_pb2.GenerateRequest(sampling=first.sampling, policy=first.policy, teachers=first.teachers,
                                              request_id=first.request_id,
                                              prompts=[request.prompts[0] for request, _ in members])
         try:

@@ -8,6 +8,7 @@ bad input while other requests carry on.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -698,3 +699,55 @@ def test_the_policy_guard_catches_each_broken_link(service: RolloutHarness, mode
     with pytest.raises(PolicyGuardError, match="replica rollout-0 serves version 4"):
         check(4)
     service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id="guard"))
+
+
+def trainer_scores(model_dir: Path, adapter: dict[str, torch.Tensor], rows: list[tuple[list[int], list[int]]],
+                   tmp: Path) -> list[list[float]]:
+    """The trainer's own logprobs of each (prompt, completion) under ``adapter``, read from its PEFT directory as
+    a teacher is (lorarl.contract.peft): the torch engine warm-started from it."""
+    from lorarl.contract.peft import write_peft_files
+    from lorarl.contract.training import TrainingSpec
+    from lorarl.trainer.engines.torch.engine import TorchEngine
+    from lorarl.trainer.rl.trajectory import TrajectoryRecord
+
+    directory = write_peft_files(tmp, adapter, LORA.peft_config("tiny", sorted(
+        {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter})))
+    engine = TorchEngine(TrainingSpec(base_model_path=str(model_dir), lora=LoraSpec(rank=LORA.rank, alpha=LORA.alpha),
+                                      init_adapter_path=str(directory), device="cpu"))
+    return engine.compute_logprobs([TrajectoryRecord(p, c, [0.0] * len(c), [0] * len(c), 0.0) for p, c in rows])
+
+
+def test_teachers_score_the_students_completions_in_this_engine(service: RolloutHarness, model_dir, adapter,
+                                                                fingerprint, tmp_path: Path) -> None:
+    """On-policy distillation (#47): two teacher adapters loaded beside the student's, one Generate samples the
+    student and has each prompt's completions scored by its teacher (or a mixture of both) in the same engine;
+    each teacher's logprobs are the trainer's for that adapter on the same tokens (1e-3), and no engine process
+    starts for them."""
+    import psutil
+
+    teachers = {"teach-a": adapter, "teach-b": random_adapter(model_dir, seed=3)}
+    for job, tensors in teachers.items():
+        load(service, job, 1, tensors, ADAPTER, fingerprint)
+    load(service, "student", 1, random_adapter(model_dir, seed=5, std=0.05), ADAPTER, fingerprint)
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    prompts = [PROMPT, (*PROMPT, 49), (*PROMPT, 50)]
+    weights = [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]
+    reply = service.stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=p, teacher_weights=w) for p, w in zip(prompts, weights, strict=True)],
+        sampling=common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=7),
+        policy=rollout_pb2.PolicySelector(job_id="student", version=1),
+        teachers=[rollout_pb2.PolicySelector(job_id=job, version=1) for job in teachers]), timeout=300)
+    assert reply.teacher_seconds > 0
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == children  # no second engine
+    rows = [(list(p), list(c.token_ids)) for p, r in zip(prompts, reply.results, strict=True) for c in r.completions]
+    assert all(c for _, c in rows)
+    want = {job: trainer_scores(model_dir, tensors, rows, tmp_path / job) for job, tensors in teachers.items()}
+    got = [list(c.teacher_logprobs) for r in reply.results for c in r.completions]
+    for i, (row, scores) in enumerate(zip(rows, got, strict=True)):
+        a, b = torch.tensor(want["teach-a"][i]), torch.tensor(want["teach-b"][i])
+        expected = a if i < 2 else b if i < 4 else torch.logaddexp(a, b) - math.log(2)
+        assert len(scores) == len(row[1])
+        torch.testing.assert_close(torch.tensor(scores), expected, atol=1e-3, rtol=0)
+    assert not torch.allclose(torch.tensor(want["teach-a"][0]), torch.tensor(want["teach-b"][0]), atol=1e-2)
+    for job in (*teachers, "student"):
+        service.stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(job_id=job))
