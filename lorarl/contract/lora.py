@@ -182,8 +182,9 @@ class LoraSpec:
     @classmethod
     def from_peft_config(cls, config: dict[str, Any]) -> LoraSpec:
         """The spec of a PEFT adapter_config.json (rank, alpha, targets, rsLoRA)."""
+        targets = config.get("target_modules") or ()
         return cls(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                   target_modules=tuple(config.get("target_modules") or ()),
+                   target_modules=(targets,) if isinstance(targets, str) else tuple(targets),  # PEFT: "all-linear"
                    use_rslora=bool(config.get("use_rslora", False)))
 
     def to_proto(self) -> common_pb2.LoraSpec:

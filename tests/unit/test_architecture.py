@@ -256,6 +256,11 @@ SINGLE_DEFINITIONS = {
                                      r"[\"']lm_head[\"'],\s*[\"']embed_tokens[\"']"), "lorarl.contract.lora"),
     "tool-call parser": (re.compile(r"re\.compile\(r?[\"']<tool_call>"), "lorarl.contract.tool_calls"),
     "typed field": (re.compile(r"^def setting\("), "lorarl.contract.fields"),
+    # teachers are adapters (#47): the reverse-KL advantage in the loss, the one scorer of completions by teachers
+    # (the rollout core's), and the trainer job a teacher is held as
+    "distillation advantage": (re.compile(r"distill_scale\s*\*"), "lorarl.trainer.rl.losses"),
+    "teacher scoring": (re.compile(r"\bteachers\.score\("), "lorarl.rollout.core"),
+    "teacher job id": (re.compile(r"\.teacher\.\{"), "lorarl.client.job.inputs"),
 }
 
 

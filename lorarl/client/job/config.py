@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from lorarl.client.job.datasets import HUB_SOURCES, SOURCES
 from lorarl.client.job.rewards import REWARD_ERRORS
-from lorarl.common.config import Check, ConfigError, all_of, in_range, multiple_of, setting
+from lorarl.common.config import Check, ConfigError, all_of, in_range, matches, multiple_of, setting
 from lorarl.contract import staleness
 from lorarl.contract.errors import SpecError
 from lorarl.contract.lora import (
@@ -438,6 +438,38 @@ class PlacementSection:
 
 
 @dataclass
+class TeacherSection:
+    """One teacher of on-policy distillation: a LoRA adapter on the job's own base, served by the job's rollout
+    beside the student's versions (one more adapter slot, no weights beyond the adapter), that scores the sampled
+    tokens of every prompt routed to it (trainer.loss.type opd, or distill_weight)."""
+
+    name: str = setting("", check=matches(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}", "1-32 letters, digits, '_', '.', '-'"),
+                        doc="The teacher's name in metrics (distill/<name>/...) and on the trainer (<job_id>.teacher."
+                            "<name>).")
+    adapter: str = setting("", doc="A PEFT LoRA directory trained on the job's base model (adapter_config.json + "
+                                   "adapter_model.safetensors: a lorarl export, a PEFT save); relative paths from the "
+                                   "job file's folder first.")
+    domain: str = setting("", doc="With distill.route 'domain': the value of each data row's distill.route_key that "
+                                  "sends its prompt to this teacher.")
+    weight: float = setting(1.0, check=in_range(0.0), doc="With distill.route 'mixture': this teacher's weight "
+                                                          "(normalised over the teachers).")
+    make: str = setting("", doc="The command that makes the adapter, said in the plan while it is not there yet "
+                                "(e.g. the expert's own `lorarl run ...`).")
+
+
+@dataclass
+class DistillSection:
+    """On-policy distillation: teachers (adapters on the same base) score the student's own samples in the
+    student's rollout engine, and the loss pulls each sampled token toward its teacher (docs/rl.md)."""
+
+    teachers: list[TeacherSection] = setting(default_factory=list, doc="The teachers (none: no distillation).")
+    route: Literal["domain", "mixture"] = setting(
+        "domain", doc="'domain': each prompt scored by the teacher whose domain is its row's distill.route_key; "
+                      "'mixture': every prompt by all teachers, as log sum_i w_i p_i.")
+    route_key: str = setting("domain", doc="The data column that names each row's domain (route 'domain').")
+
+
+@dataclass
 class LauncherSection:
     """What starts the services for `lorarl run`: this host ('local'), or a Ray cluster ('ray')."""
 
@@ -480,6 +512,7 @@ class JobFileConfig:
     output: OutputSection = field(default_factory=OutputSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
     launcher: LauncherSection = field(default_factory=LauncherSection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     def validate(self) -> None:
         import re
@@ -514,6 +547,7 @@ class JobFileConfig:
             raise ConfigError("trainer.parallel.expert", f"{parallel.expert} must divide data x tensor ranks "
                                                          f"({parallel.data * parallel.tensor})")
         self._check_ascend()
+        self._check_distill()
         if self.placement.colocate:
             self._check_colocate()
         if self.placement.devices_per_node and not self.placement.colocate:  # co-located: one device for both
@@ -528,13 +562,65 @@ class JobFileConfig:
 
     @property
     def serving_max_loras(self) -> int:
-        """Adapters each replica holds: as set, but never fewer than the job's window of versions in flight + 1."""
-        return max(self.rollout.max_loras, staleness.adapter_window(self.loop.max_staleness) + 1)
+        """Adapters each replica holds: as set, but never fewer than the job's window of versions in flight + 1,
+        plus a slot for each teacher."""
+        own = max(self.rollout.max_loras, staleness.adapter_window(self.loop.max_staleness) + 1)
+        return own + len(self.distill.teachers)
 
     @property
     def serving_lora_rank(self) -> int:
-        """The rollout's max_lora_rank: as set, else the smallest vLLM rank that holds the trainer's."""
-        return self.rollout.max_lora_rank or serving_rank(self.trainer.lora.rank)
+        """The rollout's max_lora_rank: as set, else the smallest vLLM rank that holds the trainer's and every
+        teacher's whose adapter is there to read."""
+        return self.rollout.max_lora_rank or serving_rank(max([self.trainer.lora.rank, *self.teacher_ranks()]))
+
+    def teacher_ranks(self) -> list[int]:
+        """The LoRA rank of each teacher adapter that is there (adapter_config.json's r); the others are checked
+        where the job's inputs are (lorarl.client.job.inputs.job_teachers)."""
+        from lorarl.contract.peft import read_peft_config
+
+        ranks = []
+        for teacher in self.distill.teachers:
+            try:
+                ranks.append(int(read_peft_config(job_path(self, teacher.adapter))["r"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return ranks
+
+    def _check_distill(self) -> None:
+        """Teachers and a loss that reads them go together; each teacher is named once, has an adapter, and (routed
+        by domain) a domain of its own; the rollout keeps its base pristine for them (adapters, never merged)."""
+        d, loss = self.distill, self.trainer.loss
+        if not d.teachers:
+            if loss.distills:
+                raise ConfigError("distill.teachers", f"is empty, but trainer.loss (type {loss.type}, distill_weight "
+                                                      f"{loss.distill_scale}) distils: name the teachers")
+            return
+        if not loss.distills:
+            raise ConfigError("trainer.loss.type", f"is {loss.type!r}, which does not read the {len(d.teachers)} "
+                                                   "teacher(s) of distill.teachers: use 'opd', or set "
+                                                   "trainer.loss.distill_weight above 0")
+        seen: dict[str, int] = {}
+        for i, teacher in enumerate(d.teachers):
+            key = f"distill.teachers[{i}]"
+            if not teacher.name:
+                raise ConfigError(f"{key}.name", "is empty: each teacher needs a name")
+            if teacher.name in seen:
+                raise ConfigError(f"{key}.name", f"{teacher.name!r} names teacher {seen[teacher.name]} too")
+            seen[teacher.name] = i
+            if not teacher.adapter:
+                raise ConfigError(f"{key}.adapter", "is empty: a teacher is a PEFT LoRA adapter directory")
+            if d.route == "domain" and not teacher.domain:
+                raise ConfigError(f"{key}.domain", f"is empty: with distill.route 'domain' each teacher names the "
+                                                   f"value of the data's {d.route_key!r} column it scores")
+        domains = [t.domain for t in d.teachers]
+        if d.route == "domain" and len(set(domains)) != len(domains):
+            raise ConfigError("distill.teachers", f"two teachers share a domain ({domains}): each domain has one")
+        if d.route == "mixture" and not sum(t.weight for t in d.teachers) > 0:
+            raise ConfigError("distill.teachers", "every weight is 0: a mixture needs one above 0")
+        if self.sync.mode == "merged" or self.rollout.enable_lora is False:
+            raise ConfigError("sync.mode" if self.sync.mode == "merged" else "rollout.enable_lora",
+                              "teachers are adapters on the pristine base, served beside the student's versions: "
+                              "they need sync.mode adapter (or auto) and rollout.enable_lora")
 
     def _check_colocate(self) -> None:
         """What placement.colocate cannot do, all at once: anything that would write the shared base, or a second

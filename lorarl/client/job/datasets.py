@@ -179,7 +179,8 @@ def load_examples(source: str, split: str, path: str = "", columns: Mapping[str,
         from lorarl.assets.tasks import load_split
 
         problems = [p for p in load_split(split) if not tasks or p.task in tasks][:limit]
-        return [Example(p.prompt, p.answer, {"prompt": p.prompt, "answer": p.answer}) for p in problems]
+        return [Example(p.prompt, p.answer, {"prompt": p.prompt, "answer": p.answer, "task": p.task})
+                for p in problems]
     if source not in SOURCES:
         raise ConfigError("data.source", f"expected one of {list(SOURCES)}, got {source!r}")
     columns = dict(columns or {})

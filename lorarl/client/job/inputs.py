@@ -10,6 +10,7 @@ missing Hub dataset and refuses a missing file, before it fetches the model or s
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from lorarl.client.job.config import JobFileConfig, job_path
@@ -18,7 +19,67 @@ from lorarl.client.job.rewards import RewardFn, load_reward
 from lorarl.client.workflow import Workflow, load_workflow
 from lorarl.common.config import ConfigError
 from lorarl.contract.chat import ChatRenderer
+from lorarl.contract.lora import LoraSpec
 from lorarl.contract.peft import read_peft_config
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """One distillation teacher as the loop serves it: its adapter directory, LoRA spec, and what routes to it."""
+
+    name: str
+    path: str
+    lora: LoraSpec
+    domain: str
+    weight: float
+
+    def job_id(self, student: str) -> str:
+        """The trainer job (and weight-sync job) that holds and publishes this teacher's adapter."""
+        return f"{student}.teacher.{self.name}"
+
+
+def job_teachers(cfg: JobFileConfig) -> list[Teacher]:
+    """distill.teachers read: each a PEFT LoRA directory the trainer can warm-start a job from and the rollout
+    can serve (its rank within rollout.max_lora_rank); one that is not there yet is a MissingDataError naming
+    what makes it, any other problem a ConfigError naming the teacher's key."""
+    teachers = []
+    for i, t in enumerate(cfg.distill.teachers):
+        key = f"distill.teachers[{i}].adapter"
+        path = str(Path(job_path(cfg, t.adapter)).resolve())
+        if not Path(path).exists():
+            raise MissingDataError(key, f"no adapter at {t.adapter!r} (teacher {t.name!r})",
+                                   f"make it with: {t.make}" if t.make else "train the expert first and point this "
+                                   "at its exported adapter")
+        if cfg.trainer.engine != "torch":
+            raise ConfigError(key, "teachers are loaded by the torch engine (trainer.engine=torch): Megatron cannot "
+                                   "load a PEFT adapter yet")
+        try:
+            config = read_peft_config(path)
+            lora = LoraSpec.from_peft_config(config)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(key, f"{path}: {e}") from None
+        if cfg.rollout.max_lora_rank and lora.rank > cfg.rollout.max_lora_rank:
+            raise ConfigError("rollout.max_lora_rank", f"{cfg.rollout.max_lora_rank} is below teacher {t.name!r}'s "
+                                                       f"rank {lora.rank} (0: sized for every adapter)")
+        teachers.append(Teacher(t.name, path, lora, t.domain, t.weight))
+    return teachers
+
+
+def teacher_routes(cfg: JobFileConfig, rows: list[Example]) -> dict[str, int]:
+    """How many of ``rows`` each teacher scores (route 'domain': by the row's distill.route_key; 'mixture': all);
+    ConfigError when a row's domain has no teacher (its samples could not be distilled)."""
+    d = cfg.distill
+    if d.route == "mixture":
+        return {t.name: len(rows) for t in d.teachers}
+    owner = {t.domain: t.name for t in d.teachers}
+    counts = dict.fromkeys(owner.values(), 0)
+    for n, row in enumerate(rows, 1):
+        domain = row.columns.get(d.route_key)
+        if str(domain) not in owner:
+            raise ConfigError("distill.route_key", f"train row {n} has {d.route_key}={domain!r}, which no teacher's "
+                                                   f"domain names (teachers' domains: {sorted(owner)})")
+        counts[owner[str(domain)]] += 1
+    return counts
 
 
 def job_examples(cfg: JobFileConfig, split: str, limit: int | None = None) -> list[Example]:
@@ -119,6 +180,7 @@ def check_inputs(cfg: JobFileConfig, missing_ok: bool = False) -> list[str]:
     there yet is a WARNING line naming its key and what makes it, not an error."""
     lines, fixes = [], []
     renderer = prompt_renderer(cfg)
+    train_rows: list[Example] = []
     for split in ("train", "test"):
         try:
             rows = job_examples(cfg, split)
@@ -131,6 +193,8 @@ def check_inputs(cfg: JobFileConfig, missing_ok: bool = False) -> list[str]:
             continue
         if not rows:
             raise ConfigError(f"data.{split}_path", f"the {split} split has no rows")
+        if split == "train":
+            train_rows = rows
         columns = sorted(rows[0].columns)
         kind = "chat" if isinstance(rows[0].prompt, list) else "text"
         lines.append(f"data {split}: {cfg.data.source} {data_label(cfg, split)}, {len(rows)} rows, {kind} prompts, "
@@ -140,8 +204,32 @@ def check_inputs(cfg: JobFileConfig, missing_ok: bool = False) -> list[str]:
     lines.append(f"reward: {cfg.data.reward}")
     if cfg.trainer.init_adapter:
         lines.append(f"warm start: {check_warm_start(cfg)}")
+    lines += distill_lines(cfg, train_rows, missing_ok)
     workflow = job_workflow(cfg)
     lines.append(f"workflow: {cfg.workflow.name} ({type(workflow).__module__}.{type(workflow).__qualname__})")
+    return lines
+
+
+def distill_lines(cfg: JobFileConfig, train_rows: list[Example], missing_ok: bool) -> list[str]:
+    """The plan's lines for distill.teachers: each teacher's adapter and rank, and the share of the train rows it
+    scores; a teacher not there yet is a WARNING (with what makes it) when ``missing_ok``."""
+    if not cfg.distill.teachers:
+        return []
+    lines = []
+    try:
+        teachers = {t.name: t for t in job_teachers(cfg)}
+    except MissingDataError as e:
+        if not missing_ok:
+            raise
+        lines += [f"WARNING {e.key}: {e.what}", f"  hint: {e.fix}"]
+        teachers = {}
+    counts = teacher_routes(cfg, train_rows) if train_rows else {}
+    for t in cfg.distill.teachers:
+        have = teachers.get(t.name)
+        adapter = f"{have.path} (rank {have.lora.rank})" if have else f"{t.adapter} (not there yet)"
+        share = f", {counts[t.name]} of {len(train_rows)} train rows" if t.name in counts else ""
+        lines.append(f"teacher {t.name}: {adapter}, route {cfg.distill.route}"
+                     f"{f' {cfg.distill.route_key}={t.domain}' if cfg.distill.route == 'domain' else ''}{share}")
     return lines
 
 

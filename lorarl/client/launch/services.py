@@ -47,7 +47,9 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     "export_dir": str(out / "exports"),
                     "collective": cfg.sync.collective and not cfg.placement.colocate,
                     # one process per rank (rank 0 serves gRPC); a torch layer split is one process
-                    **({"ranks": ranks} if (ranks := cfg.trainer.parallel.ranks(cfg.trainer.engine)) > 1 else {})},
+                    **({"ranks": ranks} if (ranks := cfg.trainer.parallel.ranks(cfg.trainer.engine)) > 1 else {}),
+                    # distillation's teachers are jobs of their own beside the student's (adapters on its base)
+                    **({"max_jobs": 4 + len(cfg.distill.teachers)} if cfg.distill.teachers else {})},
         "rollout": {"model_path": str(Path(cfg.model.path).resolve()), "engine": cfg.rollout.engine,
                     "dtype": cfg.rollout.dtype or cfg.model.dtype,
                     **({"record_routes": True} if records_routes(cfg) else {}),

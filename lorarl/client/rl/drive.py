@@ -22,7 +22,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     so replicas may join and leave during the run; else that static list (prompts of a replica that fails
     are redone on the others either way)."""
     from lorarl.client.calls import NamedStub
-    from lorarl.client.job.inputs import job_examples, job_reward, job_workflow
+    from lorarl.client.job.inputs import job_examples, job_reward, job_teachers, job_workflow
     from lorarl.client.rl.fleet import weightsync_fleet
     from lorarl.client.rl.loop import RLLoop
     from lorarl.client.rl.preflight import rollout_warnings
@@ -34,7 +34,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     from lorarl.common.channel import aio_channel
     from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
-    reward, workflow = job_reward(cfg), job_workflow(cfg)
+    reward, workflow, teachers = job_reward(cfg), job_workflow(cfg), job_teachers(cfg)
     train, test = job_examples(cfg, "train"), job_examples(cfg, "test")
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     if isinstance(rollout_addresses, str):
@@ -79,6 +79,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
                                   busy_wait_s=busy_wait)
         session = JobSession(cfg, trainer, out)
         state = await session.start(fresh=fresh)
+        await session.serve_teachers(teachers)
         if not rollout_addresses:
             await rollout.wait_members(cfg.recovery.wait_s)
             print("lorarl: rollout replicas (from weight sync): " + ", ".join(
@@ -93,11 +94,13 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
             await wait_serving(channels, cfg.recovery.wait_s, give_up)
             if not rollout_addresses:
                 await rollout.wait_members(cfg.recovery.wait_s)
-            return await session.recover()
+            state = await session.recover()
+            await session.serve_teachers(teachers)  # a restarted trainer lost them; weight sync renumbers them
+            return state
 
         loop = RLLoop(cfg, trainer, rollout, reward, train, test, log, state=state, on_checkpoint=session.save,
                       weightsync=weightsync, recover=recover, on_rewind=log.rewind, workflow=workflow,
-                      openai_urls=openai_urls, token=token, on_samples=log.samples)
+                      openai_urls=openai_urls, token=token, on_samples=log.samples, teachers=teachers)
         try:
             await run_watched(loop.run(), tracker, cfg.loop.stall)
         finally:

@@ -21,12 +21,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lorarl.client.job.config import JobFileConfig, training_spec
 from lorarl.client.job.datasets import Example, TrainStream
+from lorarl.client.job.inputs import Teacher
 from lorarl.client.job.rewards import Reward, RewardFn
 from lorarl.client.rl import metric_names as names
 from lorarl.client.rl.guard import PolicyGuard, Probe
@@ -39,7 +40,7 @@ from lorarl.client.workflow.context import RolloutContext, SamplingDefaults
 from lorarl.contract import staleness, versions
 from lorarl.contract.chat import ChatRenderer
 from lorarl.contract.enums import SYNC_MODES
-from lorarl.v1 import common_pb2, trainer_pb2, weightsync_pb2
+from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
 from lorarl.weightsync.client.activation import await_outcome
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Batch:
     truncated: int = 0  # samples that ended at max_tokens rather than on a stop
     groups: list[list[float]] = field(default_factory=list)  # each prompt's samples' rewards
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few (prompt, completion, reward) to read
+    distill: dict[str, float] = field(default_factory=dict)  # per-teacher metrics (distill/*): distillation only
 
 
 #: Samples of each step written out to read (samples.jsonl, TensorBoard text): the first of this many prompts.
@@ -92,7 +94,34 @@ def rollout_stats(batch: Batch) -> dict[str, float]:
     if batch.lengths:
         stats.update({names.RESPONSE_LENGTH_MEAN: sum(batch.lengths) / len(batch.lengths),
                       names.RESPONSE_LENGTH_MAX: float(max(batch.lengths))})
-    return stats
+    return {**stats, **batch.distill}
+
+
+def distill_stats(episodes: list[list[Episode]], teacher_seconds: float) -> dict[str, float]:
+    """Per teacher (an episode's ``teacher``: its route's, or "mixture"): the mean reverse KL of the policy's
+    sampled tokens to it (log pi_behaviour - log pi_teacher), the mean reward, and its share of the prompts; and
+    the replicas' seconds scoring the step. Empty when no episode was scored."""
+    kl: dict[str, list[float]] = {}
+    rewards: dict[str, list[float]] = {}
+    prompts: dict[str, int] = {}
+    for group in episodes:
+        scored = [e for e in group if e.teacher_logprobs is not None]
+        if scored:
+            prompts[scored[0].teacher] = prompts.get(scored[0].teacher, 0) + 1
+        for e in scored:
+            assert e.teacher_logprobs is not None
+            terms = [b - t for b, t, m in zip(e.logprobs, e.teacher_logprobs, e.loss_mask, strict=True) if m]
+            kl.setdefault(e.teacher, []).extend(terms)
+            rewards.setdefault(e.teacher, []).append(float(e.reward))
+    if not prompts:
+        return {}
+    total = sum(prompts.values())
+    out = {names.TEACHER_SECONDS: teacher_seconds}
+    for teacher, count in prompts.items():
+        out[names.teacher_metric(teacher, "reverse_kl")] = sum(kl[teacher]) / max(len(kl[teacher]), 1)
+        out[names.teacher_metric(teacher, "reward_mean")] = sum(rewards[teacher]) / len(rewards[teacher])
+        out[names.teacher_metric(teacher, "prompt_share")] = count / total
+    return out
 
 
 @dataclass
@@ -143,9 +172,13 @@ class RLLoop:
                  on_checkpoint: Checkpoint | None = None, weightsync=None, recover: Recover | None = None,
                  on_rewind: Callable[[int], None] | None = None, workflow: Workflow | None = None,
                  openai_urls: Callable[[], list[str]] | None = None, token: str | None = None,
-                 on_samples: Callable[[int, list[dict[str, Any]]], None] | None = None) -> None:
-        """``on_samples``: gets a few of each step's samples to read (the run log's samples.jsonl)."""
+                 on_samples: Callable[[int, list[dict[str, Any]]], None] | None = None,
+                 teachers: Sequence[Teacher] = ()) -> None:
+        """``on_samples``: gets a few of each step's samples to read (the run log's samples.jsonl); ``teachers``:
+        on-policy distillation's (lorarl.client.job.inputs.job_teachers), served as their own jobs' latest version."""
         self.cfg, self.trainer, self.rollout = cfg, trainer, rollout
+        self.teachers = list(teachers)
+        self._teacher_policies = [rollout_pb2.PolicySelector(job_id=t.job_id(cfg.job_id)) for t in self.teachers]
         self.on_samples = on_samples
         self.sampler = CoalescingRollout(rollout)  # what episodes sample through
         self.openai_urls, self.token = openai_urls or (lambda: []), token
@@ -192,9 +225,24 @@ class RLLoop:
 
     # ------------------------------------------------------------------ rollout
 
+    def routed(self, example: Example) -> tuple[list[float], str]:
+        """The teachers' weights for ``example``'s samples and who scores them (a teacher's name, or "mixture");
+        ([], "") without teachers."""
+        d = self.cfg.distill
+        if not self.teachers:
+            return [], ""
+        if d.route == "mixture":
+            return [t.weight for t in self.teachers], "mixture"
+        domain = str(example.columns.get(d.route_key))
+        owner = next((i for i, t in enumerate(self.teachers) if t.domain == domain), None)
+        if owner is None:  # the dry run and lorarl run refuse such rows (lorarl.client.job.inputs.teacher_routes)
+            raise ValueError(f"an example's {d.route_key}={domain!r} names no teacher's domain")
+        return [float(i == owner) for i in range(len(self.teachers))], self.teachers[owner].name
+
     def _context(self, version: int, request_id: str, seed: int, evaluating: bool = False, batch: str = "",
-                 episode: int = 0) -> RolloutContext:
-        """An episode's context, pinned to ``version`` (0: the base model)."""
+                 episode: int = 0, example: Example | None = None) -> RolloutContext:
+        """An episode's context, pinned to ``version`` (0: the base model); a training episode's ``example`` routes
+        its samples to their teachers (distillation)."""
         r = self.cfg.rollout
         sampling = SamplingDefaults(temperature=0.0 if evaluating else r.temperature,
                                     top_p=1.0 if evaluating else r.top_p,
@@ -202,7 +250,9 @@ class RLLoop:
         return RolloutContext(self.sampler, self.cfg.job_id, version, self.renderer, self.reward, sampling,
                               1 if evaluating else r.group_size, seed=seed, request_id=request_id,
                               evaluating=evaluating, batch=batch, openai_url=self._openai_url(episode),
-                              token=self.token, http=self.http)
+                              token=self.token, http=self.http,
+                              **({"teachers": self._teacher_policies, "teacher_weights": self.routed(example)[0]}
+                                 if example is not None and self.teachers and not evaluating else {}))
 
     def _openai_url(self, episode: int) -> str:
         """The endpoint an episode's agent talks to: one replica for its whole life (sessions live there)."""
@@ -214,7 +264,8 @@ class RLLoop:
         version = self.state.version
         seed = self.cfg.data.seed * 100_003 + index * 1_009
         contexts = [self._context(version, f"{self.cfg.job_id}-b{index}-p{p}", seed + p, batch=f"b{index}",
-                                  episode=index * len(examples) + p) for p in range(len(examples))]
+                                  episode=index * len(examples) + p, example=example)
+                    for p, example in enumerate(examples)]
         started = time.perf_counter()
         results: list[list[Episode]] = await asyncio.gather(
             *(self.workflow.run(ctx, example) for ctx, example in zip(contexts, examples, strict=True)))
@@ -222,6 +273,9 @@ class RLLoop:
         trajectories, rewards, lengths, groups, samples = [], [], [], [], []
         tokens = context_tokens = truncated = 0
         min_version = 1 << 62
+        for example, episodes in zip(examples, results, strict=True):
+            for episode in episodes:
+                episode.teacher = self.routed(example)[1]
         for p, episodes in enumerate(results):
             groups.append([float(e.reward) for e in episodes])
             for c, episode in enumerate(episodes):
@@ -241,7 +295,8 @@ class RLLoop:
         accuracy = names.successes(rewards, self.cfg.loop.success_reward)
         return Batch(index, trajectories, rewards, accuracy, elapsed, tokens,
                      min_version if min_version < 1 << 62 else 0, sum(c.reward_errors for c in contexts),
-                     context_tokens, sum(c.unpinned for c in contexts), lengths, truncated, groups, samples)
+                     context_tokens, sum(c.unpinned for c in contexts), lengths, truncated, groups, samples,
+                     distill_stats(results, sum(c.teacher_seconds for c in contexts)))
 
     def _sample(self, example: Example, episode: Episode) -> dict[str, Any]:
         """One sample to read: its prompt as written, its completion as decoded, its reward and answer."""
@@ -262,9 +317,17 @@ class RLLoop:
 
         results = await asyncio.gather(*(run(c, e) for c, e in zip(contexts, self.test, strict=True)))
         scores = [float(episode.reward) for episodes in results for episode in episodes]
-        return {names.EVAL_ACCURACY: names.successes(scores, self.cfg.loop.success_reward),
-                names.EVAL_MEAN_REWARD: sum(scores) / max(len(scores), 1),
-                "eval/reward_errors": float(sum(c.reward_errors for c in contexts))}
+        out = {names.EVAL_ACCURACY: names.successes(scores, self.cfg.loop.success_reward),
+               names.EVAL_MEAN_REWARD: sum(scores) / max(len(scores), 1),
+               "eval/reward_errors": float(sum(c.reward_errors for c in contexts))}
+        if self.teachers and self.cfg.distill.route == "domain":  # each teacher's domain on its own
+            by_teacher: dict[str, list[float]] = {}
+            for example, episodes in zip(self.test, results, strict=True):
+                with contextlib.suppress(ValueError):  # a held-out row no teacher owns counts in the whole only
+                    by_teacher.setdefault(self.routed(example)[1], []).extend(float(e.reward) for e in episodes)
+            out.update({names.teacher_metric(teacher, "eval_accuracy"): names.successes(
+                rewards, self.cfg.loop.success_reward) for teacher, rewards in by_teacher.items()})
+        return out
 
     # ------------------------------------------------------------------ trainer
 

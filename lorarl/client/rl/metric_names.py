@@ -10,7 +10,10 @@ Every name is ``<source>/<quantity>``; the source says who measured it and over 
     eval/*      held-out greedy episodes: eval/accuracy (same rule as rollout/accuracy), eval/mean_reward
     policy/*    the loop's checks of the served policy: policy/version_lag, policy/mismatch_alarm, policy/guard_*
     sync/*      publishing a version: sync/seconds, sync/bytes, sync/version
-    distill/<teacher>/*   per-teacher terms of a distillation loss (to come): distill/<teacher>/reverse_kl
+    distill/*   on-policy distillation, per teacher (a route's teacher, or "mixture"): distill/<teacher>/reverse_kl
+                (the sampled tokens' mean log pi_behaviour - log pi_teacher), distill/<teacher>/reward_mean,
+                distill/<teacher>/prompt_share, distill/<teacher>/eval_accuracy (eval/accuracy on the held-out rows
+                of its domain); distill/teacher_seconds (the replicas' time scoring the step)
 
 Three different KLs, so none is called plain "kl":
 
@@ -47,6 +50,14 @@ EVAL_MEAN_REWARD = "eval/mean_reward"
 
 VERSION_LAG = "policy/version_lag"
 MISMATCH_ALARM = "policy/mismatch_alarm"
+
+TEACHER_SECONDS = "distill/teacher_seconds"
+
+
+def teacher_metric(teacher: str, quantity: str) -> str:
+    """distill/<teacher>/<quantity>: reverse_kl, reward_mean, prompt_share."""
+    return f"distill/{teacher}/{quantity}"
+
 
 #: The trainer's step metrics that take another name in a run's log: what they are, not just their kind.
 TRAINER_RENAMES = {"kl": "kl_ref"}

@@ -9,17 +9,21 @@ numbers it above every version weight sync holds, so a number never names two se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorarl.client.job.config import training_spec
+from lorarl.client.job.inputs import Teacher
 from lorarl.client.rl.loop import LoopState, job_config_proto
 from lorarl.client.rl.recovery import ActivationFailedError
 from lorarl.contract import versions
 from lorarl.contract.enums import SYNC_MODES
-from lorarl.v1 import trainer_pb2
+from lorarl.v1 import common_pb2, trainer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,27 @@ class JobSession:
             raise ActivationFailedError(f"version {published.version} was not activated: {published.error} "
                                         f"(failed replicas: {list(published.failed_replicas)})")
         return int(published.version)
+
+    async def serve_teachers(self, teachers: Sequence[Teacher]) -> None:
+        """Each distillation teacher as a job of its own on the trainer (its adapter loaded as a warm start, never
+        trained: the base is the student's, so it costs the adapter only), published to every rollout replica as
+        an adapter and awaited: the replicas then score the student's samples with it. Attaches to the ones a
+        previous run (or a restart) left, and publishes them again."""
+        model_path = str(Path(self.cfg.model.path).resolve())
+        for teacher in teachers:
+            job_id = teacher.job_id(self.cfg.job_id)
+            spec = dataclasses.replace(training_spec(self.cfg, model_path), lora=teacher.lora,
+                                       init_adapter_path=teacher.path)
+            await self.trainer.CreateJob(trainer_pb2.CreateJobRequest(job_id=job_id, config=spec.to_proto(),
+                                                                      attach=True))
+            published = await self.trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(
+                job_id=job_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600))
+            if not published.activated:
+                raise ActivationFailedError(f"teacher {teacher.name!r} ({job_id} v{published.version}) was not "
+                                            f"served: {published.error} (failed replicas: "
+                                            f"{list(published.failed_replicas)})")
+            print(f"lorarl: teacher {teacher.name} serves as {job_id} v{published.version} ({teacher.path}, rank "
+                  f"{teacher.lora.rank})", flush=True)
 
     async def recover(self) -> LoopState:
         """After a fault: the job (re-created if the trainer restarted) back at its last resume point."""

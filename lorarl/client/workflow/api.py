@@ -47,13 +47,15 @@ class Sampled:
     routes: RoutedExperts | None = None
     #: The fingerprint of the weights each version served it with (the trainer checks them)
     fingerprints: dict[int, str] = field(default_factory=dict)
+    #: Per token, its logprob under the episode's teacher(s) (on-policy distillation); None: not scored.
+    teacher_logprobs: list[float] | None = None
 
     @classmethod
     def from_proto(cls, c: Any) -> Sampled:
         """A lorarl.v1.Completion (RoutesError if its routes are malformed)."""
         return cls(list(c.token_ids), list(c.logprobs), list(c.token_versions), c.text, c.finish_reason,
                    RoutedExperts.from_proto(c.routed_experts) if c.HasField("routed_experts") else None,
-                   dict(c.policy_fingerprints))
+                   dict(c.policy_fingerprints), list(c.teacher_logprobs) if c.teacher_logprobs else None)
 
 
 @dataclass
@@ -74,6 +76,10 @@ class Episode:
     #: (a turn's request recomputes every earlier position: those are what its tokens were sampled under).
     routes: RoutedExperts | None = None
     fingerprints: dict[int, str] = field(default_factory=dict)  # each serving version's weights (its turns')
+    #: Per completion token, the teacher's logprob (its policy turns'; 0 on context tokens, never read): set when
+    #: the turns were scored by teachers (on-policy distillation), None otherwise. ``teacher``: who scored them.
+    teacher_logprobs: list[float] | None = None
+    teacher: str = ""
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -105,6 +111,15 @@ class Episode:
         if len(sampled.logprobs) != n or len(sampled.versions) != n:
             raise ValueError(f"a sampled turn needs one logprob and one version per token ({n} tokens, "
                              f"{len(sampled.logprobs)} logprobs, {len(sampled.versions)} versions)")
+        scored = sampled.teacher_logprobs is not None
+        if scored and len(sampled.teacher_logprobs) != n:
+            raise ValueError(f"a scored turn needs one teacher logprob per token ({n} tokens, "
+                             f"{len(sampled.teacher_logprobs)} teacher logprobs)")
+        if any(self.loss_mask) and scored != (self.teacher_logprobs is not None):
+            raise ValueError("an episode's policy turns are all scored by teachers or none is")
+        if scored:
+            self.teacher_logprobs = (self.teacher_logprobs or [0.0] * len(self.completion_ids)) + \
+                list(sampled.teacher_logprobs)
         self.completion_ids += sampled.token_ids
         self.loss_mask += [True] * n
         self.logprobs += sampled.logprobs
@@ -123,6 +138,8 @@ class Episode:
         self.completion_ids += ids
         self.loss_mask += [False] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs += [0.0] * len(ids)
         self.versions += [0] * len(ids)
 
     def to_proto(self, job_id: str, trajectory_id: str, group_id: str) -> common_pb2.Trajectory:
@@ -132,7 +149,8 @@ class Episode:
             id=trajectory_id, job_id=job_id, group_id=self.group_id or group_id, prompt_token_ids=self.prompt_ids,
             completion_token_ids=self.completion_ids, behavior_logprobs=self.logprobs, token_versions=self.versions,
             reward=self.reward, finish_reason=self.finish_reason, loss_mask=[] if single else self.loss_mask,
-            turn_rewards=self.turn_rewards, metrics=self.metrics, policy_fingerprints=self.fingerprints)
+            turn_rewards=self.turn_rewards, metrics=self.metrics, policy_fingerprints=self.fingerprints,
+            teacher_logprobs=self.teacher_logprobs or [], teacher=self.teacher)
         if self.routes is not None:  # context tokens after the last turn were never computed: not recorded
             out.routed_experts.CopyFrom(self.routes.truncated(len(self.token_ids) - 1).to_proto())
         return out

@@ -75,6 +75,7 @@ class CoalescingRollout:
                 if not future.done():
                     future.set_exception(error)
             return
-        for (_, future), result in zip(members, response.results, strict=True):
-            if not future.done():
-                future.set_result(rollout_pb2.GenerateResponse(results=[result]))
+        for i, ((_, future), result) in enumerate(zip(members, response.results, strict=True)):
+            if not future.done():  # the scoring time counted once, on the first member
+                future.set_result(rollout_pb2.GenerateResponse(
+                    results=[result], teacher_seconds=response.teacher_seconds if i == 0 else 0.0))

@@ -49,13 +49,17 @@ class RolloutContext(EpisodeContext):
     def __init__(self, rollout: Any, job_id: str, version: int, renderer: ChatRenderer, reward: Reward,
                  sampling: SamplingDefaults, group_size: int, *, seed: int, request_id: str,
                  evaluating: bool = False, batch: str = "", openai_url: str = "", token: str | None = None,
-                 http: AgentHttp | None = None) -> None:
+                 http: AgentHttp | None = None, teachers: Sequence[rollout_pb2.PolicySelector] = (),
+                 teacher_weights: Sequence[float] = ()) -> None:
         self.rollout, self.job_id, self.version = rollout, job_id, version
         self.renderer, self.reward, self.sampling = renderer, reward, sampling
         self.group_size, self.evaluating = group_size, evaluating
         self.seed, self.request_id, self.batch = seed, request_id, batch
         self.openai_url, self.token = openai_url, token
         self.http = http or AgentHttp()  # the loop passes its own, shared by all its episodes
+        # on-policy distillation: the teachers that score every sample of this episode, and each one's weight
+        self.teachers, self.teacher_weights = list(teachers), list(teacher_weights)
+        self.teacher_seconds = 0.0  # the replicas' time scoring this episode's samples
         self._nonce = uuid.uuid4().hex[:8]
         self.calls = 0  # samples asked for; each gets its own seed and request id
         self.unpinned = 0  # samples served by a later version than the pinned one
@@ -76,8 +80,9 @@ class RolloutContext(EpisodeContext):
             n=n, temperature=self.sampling.temperature if temperature is None else temperature,
             top_p=self.sampling.top_p, max_tokens=max_tokens or self.sampling.max_tokens, stop=list(stop),
             seed=self.seed + 7919 * call)
-        request = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=list(prompt_ids))],
-                                              sampling=params, request_id=f"{self.request_id}-s{call}")
+        request = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=list(prompt_ids), teacher_weights=self.teacher_weights)],
+            sampling=params, request_id=f"{self.request_id}-s{call}", teachers=self.teachers)
         request.policy.CopyFrom(self._policy(pinned=True))
         try:
             response = await self._generate(request)
@@ -88,6 +93,7 @@ class RolloutContext(EpisodeContext):
             response = await self._generate(request)
             self.unpinned += 1
         (result,) = response.results
+        self.teacher_seconds += response.teacher_seconds
         return [Sampled.from_proto(c) for c in result.completions]
 
     async def _generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:

@@ -1,0 +1,147 @@
+"""On-policy distillation in the job file (#47): distill.teachers checked with the loss that reads them, each
+teacher a PEFT adapter read and routed by a data column, the plan's lines (a teacher not there yet is a warning
+naming what makes it), the rollout sized for the teachers, and the loop's routing, episodes and per-teacher
+metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lorarl.client.job.config import load_job_config
+from lorarl.client.job.datasets import Example
+from lorarl.client.job.inputs import check_inputs, job_teachers, teacher_routes
+from lorarl.client.launch.services import stack_sections
+from lorarl.client.rl.loop import distill_stats
+from lorarl.client.workflow.api import Episode, Sampled
+from lorarl.common.config import ConfigError
+from lorarl.contract.lora import LoraSpec
+from lorarl.contract.peft import tensor_name, write_peft_files
+from lorarl.contract.staleness import adapter_window
+
+ROOT = Path(__file__).resolve().parents[3]
+STUDENT = ROOT / "examples" / "distill" / "student.yaml"
+
+
+def teacher_dir(folder: Path, rank: int = 16) -> Path:
+    """A PEFT adapter directory of ``rank`` on the shipped tiny model's q_proj (what a teacher is read from)."""
+    tensors = {tensor_name("model.layers.0.self_attn.q_proj", "A"): torch.zeros(rank, 128),
+               tensor_name("model.layers.0.self_attn.q_proj", "B"): torch.zeros(128, rank)}
+    return write_peft_files(folder, tensors, LoraSpec(rank=rank).peft_config("tiny", ["q_proj"]))
+
+
+def student(tmp_path: Path, sort: str, add: str, **changes: object) -> Path:
+    """examples/distill/student.yaml with its teachers at ``sort`` and ``add`` (and top-level ``changes``)."""
+    raw = yaml.safe_load(STUDENT.read_text())
+    raw["model"]["path"] = str(ROOT / raw["model"]["path"])
+    raw["distill"]["teachers"][0]["adapter"], raw["distill"]["teachers"][1]["adapter"] = sort, add
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        raw.setdefault(section, {})[key] = value
+    job = tmp_path / "student.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    return job
+
+
+def test_teachers_are_read_routed_by_the_task_column_and_size_the_rollout(tmp_path: Path) -> None:
+    sort, add = teacher_dir(tmp_path / "sort", rank=16), teacher_dir(tmp_path / "add", rank=8)
+    cfg = load_job_config(str(student(tmp_path, str(sort), str(add))), [])
+    teachers = job_teachers(cfg)
+    assert [(t.name, t.lora.rank, t.domain) for t in teachers] == [("sort", 16, "sort"), ("add", 8, "add")]
+    assert teachers[0].job_id("student") == "student.teacher.sort"
+    rows = [Example("sort 21", "12", {"task": "sort"}), Example("1+1=", "2", {"task": "add"}),
+            Example("sort 31", "13", {"task": "sort"})]
+    assert teacher_routes(cfg, rows) == {"sort": 2, "add": 1}
+    with pytest.raises(ConfigError, match=r"distill\.route_key: train row 1 has task='mul'"):
+        teacher_routes(cfg, [Example("2*2=", "4", {"task": "mul"})])
+    # the rollout holds the student's window and one slot per teacher, at the largest rank of all
+    rollout = stack_sections(cfg, tmp_path)["rollout"]
+    assert rollout["max_lora_rank"] == 16 and rollout["max_loras"] == cfg.serving_max_loras
+    assert cfg.serving_max_loras == max(cfg.rollout.max_loras, adapter_window(cfg.loop.max_staleness) + 1) + 2
+    assert stack_sections(cfg, tmp_path)["trainer"]["max_jobs"] == 6
+    lines = check_inputs(cfg)
+    assert any(line.startswith(f"teacher sort: {sort} (rank 16), route domain task=sort, 7500 of 15000")
+               for line in lines), lines
+
+
+def test_a_teacher_not_trained_yet_is_a_warning_naming_its_command_and_lorarl_run_refuses_it(tmp_path: Path) -> None:
+    cfg = load_job_config(str(student(tmp_path, str(tmp_path / "nowhere"), str(teacher_dir(tmp_path / "add")))), [])
+    lines = check_inputs(cfg, missing_ok=True)
+    warning = lines.index(next(line for line in lines if line.startswith("WARNING distill.teachers[0].adapter")))
+    assert lines[warning + 1] == "  hint: make it with: lorarl run examples/distill/expert-sort.yaml"
+    with pytest.raises(ConfigError, match="no adapter at"):
+        check_inputs(cfg)
+
+
+@pytest.mark.parametrize(("changes", "key", "words"), [
+    ({"trainer__loss": {"type": "grpo"}}, "trainer.loss.type", "does not read the 2 teacher"),
+    ({"sync__mode": "merged"}, "sync.mode", "need sync.mode adapter"),
+    ({"distill__route_key": "task", "distill__route": "domain", "distill__teachers": [
+        {"name": "a", "adapter": "x", "domain": "sort"}, {"name": "a", "adapter": "y", "domain": "add"}]},
+     "distill.teachers[1].name", "names teacher 0 too"),
+    ({"distill__teachers": [{"name": "a", "adapter": "x", "domain": "sort"},
+                            {"name": "b", "adapter": "y", "domain": "sort"}]}, "distill.teachers", "share a domain"),
+    ({"distill__teachers": [{"name": "a", "adapter": "x"}]}, "distill.teachers[0].domain", "is empty"),
+    ({"distill__teachers": []}, "distill.teachers", "is empty, but trainer.loss"),
+])
+def test_what_a_distillation_job_file_refuses(tmp_path: Path, changes: dict, key: str, words: str) -> None:
+    job = student(tmp_path, "a", "b", **changes)
+    with pytest.raises(ConfigError) as refused:
+        load_job_config(str(job), [])
+    assert refused.value.key == key and words in str(refused.value)
+
+
+def test_the_shipped_student_plans_on_a_fresh_clone(tmp_path: Path) -> None:
+    """Before its experts are trained the student's dry run exits 0 with one warning per missing teacher."""
+    from lorarl.client.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["run", str(STUDENT), "--dry-run"])
+    text = out.getvalue()
+    assert code == 0 and "teacher sort:" in text and "teacher add:" in text
+
+
+def sampled(tokens: int, behaviour: float, teacher: float | None) -> Sampled:
+    return Sampled(list(range(tokens)), [behaviour] * tokens, [1] * tokens,
+                   teacher_logprobs=None if teacher is None else [teacher] * tokens)
+
+
+def test_an_episode_carries_its_teachers_logprobs_over_its_policy_turns_only() -> None:
+    episode = Episode([1, 2])
+    episode.add_policy(sampled(2, -1.0, -0.5))
+    episode.add_context([7, 7, 7])
+    episode.add_policy(sampled(1, -2.0, -0.25))
+    episode.teacher = "sort"
+    proto = episode.to_proto("student", "t", "g")
+    assert list(proto.teacher_logprobs) == [-0.5, -0.5, 0.0, 0.0, 0.0, -0.25] and proto.teacher == "sort"
+    with pytest.raises(ValueError, match="all scored by teachers or none"):
+        episode.add_policy(sampled(1, -1.0, None))
+    plain = Episode([1])
+    plain.add_policy(sampled(2, -1.0, None))
+    assert not plain.to_proto("student", "t", "g").teacher_logprobs
+
+
+def test_the_loop_reports_each_teachers_reverse_kl_reward_and_share() -> None:
+    def scored(teacher: str, behaviour: float, logp: float, reward: float) -> Episode:
+        e = Episode([1])
+        e.add_policy(sampled(2, behaviour, logp))
+        e.teacher, e.reward = teacher, reward
+        return e
+
+    groups = [[scored("sort", -1.0, -0.5, 1.0), scored("sort", -2.0, -0.5, 0.0)],
+              [scored("add", -1.0, -1.25, 1.0)], [scored("sort", -1.0, -1.0, 1.0)]]
+    stats = distill_stats(groups, 1.5)
+    assert stats["distill/teacher_seconds"] == 1.5
+    assert stats["distill/sort/reverse_kl"] == pytest.approx((-0.5 * 2 - 1.5 * 2 + 0.0 * 2) / 6)
+    assert stats["distill/add/reverse_kl"] == pytest.approx(0.25)
+    assert stats["distill/sort/reward_mean"] == pytest.approx(2 / 3)
+    assert stats["distill/sort/prompt_share"] == pytest.approx(2 / 3)
+    assert distill_stats([[Episode([1])]], 0.0) == {}
+    json.dumps(stats)
