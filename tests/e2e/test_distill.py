@@ -19,9 +19,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERTS = Path(__file__).resolve().parent / "distill_experts"
-#: Held-out points each domain gains in the run's 20 steps. Measured healthy: sort +46.7, add +28.7 (commit d8244b7,
-#: this 2-core CPU; experts 0.88 and 0.90, the student starting at 0.32 and 0.40).
+#: Held-out points each domain gains in the run's 12 steps. Measured healthy, two runs alike (2026-12-07, this 2-core
+#: CPU, on top of d8244b7): sort 0.32 -> 0.67 (+34.7), add 0.40 -> 0.81 (+41.3); the experts score 0.88 and 0.90.
 GAIN = 0.20
+STEPS = 12
 
 
 def test_a_student_distilled_from_two_adapter_teachers_learns_both_domains(tmp_path: Path) -> None:
@@ -29,6 +30,7 @@ def test_a_student_distilled_from_two_adapter_teachers_learns_both_domains(tmp_p
     for teacher in raw["distill"]["teachers"]:
         teacher["adapter"] = str(EXPERTS / teacher["name"])
     raw["output"] = {"dir": str(tmp_path / "run"), "tensorboard": False, "progress": False}
+    raw["loop"].update(steps=STEPS, eval_every=STEPS, checkpoint_every=0)
     job = tmp_path / "student.yaml"
     job.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -40,12 +42,12 @@ def test_a_student_distilled_from_two_adapter_teachers_learns_both_domains(tmp_p
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if "train/loss" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == raw["loop"]["steps"] and len(steps) == raw["loop"]["steps"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS and len(steps) == STEPS
     for name in ("sort", "add"):
         before, after = evals[0][f"distill/{name}/eval_accuracy"], evals[-1][f"distill/{name}/eval_accuracy"]
         assert after - before >= GAIN, (name, before, after)
         kl = [r[f"distill/{name}/reverse_kl"] for r in steps if f"distill/{name}/reverse_kl" in r]
-        assert len(kl) >= len(steps) - 2 and sum(kl[-5:]) / 5 < sum(kl[:5]) / 5 / 2, kl  # at least halved
+        assert len(kl) >= len(steps) - 2 and sum(kl[-4:]) / 4 < sum(kl[:4]) / 4 / 2, kl  # at least halved
     assert all(r["distill/teacher_seconds"] > 0 and 0 < r["train/distill_reverse_kl"] < 5 for r in steps)
     assert all(abs(r["distill/sort/prompt_share"] + r["distill/add/prompt_share"] - 1) < 1e-9 for r in steps
                if "distill/sort/prompt_share" in r and "distill/add/prompt_share" in r)
