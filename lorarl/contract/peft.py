@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -102,3 +103,39 @@ def write_peft_files(directory: str | Path, tensors: Mapping[str, Any], config: 
               metadata={"format": "pt"})
     (directory / CONFIG).write_text(json.dumps(dict(config), indent=2))
     return directory
+
+
+def safetensors_shapes(paths: Iterable[str | Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in these safetensors files, from their headers alone (nothing loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in paths:
+        with Path(path).open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        shapes.update({name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"})
+    return shapes
+
+
+def fit_problems(adapter_dir: str | Path, model_dir: str | Path, most: int = 3) -> list[str]:
+    """Why the adapter in ``adapter_dir`` cannot apply to the base in ``model_dir`` (empty: it can, or the base's
+    weights are not there to read): a module the base lacks, or halves whose shapes miss its weight's
+    ([rank, in] and [out, rank] against [out, in]). At most ``most`` lines."""
+    base_files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not base_files:
+        return []
+    base = safetensors_shapes(base_files)
+    problems = []
+    try:
+        pairs = pair_tensors(safetensors_shapes([Path(adapter_dir) / WEIGHTS]))
+    except PeftNameError as e:
+        return [str(e)]
+    for module, (a, b) in sorted(pairs.items()):
+        weight = base.get(f"{module}.weight")
+        if weight is None or len(weight) != 2:
+            problems.append(f"{module} is not a linear layer of the base")
+        elif len(a) != 2 or len(b) != 2 or a[1] != weight[1] or b[0] != weight[0] or a[0] != b[1]:
+            problems.append(f"{module}: lora_A {list(a)} and lora_B {list(b)} do not fit its weight {list(weight)}")
+        if len(problems) >= most:
+            break
+    return problems
+

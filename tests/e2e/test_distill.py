@@ -44,7 +44,7 @@ def test_a_student_distilled_from_two_adapter_teachers_learns_both_domains(tmp_p
     steps = [r for r in rows if "train/loss" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS and len(steps) == STEPS
     for name in ("sort", "add"):
-        before, after = evals[0][f"distill/{name}/eval_accuracy"], evals[-1][f"distill/{name}/eval_accuracy"]
+        before, after = evals[0][f"eval/{name}/accuracy"], evals[-1][f"eval/{name}/accuracy"]
         assert after - before >= GAIN, (name, before, after)
         kl = [r[f"distill/{name}/reverse_kl"] for r in steps if f"distill/{name}/reverse_kl" in r]
         assert len(kl) >= len(steps) - 2 and sum(kl[-4:]) / 4 < sum(kl[:4]) / 4 / 2, kl  # at least halved

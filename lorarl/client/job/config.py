@@ -92,6 +92,9 @@ class DataConfig:
     enable_thinking: bool | None = setting(None, doc="The chat template's enable_thinking switch (Qwen3); "
                                                      "null: the template's default.")
     eval_size: int = setting(0, check=in_range(0), doc="Held-out problems evaluated (0: all).")
+    eval_by: str = setting("", doc="A column of the held-out rows whose values split the held-out accuracy "
+                                   "(eval/<value>/accuracy beside eval/accuracy), e.g. each task of a mixed dataset; "
+                                   "empty: distill.route_key when teachers route by it, else none.")
     max_prompt_tokens: int = setting(256, check=in_range(1), doc="Longest prompt in tokens: the --dry-run plan's "
                                                                  "sequence length is this plus rollout.max_tokens.")
     seed: int = setting(0, check=in_range(0), doc="Shuffle seed of the train stream.")
@@ -572,6 +575,14 @@ class JobFileConfig:
         """The rollout's max_lora_rank: as set, else the smallest vLLM rank that holds the trainer's and every
         teacher's whose adapter is there to read."""
         return self.rollout.max_lora_rank or serving_rank(max([self.trainer.lora.rank, *self.teacher_ranks()]))
+
+    @property
+    def eval_column(self) -> str:
+        """The held-out rows' column the loop splits eval accuracy by (data.eval_by, else a distillation's route
+        key), or ''."""
+        if self.data.eval_by:
+            return self.data.eval_by
+        return self.distill.route_key if self.distill.teachers and self.distill.route == "domain" else ""
 
     def teacher_ranks(self) -> list[int]:
         """The LoRA rank of each teacher adapter that is there (adapter_config.json's r); the others are checked

@@ -20,7 +20,7 @@ from lorarl.client.workflow import Workflow, load_workflow
 from lorarl.common.config import ConfigError
 from lorarl.contract.chat import ChatRenderer
 from lorarl.contract.lora import LoraSpec
-from lorarl.contract.peft import read_peft_config
+from lorarl.contract.peft import fit_problems, read_peft_config
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,10 @@ def job_teachers(cfg: JobFileConfig) -> list[Teacher]:
             lora = LoraSpec.from_peft_config(config)
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(key, f"{path}: {e}") from None
+        misfit = fit_problems(path, cfg.model.path)
+        if misfit:
+            raise ConfigError(key, f"teacher {t.name!r} ({path}, trained on {config.get('base_model_name_or_path')!r}) "
+                                   f"does not fit this job's base {cfg.model.path!r}: " + "; ".join(misfit))
         if cfg.rollout.max_lora_rank and lora.rank > cfg.rollout.max_lora_rank:
             raise ConfigError("rollout.max_lora_rank", f"{cfg.rollout.max_lora_rank} is below teacher {t.name!r}'s "
                                                        f"rank {lora.rank} (0: sized for every adapter)")

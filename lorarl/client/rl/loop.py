@@ -320,13 +320,14 @@ class RLLoop:
         out = {names.EVAL_ACCURACY: names.successes(scores, self.cfg.loop.success_reward),
                names.EVAL_MEAN_REWARD: sum(scores) / max(len(scores), 1),
                "eval/reward_errors": float(sum(c.reward_errors for c in contexts))}
-        if self.teachers and self.cfg.distill.route == "domain":  # each teacher's domain on its own
-            by_teacher: dict[str, list[float]] = {}
+        if column := self.cfg.eval_column:  # e.g. each task of a mixed dataset on its own
+            by_value: dict[str, list[float]] = {}
             for example, episodes in zip(self.test, results, strict=True):
-                with contextlib.suppress(ValueError):  # a held-out row no teacher owns counts in the whole only
-                    by_teacher.setdefault(self.routed(example)[1], []).extend(float(e.reward) for e in episodes)
-            out.update({names.teacher_metric(teacher, "eval_accuracy"): names.successes(
-                rewards, self.cfg.loop.success_reward) for teacher, rewards in by_teacher.items()})
+                value = example.columns.get(column)
+                if value is not None:
+                    by_value.setdefault(str(value), []).extend(float(e.reward) for e in episodes)
+            out.update({names.eval_accuracy_of(value): names.successes(rewards, self.cfg.loop.success_reward)
+                        for value, rewards in by_value.items()})
         return out
 
     # ------------------------------------------------------------------ trainer

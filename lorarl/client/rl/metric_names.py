@@ -7,13 +7,13 @@ Every name is ``<source>/<quantity>``; the source says who measured it and over 
                 rollout/response_length_mean|max, rollout/truncated_fraction, rollout/zero_advantage_groups
     train/*     the trainer's step, its own metric names under train/: train/loss, train/entropy (the policy's
                 entropy at the sampled tokens, averaged as the loss averages), train/kl_ref, train/version, ...
-    eval/*      held-out greedy episodes: eval/accuracy (same rule as rollout/accuracy), eval/mean_reward
+    eval/*      held-out greedy episodes: eval/accuracy (same rule as rollout/accuracy), eval/mean_reward, and
+                eval/<value>/accuracy for each value of data.eval_by's column (e.g. each task of a mixed dataset)
     policy/*    the loop's checks of the served policy: policy/version_lag, policy/mismatch_alarm, policy/guard_*
     sync/*      publishing a version: sync/seconds, sync/bytes, sync/version
     distill/*   on-policy distillation, per teacher (a route's teacher, or "mixture"): distill/<teacher>/reverse_kl
                 (the sampled tokens' mean log pi_behaviour - log pi_teacher), distill/<teacher>/reward_mean,
-                distill/<teacher>/prompt_share, distill/<teacher>/eval_accuracy (eval/accuracy on the held-out rows
-                of its domain); distill/teacher_seconds (the replicas' time scoring the step)
+                distill/<teacher>/prompt_share; distill/teacher_seconds (the replicas' time scoring the step)
 
 Three different KLs, so none is called plain "kl":
 
@@ -52,6 +52,11 @@ VERSION_LAG = "policy/version_lag"
 MISMATCH_ALARM = "policy/mismatch_alarm"
 
 TEACHER_SECONDS = "distill/teacher_seconds"
+
+
+def eval_accuracy_of(value: str) -> str:
+    """eval/<value>/accuracy: the held-out accuracy of the rows whose data.eval_by column holds ``value``."""
+    return f"eval/{value}/accuracy"
 
 
 def teacher_metric(teacher: str, quantity: str) -> str:

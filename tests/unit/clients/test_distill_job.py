@@ -145,3 +145,24 @@ def test_the_loop_reports_each_teachers_reverse_kl_reward_and_share() -> None:
     assert stats["distill/sort/prompt_share"] == pytest.approx(2 / 3)
     assert distill_stats([[Episode([1])]], 0.0) == {}
     json.dumps(stats)
+
+
+def adapter_of(folder: Path, module: str, a: tuple[int, int], b: tuple[int, int], base: str) -> Path:
+    """A PEFT directory holding one module's halves of the given shapes, naming ``base`` as its base."""
+    tensors = {tensor_name(module, "A"): torch.zeros(*a), tensor_name(module, "B"): torch.zeros(*b)}
+    return write_peft_files(folder, tensors, LoraSpec(rank=a[0]).peft_config(base, [module.rsplit(".", 1)[-1]]))
+
+
+def test_a_teacher_trained_on_another_base_is_refused_naming_both(tmp_path: Path) -> None:
+    """A teacher adapter whose modules or shapes miss the job's base (another model's expert) is refused at the
+    dry run, naming the base it was trained on and the job's."""
+    add = str(teacher_dir(tmp_path / "add"))
+    wide = adapter_of(tmp_path / "wide", "model.layers.0.self_attn.q_proj", (8, 256), (256, 8), "Qwen/Qwen3-8B")
+    with pytest.raises(ConfigError) as refused:
+        job_teachers(load_job_config(str(student(tmp_path, str(wide), add)), []))
+    message = str(refused.value)
+    assert refused.value.key == "distill.teachers[0].adapter" and "'Qwen/Qwen3-8B'" in message
+    assert "qwen3-tiny" in message and "model.layers.0.self_attn.q_proj: lora_A [8, 256]" in message
+    moe = adapter_of(tmp_path / "moe", "model.layers.0.mlp.experts.0.up_proj", (8, 128), (128, 8), "moe")
+    with pytest.raises(ConfigError, match=r"experts\.0\.up_proj is not a linear layer of the base"):
+        job_teachers(load_job_config(str(student(tmp_path, str(moe), add)), []))
