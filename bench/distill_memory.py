@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 #: The code this benchmark's figures depend on (bench/results.py): the rollout and how the launcher sizes it.
 MEASURES = ("lorarl/rollout", "lorarl/client/launch", "lorarl/client/job", "lorarl/contract")
 HEADING = "## On-policy distillation: the rollout's memory with teachers loaded"
-SHAPE, LAYERS, RANK, TEACHERS = "0.6b", 2, 16, 2
+SHAPE, LAYERS, RANK, TEACHERS = "qwen3-0.6b", 2, 16, 2
 PROMPTS, SAMPLES, TOKENS = 8, 4, 64
 BAR = 0.05
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = teachers[key] / plain[key]
         ok = ok and (key != "rollout-0 engine core" or abs(ratio - 1) <= BAR)
         body.append(f"| {key} | {plain[key]:.3f} | {teachers[key]:.3f} | {ratio:.3f} |")
-    body += ["", f"Qwen3-{SHAPE} shape, {LAYERS} layers, random init, fp32; the rollout as the launcher sizes it "
+    body += ["", f"{SHAPE} shape, {LAYERS} layers, random init, fp32; the rollout as the launcher sizes it "
                  f"(max_loras {plain['max_loras']:.0f} without, {teachers['max_loras']:.0f} with); one Generate of "
                  f"{PROMPTS} prompts x {SAMPLES} samples x {TOKENS} tokens under the student's rank-16 adapter, "
                  f"{plain['seconds']:.1f} s without teachers, {teachers['seconds']:.1f} s with each prompt's "
