@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         d, r = curves["distilled"][task], curves["rl"][task]
         body.append(f"| {task} | {expert_score[task]:.3f} | {d[-1][1]:.3f} | {first_reach(d, target)} | "
                     f"{r[-1][1]:.3f} | {first_reach(r, target)} |")
+    for label, title in (("distilled", "distilled"), ("rl", "by RL")):
+        body += ["", f"Student {title}, held out at steps " + ", ".join(str(s) for s, _ in curves[label]["sort"]) + ": "
+                 + "; ".join(f"{t} " + " ".join(f"{a:.2f}" for _, a in curves[label][t]) for t in TASKS) + "."]
     body += ["", f"Held-out greedy accuracy on each task's 150 test problems, evaluated every 5 steps; each student "
                  f"{args.steps} steps of 16 prompts x 4 samples from a fresh adapter (sync loop). Whole commands: "
                  f"experts {expert_s['sort']:.0f} s and {expert_s['add']:.0f} s, distilled student "
