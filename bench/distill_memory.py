@@ -123,7 +123,7 @@ def measure(model: Path, tmp: Path, with_teachers: bool) -> dict[str, float]:
         seconds = asyncio.run(drive(stack.address("rollout"), stack.token, base_model_fingerprint(model), adapters,
                                     teachers))
         peaks = {"max_loras": float(section["max_loras"]), "seconds": seconds}
-        for key, pid in named_processes("rollout", stack.processes["rollout-0"].process.pid):
+        for key, pid in named_processes("rollout", stack.processes["rollout"].process.pid):
             peaks[key] = peak_rss_gib(pid)
     return peaks
 
