@@ -69,20 +69,27 @@ def job_teachers(cfg: JobFileConfig) -> list[Teacher]:
     return teachers
 
 
+def domain_teacher(cfg: JobFileConfig, example: Example) -> int | None:
+    """Route 'domain': the index (in distill.teachers) of the teacher whose domain is ``example``'s
+    distill.route_key value; None when no teacher's is."""
+    domain = str(example.columns.get(cfg.distill.route_key))
+    return next((i for i, t in enumerate(cfg.distill.teachers) if t.domain == domain), None)
+
+
 def teacher_routes(cfg: JobFileConfig, rows: list[Example]) -> dict[str, int]:
     """How many of ``rows`` each teacher scores (route 'domain': by the row's distill.route_key; 'mixture': all);
     ConfigError when a row's domain has no teacher (its samples could not be distilled)."""
     d = cfg.distill
     if d.route == "mixture":
         return {t.name: len(rows) for t in d.teachers}
-    owner = {t.domain: t.name for t in d.teachers}
-    counts = dict.fromkeys(owner.values(), 0)
+    counts = {t.name: 0 for t in d.teachers}
     for n, row in enumerate(rows, 1):
-        domain = row.columns.get(d.route_key)
-        if str(domain) not in owner:
-            raise ConfigError("distill.route_key", f"train row {n} has {d.route_key}={domain!r}, which no teacher's "
-                                                   f"domain names (teachers' domains: {sorted(owner)})")
-        counts[owner[str(domain)]] += 1
+        owner = domain_teacher(cfg, row)
+        if owner is None:
+            raise ConfigError("distill.route_key", f"train row {n} has {d.route_key}={row.columns.get(d.route_key)!r}, "
+                                                   f"which no teacher's domain names (teachers' domains: "
+                                                   f"{sorted(t.domain for t in d.teachers)})")
+        counts[d.teachers[owner].name] += 1
     return counts
 
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from lorarl.client.job.config import JobFileConfig, training_spec
 from lorarl.client.job.datasets import Example, TrainStream
-from lorarl.client.job.inputs import Teacher
+from lorarl.client.job.inputs import Teacher, domain_teacher
 from lorarl.client.job.rewards import Reward, RewardFn
 from lorarl.client.rl import metric_names as names
 from lorarl.client.rl.guard import PolicyGuard, Probe
@@ -233,16 +233,16 @@ class RLLoop:
             return [], ""
         if d.route == "mixture":
             return [t.weight for t in self.teachers], "mixture"
-        domain = str(example.columns.get(d.route_key))
-        owner = next((i for i, t in enumerate(self.teachers) if t.domain == domain), None)
+        owner = domain_teacher(self.cfg, example)  # self.teachers are distill.teachers, read in their order
         if owner is None:  # the dry run and lorarl run refuse such rows (lorarl.client.job.inputs.teacher_routes)
-            raise ValueError(f"an example's {d.route_key}={domain!r} names no teacher's domain")
+            raise ValueError(f"an example's {d.route_key}={example.columns.get(d.route_key)!r} names no teacher's "
+                             "domain")
         return [float(i == owner) for i in range(len(self.teachers))], self.teachers[owner].name
 
     def _context(self, version: int, request_id: str, seed: int, evaluating: bool = False, batch: str = "",
-                 episode: int = 0, example: Example | None = None) -> RolloutContext:
-        """An episode's context, pinned to ``version`` (0: the base model); a training episode's ``example`` routes
-        its samples to their teachers (distillation)."""
+                 episode: int = 0, teacher_weights: list[float] | None = None) -> RolloutContext:
+        """An episode's context, pinned to ``version`` (0: the base model); a training episode's ``teacher_weights``
+        (``routed``) send its samples to their teachers (distillation)."""
         r = self.cfg.rollout
         sampling = SamplingDefaults(temperature=0.0 if evaluating else r.temperature,
                                     top_p=1.0 if evaluating else r.top_p,
@@ -251,8 +251,8 @@ class RLLoop:
                               1 if evaluating else r.group_size, seed=seed, request_id=request_id,
                               evaluating=evaluating, batch=batch, openai_url=self._openai_url(episode),
                               token=self.token, http=self.http,
-                              **({"teachers": self._teacher_policies, "teacher_weights": self.routed(example)[0]}
-                                 if example is not None and self.teachers and not evaluating else {}))
+                              **({"teachers": self._teacher_policies, "teacher_weights": teacher_weights}
+                                 if teacher_weights else {}))
 
     def _openai_url(self, episode: int) -> str:
         """The endpoint an episode's agent talks to: one replica for its whole life (sessions live there)."""
@@ -263,9 +263,10 @@ class RLLoop:
         """Batch ``index``: one episode per example, all at once, pinned to the version serving now."""
         version = self.state.version
         seed = self.cfg.data.seed * 100_003 + index * 1_009
+        routes = [self.routed(example) for example in examples]  # (teacher weights, who scores) per example
         contexts = [self._context(version, f"{self.cfg.job_id}-b{index}-p{p}", seed + p, batch=f"b{index}",
-                                  episode=index * len(examples) + p, example=example)
-                    for p, example in enumerate(examples)]
+                                  episode=index * len(examples) + p, teacher_weights=routes[p][0])
+                    for p in range(len(examples))]
         started = time.perf_counter()
         results: list[list[Episode]] = await asyncio.gather(
             *(self.workflow.run(ctx, example) for ctx, example in zip(contexts, examples, strict=True)))
@@ -273,9 +274,9 @@ class RLLoop:
         trajectories, rewards, lengths, groups, samples = [], [], [], [], []
         tokens = context_tokens = truncated = 0
         min_version = 1 << 62
-        for example, episodes in zip(examples, results, strict=True):
+        for (_, teacher), episodes in zip(routes, results, strict=True):
             for episode in episodes:
-                episode.teacher = self.routed(example)[1]
+                episode.teacher = teacher
         for p, episodes in enumerate(results):
             groups.append([float(e.reward) for e in episodes])
             for c, episode in enumerate(episodes):
