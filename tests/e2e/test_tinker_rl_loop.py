@@ -149,12 +149,15 @@ def a_teacher_on_the_same_engine_distils_a_student(front) -> None:
             teacher.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         teacher_sampler = teacher.save_weights_and_get_sampling_client().result()
         student = service.create_lora_training_client(base_model=front.base_model, rank=8).result()
-        params = types.SamplingParams(max_tokens=8, temperature=1.0)
         held = [prompt(p.prompt) for p in load_split("test")[:16]]
         kls, checked = [], False
         for _ in range(5):
             sampler = student.save_weights_and_get_sampling_client().result()
-            samples = [(t, f) for t in held for f in [sampler.sample(types.ModelInput.from_ints(t), 4, params)]]
+            # one seed per prompt, the same every step: the steps' KL estimates share their sampling noise, so
+            # the fall is the student's (without seeds one run read 0.249 -> 0.155, another 0.364 -> 0.158)
+            samples = [(t, sampler.sample(types.ModelInput.from_ints(t), 4,
+                                          types.SamplingParams(max_tokens=8, temperature=1.0, seed=i)))
+                       for i, t in enumerate(held)]
             rows = [(t, list(s.tokens), list(s.logprobs)) for t, f in samples for s in f.result().sequences if s.tokens]
             scores = [teacher_sampler.compute_logprobs(types.ModelInput.from_ints(t + c)) for t, c, _ in rows]
             batch, terms = [], []
@@ -170,9 +173,10 @@ def a_teacher_on_the_same_engine_distils_a_student(front) -> None:
                     checked = True
             kls.append(sum(terms) / len(terms))
             student.forward_backward(batch, "importance_sampling").result()
-            student.optim_step(types.AdamParams(learning_rate=2e-3)).result()
-        print(f"reverse KL to the teacher per step: {[round(k, 3) for k in kls]}")
-        # a healthy run (2026-12-07, this 2-core CPU): 0.364 -> 0.158 in 5 steps
+            student.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        print(f"reverse KL to the teacher per step: {[round(k, 4) for k in kls]}")
+        # seeded, at lr 5e-3 (2026-12-07, this 2-core CPU, twice alike): 0.341 -> 0.310, 0.216, 0.172, 0.161; at 2e-3
+        # the same seeds fell only to 0.223 (0.65x)
         assert kls[-1] < 0.6 * kls[0], kls
     finally:
         service.close("success")
