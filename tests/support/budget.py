@@ -5,12 +5,16 @@ tests) is held to what was recorded for it, with headroom for a noisy machine, s
 that is not in the record gets the default, and the whole run's wall time at pace 1.0 is capped (``total_s``,
 with TOTAL_MARGIN for the calibration's error).
 
-The pace is how much slower the machine runs a fixed calibration workload (`calibrate`: pure Python and
-hashing, no lorarl code) than it did when the record was taken (``calibration_s``), sampled every
-CALIBRATE_EVERY_S seconds while the suite runs, the median taken, between 1 and MAX_PACE. So a busier or slower
-machine moves every budget alike, while code that gets slower (one file, or all of it) does not move the pace
-and goes over. (Until stop 52 the pace was the recorded files' own seconds against their record: a uniform
-slowdown of the code read as a slow machine.) A record without ``calibration_s`` falls back to that old pace.
+The pace is how much slower this run's machine is than the record's, between 1 and MAX_PACE: its speed (a
+fixed calibration workload's CPU seconds, sampled every 15 s while the suite runs, median, over the record's
+``calibration_s``) times its load (how much CPU other work beside the suite took: cores / (cores - foreign));
+see tests/support/pace.py for both readings and why. So a slower or busier machine moves every budget alike,
+while code that gets slower (one file, or all of it) moves neither reading and goes over. (Until stop 52 the
+pace was the recorded files' own seconds against their record: a uniform slowdown of the code read as a slow
+machine; until stop 54 it was the calibration's wall seconds, which a busy loop beside the suite moved 1.15x
+while the suite ran 1.54x slower, and a correct suite failed.) A record without ``calibration_s`` falls back to
+the files' pace. A run nested in another suite (the budget's own tests) passes ``--budget-ignore-load``: its
+neighbours are its parent suite, already there when its record was taken.
 A file past its budget fails the session and is named, with its measured and
 allowed seconds, so a new slow test is seen when it lands. Session-scoped fixtures (a shared engine, a
 shared demo run) are budgeted under their own name (``fixture:NAME``), not under whichever file happened
@@ -34,64 +38,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.pace import MachineLoad, PaceClock
+
 DEFAULTS = {"headroom": 1.5, "slack_s": 15.0, "default_s": 20.0, "unmarked_s": 10.0, "total_s": 1800.0,
             "calibration_s": 0.0}
 #: A machine past twice the record's pace is not let off: its run fails where a file goes over at 2x.
 MAX_PACE = 2.0
-#: Seconds between two samples of the calibration workload while the suite runs.
-CALIBRATE_EVERY_S = 15.0
-#: The whole-run cap's allowance for the calibration reading a busy machine low: beside a busy-looping process
-#: the calibration read 1.20x while the suite ran 1.30x slower (clean-clone run ci7, 2026-12-07), since the
-#: suite's multi-threaded torch work loses more to a neighbour than one Python thread does. The per-file
-#: budgets have their own headroom.
+#: The whole-run cap's allowance for the pace's error (the load factor is an average over the run; a file's
+#: neighbours come and go). The per-file budgets have their own headroom.
 TOTAL_MARGIN = 1.1
-
-
-def calibrate() -> float:
-    """Seconds of one fixed workload on one thread: an interpreter loop and SHA-256 over a buffer (~0.1 s on the
-    2-core development machine, idle). It reads the machine, not the code under test: nothing in it changes when
-    lorarl does."""
-    import hashlib
-
-    start = time.perf_counter()
-    total = 0
-    for i in range(200_000):
-        total += (i * i) % 7
-    block = bytes(range(256)) * 4096  # 1 MiB
-    digest = hashlib.sha256()
-    for _ in range(24):
-        digest.update(block)
-    digest.hexdigest()
-    return time.perf_counter() - start
-
-
-class PaceClock:
-    """Samples `calibrate` on a background thread of the controlling process for as long as the run lasts."""
-
-    def __init__(self, every_s: float = CALIBRATE_EVERY_S) -> None:
-        import threading
-
-        self.every_s = every_s
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lorarl-pace-clock", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(calibrate())
-            self._stop.wait(self.every_s)
-
-    def median(self) -> float | None:
-        if not self.samples:
-            return None
-        ordered = sorted(self.samples)
-        return ordered[len(ordered) // 2]
 
 
 @dataclass(frozen=True)
@@ -122,13 +77,14 @@ class Budget:
             return self.default_s
         return self.files[name] * self.headroom * pace + self.slack_s
 
-    def pace(self, measured: Mapping[str, float], calibration_s: float | None = None) -> float:
+    def pace(self, measured: Mapping[str, float], calibration_s: float | None = None, load: float = 1.0) -> float:
         """How much slower this run's machine went than the record's, between 1 and MAX_PACE: the calibration
-        workload's median seconds this run over the record's, where both exist (a slower or busier machine:
-        the same commit's suite took 23.7 and 31.6 min here hours apart). Else the old way: the seconds of the
-        files both name over their recorded seconds (which reads code that slows alike as a slow machine)."""
+        workload's median CPU seconds this run over the record's (a slower CPU), times ``load`` (other work beside
+        the suite, `MachineLoad.factor`), where a calibration exists on both sides. Else the old way: the seconds
+        of the files both name over their recorded seconds (which reads code that slows alike as a slow
+        machine)."""
         if calibration_s and self.calibration_s:
-            return min(MAX_PACE, max(1.0, calibration_s / self.calibration_s))
+            return min(MAX_PACE, max(1.0, calibration_s / self.calibration_s * load))
         common = [n for n in measured if self.files.get(n, 0.0) > 0]
         recorded = sum(self.files[n] for n in common)
         if not recorded:
@@ -239,7 +195,7 @@ class BudgetPlugin:
     """In the controlling process: adds up the reports, samples the pace, writes a record, fails a run past its
     budget."""
 
-    def __init__(self, budget_path: Path | None, record_path: Path | None) -> None:
+    def __init__(self, budget_path: Path | None, record_path: Path | None, read_load: bool = True) -> None:
         self.budget_path = budget_path
         self.record_path = record_path
         self.timings = Timings()
@@ -248,18 +204,23 @@ class BudgetPlugin:
         self.unmarked: list[tuple[str, float]] = []
         self.pace = 1.0
         self.clock = PaceClock()
+        self.load = MachineLoad() if read_load else None
         self.started = time.monotonic()
         self.wall_s = 0.0
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.started = time.monotonic()
         self.clock.start()
+        if self.load is not None:
+            self.load.start()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.timings.report(report)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.clock.stop()
+        if self.load is not None:
+            self.load.stop()
         self.wall_s = time.monotonic() - self.started
         measured = dict(self.timings.per_name)
         calibration = self.clock.median()
@@ -269,7 +230,7 @@ class BudgetPlugin:
         if self.budget_path is None:
             return
         self.budget = Budget.load(self.budget_path)
-        self.pace = self.budget.pace(measured, calibration)
+        self.pace = self.budget.pace(measured, calibration, self.load.factor() if self.load is not None else 1.0)
         self.over = self.budget.over(measured, self.pace)
         if self.wall_s > self.budget.total_s * self.pace * TOTAL_MARGIN:
             self.over.append(("the whole run (wall time)", self.wall_s,
@@ -280,14 +241,23 @@ class BudgetPlugin:
         if (self.over or self.unmarked) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    def load_text(self) -> str:
+        if self.load is None:
+            return "load not read (--budget-ignore-load)"
+        foreign = self.load.foreign_cpus()
+        if foreign is None:
+            return f"load not read: {self.load.why_not or 'no reading'}"
+        cpus = len(self.load.cpus)
+        return f"other work beside the suite {foreign:.2f} of {cpus} CPUs: load x{self.load.factor():.2f}"
+
     @pytest.hookimpl(trylast=True)  # after --durations: the last lines of a CI log say what went over
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if self.budget is None:
             return
         total = sum(self.timings.per_name.values())
         calibration = self.clock.median()
-        how = (f"calibration {calibration:.3f} s against the record's {self.budget.calibration_s:.3f} s, "
-               f"{len(self.clock.samples)} samples" if calibration and self.budget.calibration_s
+        how = (f"calibration {calibration:.3f} CPU s against the record's {self.budget.calibration_s:.3f} s, "
+               f"{len(self.clock.samples)} samples; {self.load_text()}" if calibration and self.budget.calibration_s
                else "from the recorded files' seconds: the record has no calibration")
         terminalreporter.write_sep("=", f"time budget ({self.budget_path}): {total / 60:.1f} min of tests, "
                                         f"{self.wall_s / 60:.1f} min of wall time (at most "
@@ -313,6 +283,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("budget", "per-file time budget")
     group.addoption("--budget", type=Path, default=None, help="fail the run when a test file exceeds its budget")
     group.addoption("--budget-record", type=Path, default=None, help="write this run's seconds per file here")
+    group.addoption("--budget-ignore-load", action="store_true", default=False,
+                    help="pace by the calibration alone, not by other work beside the run (a run nested in a suite)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -322,7 +294,8 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = hasattr(config, "workerinput")
     distributing = not worker and bool(config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses"))
     if not worker:
-        config.pluginmanager.register(BudgetPlugin(budget, record), "lorarl-budget")
+        config.pluginmanager.register(BudgetPlugin(budget, record, not config.getoption("--budget-ignore-load")),
+                                      "lorarl-budget")
     if not distributing:  # where the tests run: an xdist worker or the only process
         config.pluginmanager.register(FixtureClock(), "lorarl-fixture-clock")
 

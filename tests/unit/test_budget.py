@@ -76,11 +76,57 @@ def test_a_record_without_calibration_paces_by_its_files_as_before() -> None:
     assert budget.pace({"tests/a.py": 50.0}) == 1.0 and budget.pace({"tests/a.py": 900.0}) == MAX_PACE
 
 
-def test_the_calibration_reads_the_machine_in_about_a_tenth_of_a_second() -> None:
-    from tests.support.budget import calibrate
+def test_the_calibration_reads_the_cpu_in_a_few_hundredths_of_a_second() -> None:
+    from tests.support.pace import calibrate
 
     samples = sorted(calibrate() for _ in range(3))
     assert 0.005 < samples[1] < 2.0
+
+
+def test_other_work_beside_the_suite_moves_the_pace_as_a_slower_cpu_does() -> None:
+    """pace = speed x load: a neighbour that leaves the suite 1.5x less CPU lets every file take 1.5x, on top of a
+    CPU that is itself slower; neither reading moves for code that got slower."""
+    budget = Budget(files={"tests/a.py": 100.0}, headroom=1.0, slack_s=0.0, calibration_s=0.1)
+    assert budget.pace({"tests/a.py": 150.0}, calibration_s=0.1, load=1.5) == pytest.approx(1.5)
+    assert budget.pace({"tests/a.py": 150.0}, calibration_s=0.12, load=1.5) == pytest.approx(1.8)
+    assert budget.pace({"tests/a.py": 150.0}, calibration_s=0.1) == 1.0
+    assert budget.pace({"tests/a.py": 150.0}, calibration_s=0.2, load=3.0) == MAX_PACE
+
+
+SPIN = "import time\nwhile time.process_time() < 0.5:\n    pass"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the machine's load is read from /proc (Linux)")
+def test_the_load_counts_cpu_outside_the_suites_tree_and_not_inside_it() -> None:
+    """Two processes each spin 0.5 CPU seconds at once: one a (reaped) child of the tree's root, one beside the
+    tree. The tree's ticks grow by the first's (reaped children count through their parent), the foreign ticks
+    by at least the second's (the rest of the machine only adds)."""
+    import subprocess
+    import sys
+
+    from tests.support.pace import MachineLoad, tree_ticks
+
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; sys.stdin.readline(); "
+                             f"subprocess.run([sys.executable, '-c', {SPIN!r}]); print('done', flush=True); "
+                             "sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        load = MachineLoad(root=root.pid)
+        if load.why_not:
+            pytest.skip(load.why_not)
+        before = tree_ticks(root.pid)
+        load.start()
+        root.stdin.write("go\n")
+        root.stdin.flush()
+        beside = subprocess.Popen([sys.executable, "-c", SPIN])
+        assert root.stdout.readline().strip() == "done" and beside.wait(timeout=60) == 0
+        load.stop()
+        assert (tree_ticks(root.pid) - before) / load.hz >= 0.45  # the reaped spinner, in its parent's ticks
+        window = load.last.at - load.first.at
+        assert load.foreign_cpus() * window >= 0.45  # the spinner beside the tree
+        assert load.factor() > 1.0
+    finally:
+        root.kill()
+        root.wait()
 
 
 def test_session_fixture_time_is_its_own_line_not_the_first_files() -> None:
@@ -208,13 +254,16 @@ def test_a_run_records_its_calibration_and_a_run_past_the_total_fails(pytester: 
     path = pytester.path / "budget.json"
     path.write_text(json.dumps({"calibration_s": calibration / 100, "total_s": 60.0,
                                 "files": {"test_grown.py": 5.0, "fixture:shared": 5.0}}))
-    result = pytester.runpytest_subprocess("--budget", str(path))
+    result = pytester.runpytest_subprocess("--budget-ignore-load", "--budget", str(path))
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     result.stdout.fnmatch_lines([f"*at {MAX_PACE:.2f}x the record's pace (calibration *"])
+    if Path("/proc/stat").exists():  # without --budget-ignore-load the report says what work ran beside the run
+        result = pytester.runpytest_subprocess("--budget", str(path))
+        result.stdout.fnmatch_lines(["*other work beside the suite * of * CPUs: load x*"])
     # the whole run capped: 0.2 s at pace 1.0 (x1.1) is past for a run that sleeps 1.4 s
     path.write_text(json.dumps({"calibration_s": calibration * 100, "total_s": 0.2,
                                 "files": {"test_grown.py": 5.0, "fixture:shared": 5.0}}))
-    result = pytester.runpytest_subprocess("--budget", str(path))
+    result = pytester.runpytest_subprocess("--budget-ignore-load", "--budget", str(path))
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*OVER BUDGET the whole run (wall time): * s, allowed 0.2 s*"])  # 0.22, shown .1f
 
@@ -228,9 +277,9 @@ def test_a_file_made_three_times_slower_goes_over_though_the_machine_is_not(pyte
     data = json.loads(record.read_text())
     data.update(headroom=1.5, slack_s=0.0)
     record.write_text(json.dumps(data))
-    assert pytester.runpytest_subprocess("--budget", str(record)).ret == pytest.ExitCode.OK
+    assert pytester.runpytest_subprocess("--budget-ignore-load", "--budget", str(record)).ret == pytest.ExitCode.OK
     slowed = pytester.runpytest_subprocess("-p", "tests.support.slowdown", "--slowdown", "test_grown.py=3",
-                                           "--budget", str(record))
+                                           "--budget-ignore-load", "--budget", str(record))
     assert slowed.ret == pytest.ExitCode.TESTS_FAILED, slowed.stdout.str()
     slowed.stdout.fnmatch_lines(["*OVER BUDGET test_grown.py: * s, allowed * s*"])
     assert "the record's pace (calibration" in slowed.stdout.str()  # paced by the machine, not by the slowed file
