@@ -20,6 +20,7 @@ LOSS_NAMES: dict[int, str] = {
     trainer_pb2.LOSS_TYPE_CROSS_ENTROPY: "cross_entropy",
     trainer_pb2.LOSS_TYPE_IMPORTANCE_SAMPLING: "importance_sampling",
     trainer_pb2.LOSS_TYPE_TOKEN_PPO: "token_ppo",
+    trainer_pb2.LOSS_TYPE_TOKEN_CISPO: "token_cispo",
     trainer_pb2.LOSS_TYPE_OPD: "opd",
 }
 LOSS_TYPES: dict[str, int] = {name: enum for enum, name in LOSS_NAMES.items()

@@ -27,11 +27,12 @@ from lorarl.contract.lora import LoraSpec
 from lorarl.v1 import trainer_pb2
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo", "ppo", "cross_entropy", "importance_sampling",
-                   "token_ppo", "opd"]
+                   "token_ppo", "token_cispo", "opd"]
 #: The losses that take the caller's per-token advantages (a trajectory's ``token_advantages``; for
 #: cross_entropy, the tokens' weights) and sum over tokens, as the Tinker API defines cross_entropy,
-#: importance_sampling and ppo (here token_ppo): no group rule, no normalisation, no decoupled-PPO weights.
-TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "token_ppo")
+#: importance_sampling, ppo and cispo (here token_ppo, token_cispo): no group rule, no normalisation, no
+#: decoupled-PPO weights.
+TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "token_ppo", "token_cispo")
 #: What a token loss leaves to the caller, so these settings are refused with it rather than ignored.
 _NOT_WITH_TOKEN_LOSSES = ("dual_clip", "kl_coef", "behavior_weight_cap", "max_staleness", "overlong_buffer",
                           "overlong_penalty", "entropy_coef", "rollout_correction", "distill_weight", "rl_weight")
@@ -192,7 +193,8 @@ class LossSpec:
     """The policy loss (lorarl.trainer.rl.losses computes it)."""
 
     type: LossName = setting("grpo", doc="grpo, dr_grpo, dapo, rloo, gspo or ppo (advantages from rewards by "
-                                         "group); cross_entropy, importance_sampling or token_ppo (the caller's "
+                                         "group); cross_entropy, importance_sampling, token_ppo or token_cispo "
+                                         "(the caller's "
                                          "per-token advantages, summed over tokens); opd (on-policy "
                                          "distillation: each token's advantage the reverse KL to its teacher).")
     clip_eps_low: float = setting(CLIP_EPS, doc="PPO clip range below 1, in [0, 1).")

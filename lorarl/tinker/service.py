@@ -3,10 +3,11 @@ served by the rollout for sampling sessions. Plain async methods returning JSON 
 `app.py` puts them on HTTP and `futures.py` runs them in each model's order.
 
 What the front does not serve is refused by name (a "user" error the SDK raises), never dropped:
-image chunks, sparse or 2-D targets, losses other than cross_entropy / importance_sampling / ppo, optimizers other
-than Adam. Adam's learning rate, betas, eps, weight decay and clipping go per optim_step as the SDK sends them
-(the optimizer's moments are the job's, its hyperparameters the caller's). The unembedding is not adapted
-(lorarl adapts decoder linears): `train_unembed` is accepted and logged, since the SDK sends it by default.
+image chunks, sparse or 2-D targets, losses other than cross_entropy / importance_sampling / ppo / cispo (dro,
+gspo, stable_reinforce and a server-side custom loss are refused), optimizers other than Adam. Adam's learning
+rate, betas, eps, weight decay and clipping go per optim_step as the SDK sends them (the optimizer's moments
+are the job's, its hyperparameters the caller's). The unembedding is not adapted (lorarl adapts decoder
+linears): `train_unembed` is accepted and logged, since the SDK sends it by default.
 """
 
 from __future__ import annotations

@@ -20,10 +20,11 @@ from lorarl.tinker.futures import UserError
 from lorarl.v1 import common_pb2
 
 #: Tinker loss name -> lorarl loss type (lorarl.contract.training.TOKEN_LOSSES).
-LOSSES = {"cross_entropy": "cross_entropy", "importance_sampling": "importance_sampling", "ppo": "token_ppo"}
+LOSSES = {"cross_entropy": "cross_entropy", "importance_sampling": "importance_sampling", "ppo": "token_ppo",
+          "cispo": "token_cispo"}
 #: The loss_fn_inputs each loss reads, beside target_tokens; anything else sent is refused, not ignored.
 INPUTS = {"cross_entropy": {"weights"}, "importance_sampling": {"logprobs", "advantages"},
-          "ppo": {"logprobs", "advantages"}}
+          "ppo": {"logprobs", "advantages"}, "cispo": {"logprobs", "advantages"}}
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
@@ -101,13 +102,14 @@ def trajectories(request: pb.ForwardBackwardRequest, job_id: str) -> list[common
 
 
 def loss_config(request: pb.ForwardBackwardRequest) -> dict[str, float]:
-    """ppo's clip thresholds (ratio bounds) as lorarl clip ranges; other config keys are refused."""
+    """ppo's and cispo's clip thresholds (ratio bounds; 0.8 and 1.2 unless given) as lorarl clip ranges; other
+    config keys are refused."""
     config = {k: v for k, v in request.loss_fn_config.items()}
     for key, value in request.loss_fn_config_v2.items():
         if value.WhichOneof("value") != "number":
             raise UserError(f"loss_fn_config.{key}: a number is needed")
         config[key] = value.number
-    allowed = {"clip_low_threshold", "clip_high_threshold"} if request.loss_fn == "ppo" else set()
+    allowed = {"clip_low_threshold", "clip_high_threshold"} if request.loss_fn in ("ppo", "cispo") else set()
     unknown = set(config) - allowed
     if unknown:
         raise UserError(f"loss_fn_config: {sorted(unknown)} not read by loss {request.loss_fn}")

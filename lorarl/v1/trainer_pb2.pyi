@@ -21,6 +21,7 @@ class LossType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_TYPE_IMPORTANCE_SAMPLING: _ClassVar[LossType]
     LOSS_TYPE_TOKEN_PPO: _ClassVar[LossType]
     LOSS_TYPE_OPD: _ClassVar[LossType]
+    LOSS_TYPE_TOKEN_CISPO: _ClassVar[LossType]
 
 class KlEstimator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ LOSS_TYPE_CROSS_ENTROPY: LossType
 LOSS_TYPE_IMPORTANCE_SAMPLING: LossType
 LOSS_TYPE_TOKEN_PPO: LossType
 LOSS_TYPE_OPD: LossType
+LOSS_TYPE_TOKEN_CISPO: LossType
 KL_ESTIMATOR_UNSPECIFIED: KlEstimator
 KL_ESTIMATOR_K1: KlEstimator
 KL_ESTIMATOR_K2: KlEstimator

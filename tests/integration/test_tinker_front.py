@@ -1,5 +1,5 @@
 """The Tinker front (lorarl/tinker) driven by the official `tinker` client, unchanged, against a real trainer
-service on loopback: training clients on one base (cross_entropy, importance_sampling and ppo, forward and
+service on loopback: training clients on one base (cross_entropy, importance_sampling, ppo and cispo, forward and
 forward_backward, optim_step), their per-token logprobs and summed losses checked against the trainer's own
 ComputeLogprobs, two concurrent clients sharing one resident base, and what is refused as the SDK expects."""
 
@@ -126,6 +126,9 @@ def expected_loss(loss: str, data: list[types.Datum], logprobs: list[list[float]
             continue
         ratio = np.exp(lp - d.loss_fn_inputs["logprobs"].to_numpy())
         adv = d.loss_fn_inputs["advantages"].to_numpy()
+        if loss == "cispo":  # the clipped ratio a constant weight on the log-probability
+            total += float(-(np.clip(ratio, 0.8, 1.2) * lp * adv).sum())
+            continue
         total += float(-(ratio * adv).sum()) if loss == "importance_sampling" else float(
             -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv).sum())
     return total
@@ -152,7 +155,7 @@ def test_the_official_client_trains_through_the_front(front: tuple[str, str]) ->
         client = service.create_lora_training_client(base_model=BASE, rank=4).result()
         assert client.get_info().model_data.model_name == BASE
         job_id = f"tinker-{client.model_id.split(':')[0]}-0"
-        for loss in ("cross_entropy", "importance_sampling", "ppo"):
+        for loss in ("cross_entropy", "importance_sampling", "ppo", "cispo"):
             data = batch(1, loss)
             forward = client.forward(data, loss).result()
             logprobs = [o["logprobs"].to_numpy().tolist() for o in forward.loss_fn_outputs]
@@ -172,8 +175,8 @@ def test_the_official_client_trains_through_the_front(front: tuple[str, str]) ->
         with pytest.raises(tinker.RequestFailedError, match="not read by loss cross_entropy"):
             bad = batch(3, "importance_sampling")
             client.forward_backward(bad, "cross_entropy").result()
-        with pytest.raises(tinker.RequestFailedError, match="loss_fn 'cispo' is not served"):
-            client.forward_backward(data, "cispo").result()
+        with pytest.raises(tinker.RequestFailedError, match="loss_fn 'dro' is not served"):
+            client.forward_backward(data, "dro").result()
         with pytest.raises(tinker.RequestFailedError, match=r"adam_params: optimizer\.beta2 must be in \[0, 1\)"):
             client.optim_step(types.AdamParams(learning_rate=1e-3, beta2=1.5)).result()
         after = client.forward(data, "cross_entropy").result()  # refusals kept the model usable, in order

@@ -101,6 +101,7 @@ AGGREGATION = {
     "cross_entropy": "token-sum",
     "importance_sampling": "token-sum",
     "token_ppo": "token-sum",
+    "token_cispo": "token-sum",
     "grpo": "seq-mean-token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
     "dapo": "token-mean",
@@ -133,8 +134,10 @@ class LossInputs:
 
 def token_loss(inputs: LossInputs, settings: LossSpec) -> tuple[torch.Tensor, dict[str, float]]:
     """The losses that take the caller's per-token advantages A, summed over tokens (the Tinker API's):
-    cross_entropy -sum(A * logp); importance_sampling -sum(r * A); token_ppo -sum(min(r * A, clip(r) * A)),
-    with r = exp(logp - behaviour logp) and clip to [1 - clip_eps_low, 1 + clip_eps_high]."""
+    cross_entropy -sum(A * logp); importance_sampling -sum(r * A); token_ppo -sum(min(r * A, clip(r) * A));
+    token_cispo -sum(sg(clip(r)) * logp * A) (the clipped ratio a constant weight on the log-probability, so a
+    token past the clip still moves, at the clip's weight); with r = exp(logp - behaviour logp) and clip to
+    [1 - clip_eps_low, 1 + clip_eps_high]."""
     mask = inputs.mask.float()
     adv = inputs.token_advantages if inputs.token_advantages is not None else torch.ones_like(inputs.logp)
     if settings.type == "cross_entropy":
@@ -148,6 +151,10 @@ def token_loss(inputs: LossInputs, settings: LossSpec) -> tuple[torch.Tensor, di
             clipped = -adv * ratio.clamp(1.0 - settings.clip_eps_low, 1.0 + settings.upper_clip)
             clipped_mask = (clipped > per_token).float()
             per_token = torch.maximum(per_token, clipped)
+        elif settings.type == "token_cispo":
+            weight = ratio.detach().clamp(1.0 - settings.clip_eps_low, 1.0 + settings.upper_clip)
+            clipped_mask = (weight != ratio.detach()).float()
+            per_token = -weight * inputs.logp * adv
     loss = aggregate(per_token, mask, "token-sum")
     # cross_entropy has no sampler's logprobs to compare with: its monitor reads 0
     monitor = dict.fromkeys((*TOKEN_METRICS, *SEQUENCE_METRICS), 0.0) if ratio is None else correct(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lorarl.contract.routes import RoutesError
+from lorarl.contract.training import TOKEN_LOSSES
 from lorarl.trainer.engines.api import FINISH_REASONS, LimitsSpec, LossSpec, TrajectoryRecord
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,9 @@ def check_advantages_fit(rec: TrajectoryRecord, loss: LossSpec) -> None:
     """Per-token advantages go with the losses that read them, and those that need them have them: never
     a caller's advantages silently dropped, nor a sampler's loss run on zeros."""
     if rec.token_advantages is not None and not loss.takes_token_advantages:
-        raise InvalidTrajectory("token_advantages", f"are read only by the losses cross_entropy, importance_sampling "
-                                                    f"and token_ppo; this loss ({loss.type}) takes its advantages "
-                                                    "from `reward` by group")
+        raise InvalidTrajectory("token_advantages", f"are read only by the token losses ({', '.join(TOKEN_LOSSES)}); "
+                                                    f"this loss ({loss.type}) takes its advantages from `reward` by "
+                                                    "group")
     if rec.token_advantages is None and loss.takes_token_advantages and loss.type != "cross_entropy":
         raise InvalidTrajectory("token_advantages", f"are needed by loss {loss.type} (one per completion token)")
     if rec.teacher_logprobs is None and loss.distills:

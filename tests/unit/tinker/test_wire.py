@@ -48,7 +48,8 @@ def test_a_datum_is_a_one_token_prompt_and_its_targets() -> None:
      r"\['clip_low_threshold'\] not read by loss cross_entropy"),
     ([datum([5, 6], weights=[1.0, math.nan])], "cross_entropy", r"weights\[1\] is nan"),
     ([datum([5, 6], weights=[1.0])], "cross_entropy", r"shape \[1\], expected \[2\]"),
-    ([datum([5, 6])], "cispo", "loss_fn 'cispo' is not served"),
+    ([datum([5, 6])], "stable_reinforce", "loss_fn 'stable_reinforce' is not served"),
+    ([datum([5, 6])], "dro", "loss_fn 'dro' is not served"),
     ([], "cross_entropy", "at least one datum"),
 ])
 def test_what_cannot_be_trained_is_refused_by_name(data, loss, message) -> None:
@@ -56,9 +57,14 @@ def test_what_cannot_be_trained_is_refused_by_name(data, loss, message) -> None:
         wire.trajectories(request(data, loss), "job")
 
 
-def test_ppo_thresholds_become_clip_ranges_and_other_config_is_refused() -> None:
+def test_ppo_and_cispo_thresholds_become_clip_ranges_and_other_config_is_refused() -> None:
     ppo = request([datum([5, 6])], "ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
     assert wire.loss_config(ppo) == pytest.approx({"clip_eps_low": 0.3, "clip_eps_high": 0.3})
+    cispo = request([datum([5, 6])], "cispo", {"clip_high_threshold": 1.28})
+    assert wire.loss_config(cispo) == pytest.approx({"clip_eps_low": 0.2, "clip_eps_high": 0.28})
+    (trajectory,) = wire.trajectories(request([datum([5, 6], logprobs=[-1.0, -2.0], advantages=[1.0, -1.0])],
+                                              "cispo"), "job")
+    assert list(trajectory.token_advantages) == [1.0, -1.0] and wire.LOSSES["cispo"] == "token_cispo"
     with pytest.raises(UserError, match=r"\['beta'\] not read by loss importance_sampling"):
         wire.loss_config(request([datum([5, 6])], "importance_sampling", {"beta": 0.1}))
 

@@ -1,6 +1,6 @@
-"""The losses that take the caller's per-token advantages (cross_entropy, importance_sampling, token_ppo: the
-Tinker API's), summed over tokens: their values and gradients against the formulas, the logprobs a training
-pass returns, a forward-only pass, micro-batching, and what is refused."""
+"""The losses that take the caller's per-token advantages (cross_entropy, importance_sampling, token_ppo,
+token_cispo: the Tinker API's), summed over tokens: their values and gradients against the formulas, the
+logprobs a training pass returns, a forward-only pass, micro-batching, and what is refused."""
 
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ def formula(kind: str, logp: torch.Tensor, behaviour: torch.Tensor, adv: torch.T
     ratio = (logp - behaviour).exp()
     if kind == "importance_sampling":
         return (-(ratio * adv) * mask).sum()
+    if kind == "token_cispo":  # Tinker's: clipped_ratio.detach() * target_logprobs * advantages
+        return (-(ratio.clamp(lo, hi).detach() * logp * adv) * mask).sum()
     return (-torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv) * mask).sum()
 
 
-@pytest.mark.parametrize("kind", ["cross_entropy", "importance_sampling", "token_ppo"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "importance_sampling", "token_ppo", "token_cispo"])
 def test_each_token_loss_is_its_formula_in_value_and_gradient(kind: str) -> None:
     gen = torch.Generator().manual_seed(0)
     logp = (-torch.rand(3, 5, generator=gen) * 2).requires_grad_()
@@ -47,8 +49,12 @@ def test_each_token_loss_is_its_formula_in_value_and_gradient(kind: str) -> None
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     assert torch.allclose(grad, expected_grad, atol=1e-6)
     assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-6) and metrics["tokens"] == 13
-    if kind == "token_ppo":
+    if kind in ("token_ppo", "token_cispo"):
         assert 0 < metrics["clip_fraction"] < 1
+    if kind == "token_cispo":  # unlike ppo's, a token past the clip keeps its gradient, at the clipped weight
+        ratio = (logp.detach() - behaviour).exp()
+        past = (mask > 0) & (ratio > 1.2)
+        assert past.any() and (grad[past] != 0).all()
 
 
 def test_token_losses_refuse_what_they_leave_to_the_caller() -> None:
@@ -69,7 +75,7 @@ def record(seed: int, advantages: bool = True) -> TrajectoryRecord:
 
 
 def test_advantages_go_with_the_losses_that_read_them() -> None:
-    with pytest.raises(InvalidTrajectory, match="token_advantages: are read only by the losses cross_entropy"):
+    with pytest.raises(InvalidTrajectory, match=r"token_advantages: are read only by the token losses \(cross_entropy"):
         check_advantages_fit(record(0), LossSpec(type="grpo"))
     with pytest.raises(InvalidTrajectory, match="are needed by loss token_ppo"):
         check_advantages_fit(record(0, advantages=False), LossSpec(type="token_ppo"))
@@ -80,7 +86,7 @@ def engine(dense_dir: Path, micro_batch_tokens: int = 0) -> TorchEngine:
     return TorchEngine(make_spec(dense_dir, micro_batch_tokens=micro_batch_tokens, seed=3))
 
 
-@pytest.mark.parametrize("kind", ["cross_entropy", "importance_sampling", "token_ppo"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "importance_sampling", "token_ppo", "token_cispo"])
 def test_a_training_pass_returns_its_logprobs_and_sums_over_micro_batches(dense_dir: Path, kind: str) -> None:
     """The summed loss does not depend on how the batch is split; the returned logprobs are the policy's own
     (what compute_logprobs says), and the loss is the formula on them."""
