@@ -177,21 +177,33 @@ class PolicyTable:
             self.merged = None
 
     def make_room(self, job_id: str) -> list[LoadedVersion]:
-        """Adapters to unload so one more of `job_id` fits in the engine: drained retiring versions first,
-        then the job's own older, idle versions. RESOURCE_EXHAUSTED when every slot is still in use."""
+        """Adapters to unload so one more of `job_id` fits in the engine: drained retiring versions first, then
+        the job's own older, idle versions, then other jobs' older, idle versions (oldest first, from the job
+        holding most): every job keeps its latest version and whatever is in flight; older versions are a cache
+        that gives way to another job's arrival (a pinned episode that finds its version gone samples the latest,
+        and a Tinker front restores a sampler path from its export). RESOURCE_EXHAUSTED when every slot holds
+        a latest version or a request."""
         free = self.capacity - self.adapters_loaded()
         if free > 0:
             return []
-        latest = self.latest(job_id)
+
+        def idle_old(job: str) -> list[LoadedVersion]:
+            latest = self.latest(job)
+            return sorted((v for v in self.jobs.get(job, {}).values()
+                           if v.state is State.READY and v is not latest and v.in_flight == 0 and v.adapter),
+                          key=lambda v: v.version)
+
         retiring = [v for v in self.all_versions() if v.state is State.RETIRING and v.in_flight == 0]
-        own = sorted((v for v in self.jobs.get(job_id, {}).values()
-                      if v.state is State.READY and v is not latest and v.in_flight == 0), key=lambda v: v.version)
-        chosen = [*retiring, *own][: 1 - free]
+        others = sorted((idle_old(job) for job in self.jobs if job != job_id), key=len, reverse=True)
+        chosen = [*retiring, *idle_old(job_id), *(v for versions in others for v in versions)][: 1 - free]
         if len(chosen) < 1 - free:
-            busy = [f"{v} ({v.in_flight} in flight)" for v in self.all_versions() if v.in_flight]
+            held = [f"{v}" + (f" ({v.in_flight} in flight)" if v.in_flight else " (its job's latest)"
+                              if v is self.latest(v.job_id) else f" ({v.state.value})")
+                    for v in self.all_versions() if v.adapter is not None]
             raise ResourceExhaustedError(
-                f"no adapter slot free for {job_id}: {self.adapters_loaded()} of {self.capacity} loaded; "
-                f"still serving: {', '.join(busy) or 'only active versions'}")
+                f"no adapter slot free for {job_id}: {self.adapters_loaded()} of {self.capacity} loaded, each a "
+                f"job's latest version or in flight: {', '.join(held)}; unload a job (a Tinker session's end does) "
+                "or raise rollout.max_loras")
         return chosen
 
     def commit(self, job_id: str, version: int) -> list[LoadedVersion]:

@@ -182,7 +182,8 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
     async def asample(request: Request) -> dict[str, Any]:
         body = await body_of(request)
         generate, n, shape = service.sample_request(body)
-        request_id = futures.submit(lambda: service.sample(generate, shape))
+        sampler = service.samplers[str(body.get("sampling_session_id", ""))]  # sample_request checked it
+        request_id = futures.submit(lambda: service.sample(generate, shape, sampler))
         return future(request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(n)])
 
     # ------------------------------------------------------------ REST: training runs and checkpoints

@@ -12,6 +12,7 @@ linears): `train_unembed` is accepted and logged, since the SDK sends it by defa
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
@@ -81,10 +82,30 @@ class SampleShape:
 
 @dataclass
 class Sampler:
+    """What a sampling session samples: a base model, or one version of a job's adapter. Sessions opened on one
+    ``tinker://`` path share the object, so a restore (`TinkerService._restore`) moves them all."""
+
     base_model: str
     job_id: str = ""  # empty: the base model
     version: int = 0
     model_path: str = ""
+    adapter: str = ""  # the same weights as a PEFT adapter (the trainer's export): what a restore loads
+    lora: dict[str, Any] | None = None  # the create_model lora_config they were trained with
+
+
+#: How many sampler paths the front keeps restored at once (each a trainer job and an adapter slot on the
+#: rollout); the least recently restored goes first, and is restored again if it is sampled again.
+MAX_RESTORED = 2
+
+
+#: The gRPC refusals that are the caller's doing (a bad argument, a missing job): a "user" error, by its message.
+USER_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+              grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def refusal(error: grpc.aio.AioRpcError) -> Exception:
+    """What the client is told of a failed call: a UserError for USER_CODES, else the error as it is."""
+    return UserError(f"{error.code().name}: {error.details()}") if error.code() in USER_CODES else error
 
 
 class TinkerService:
@@ -111,6 +132,9 @@ class TinkerService:
         self._last_seen: dict[str, float] = {}  # session_id -> when it last heartbeat or called
         self.runs = Runs()  # the REST API's training runs and checkpoints (they outlive their sessions)
         self._deleted: set[str] = set()  # tinker paths deleted through the REST API
+        self._restored: dict[str, Sampler] = {}  # restore job id -> the sampler it serves, oldest first
+        self._restore_ids = itertools.count()
+        self._restore_lock: asyncio.Lock | None = None  # made in the serving loop, on the first restore
 
     async def close(self) -> None:
         await self._trainer_channel.close()
@@ -205,28 +229,14 @@ class TinkerService:
         if model_id in self.models:
             raise UserError(f"model {model_id} exists already")
         base_model = str(body.get("base_model", ""))
-        path = self._base_path(base_model)
         lora = body.get("lora_config") or {}
         rank = int(lora.get("rank", 32))
-        attn, mlp = bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True))
-        if not (attn or mlp):
-            raise UserError("lora_config: train_attn or train_mlp must be true (lorarl adapts decoder linears)")
         if lora.get("train_unembed", True):
             logger.info("model %s: train_unembed is not served; the unembedding stays frozen", model_id)
-        targets = (ALL_LINEAR,) if attn and mlp else ATTENTION_TARGETS if attn else MLP_TARGETS
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserError(f"optimizer_config.type {optimizer!r}: lorarl serves adamw")
-        try:
-            # exports name the base as the client did (the front's model name), not this host's folder
-            spec = TrainingSpec(base_model_path=path, base_model_name=base_model,
-                                lora=LoraSpec(rank=rank, alpha=2 * rank, target_modules=targets),
-                                loss=LossSpec(type="importance_sampling"),
-                                optimizer=OptimizerSpec(beta2=TINKER_ADAM["beta2"], eps=TINKER_ADAM["eps"],
-                                                        max_grad_norm=0.0),
-                                seed=int(lora.get("seed") or 0), init_adapter_path=init_adapter)
-        except ValueError as e:
-            raise UserError(f"lora_config: {e}") from None
+        spec = self._spec(base_model, lora, init_adapter)
         job_id = f"tinker-{session_id}-{int(body.get('model_seq_id', 0))}"
         created = await self._call(self.trainer.CreateJob, trainer_pb2.CreateJobRequest(job_id=job_id,
                                                                                           config=spec.to_proto()))
@@ -235,6 +245,26 @@ class TinkerService:
         self.runs.add(model_id, base_model, rank, lora)
         models.add(model_id)
         return {"model_id": model_id, "type": "create_model"}
+
+    def _spec(self, base_model: str, lora: dict[str, Any], init_adapter: str = "") -> TrainingSpec:
+        """The trainer job of a Tinker model: its LoRA from ``lora_config``, the SDK's Adam, warm-started from
+        ``init_adapter`` (a PEFT directory) when given."""
+        path = self._base_path(base_model)
+        rank = int(lora.get("rank", 32))
+        attn, mlp = bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True))
+        if not (attn or mlp):
+            raise UserError("lora_config: train_attn or train_mlp must be true (lorarl adapts decoder linears)")
+        targets = (ALL_LINEAR,) if attn and mlp else ATTENTION_TARGETS if attn else MLP_TARGETS
+        try:
+            # exports name the base as the client did (the front's model name), not this host's folder
+            return TrainingSpec(base_model_path=path, base_model_name=base_model,
+                                lora=LoraSpec(rank=rank, alpha=2 * rank, target_modules=targets),
+                                loss=LossSpec(type="importance_sampling"),
+                                optimizer=OptimizerSpec(beta2=TINKER_ADAM["beta2"], eps=TINKER_ADAM["eps"],
+                                                        max_grad_norm=0.0),
+                                seed=int(lora.get("seed") or 0), init_adapter_path=init_adapter)
+        except ValueError as e:
+            raise UserError(f"lora_config: {e}") from None
 
     def get_info(self, model_id: str) -> dict[str, Any]:
         model = self.model(model_id)
@@ -248,11 +278,7 @@ class TinkerService:
         try:
             return await method(request)
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
-                            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED):
-                raise UserError(f"{e.code().name}: {e.details()}") from None
-            raise
+            raise refusal(e) from None
 
     # ------------------------------------------------------------ training
 
@@ -370,11 +396,17 @@ class TinkerService:
             self._deleted.discard(path)
             return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
         reply = await self._call(self.trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
-            job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600))
+            job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600,
+            skip_unpublished=True))  # a client saves after any number of optim steps
         if not reply.activated:
             raise UserError(f"the rollout did not take version {reply.version}: {reply.error or 'no reason given'}")
         path = f"tinker://{model.model_id}/sampler_weights/{name or f'v{reply.version}'}"
-        sampler_id = self._new_sampler(Sampler(model.base_model, model.job_id, int(reply.version), path))
+        # the same weights as a PEFT adapter: the rollout keeps only a job's last few versions (and none once its
+        # session ends), so a path sampled after that is restored from this (`_restore`)
+        exported = await self._call(self.trainer.Export, trainer_pb2.ExportRequest(
+            job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{model.job_id}/sampler-v{reply.version}"))
+        sampler_id = self._new_sampler(Sampler(model.base_model, model.job_id, int(reply.version), path,
+                                               exported.path, self._lora_of.get(model.model_id, {"rank": model.rank})))
         self.runs.saved(path)
         self._deleted.discard(path)
         return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
@@ -452,9 +484,54 @@ class TinkerService:
         return rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=tokens)], sampling=params,
                                            policy=policy), n, shape
 
-    async def sample(self, request: rollout_pb2.GenerateRequest, shape: SampleShape | None = None) -> bytes:
+    async def _restore(self, sampler: Sampler, job_id: str, version: int) -> None:
+        """Serves ``sampler``'s weights again after the rollout let its version go (a job keeps its last few
+        versions loaded; a finished session's none): a trainer job warm-started from the adapter exported when
+        the path was saved, published once, and the sampler (every session on that path) moved to it. At most
+        MAX_RESTORED at once: the oldest restore leaves the trainer and the rollout. Called for the version that
+        was not found (``job_id`` v``version``): a second caller that waited on the lock finds it moved on."""
+        if self._restore_lock is None:
+            self._restore_lock = asyncio.Lock()
+        async with self._restore_lock:
+            if (sampler.job_id, sampler.version) != (job_id, version):
+                return
+            restore_id = f"tinker-restored-{next(self._restore_ids)}"
+            spec = self._spec(sampler.base_model, sampler.lora or {}, init_adapter=sampler.adapter)
+            await self._call(self.trainer.CreateJob, trainer_pb2.CreateJobRequest(job_id=restore_id,
+                                                                                   config=spec.to_proto()))
+            reply = await self._call(self.trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
+                job_id=restore_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600))
+            if not reply.activated:
+                raise UserError(f"{sampler.model_path}: the rollout did not take its restored weights: "
+                                f"{reply.error or 'no reason given'}")
+            logger.info("%s: %s v%d was no longer loaded; restored from %s as %s v%d", sampler.model_path, job_id,
+                        version, sampler.adapter, restore_id, reply.version)
+            sampler.job_id, sampler.version = restore_id, int(reply.version)
+            self._restored[restore_id] = sampler
+            while len(self._restored) > MAX_RESTORED:
+                await self._drop_restored(next(iter(self._restored)))
+
+    async def _drop_restored(self, restore_id: str) -> None:
+        """A restore off the trainer and the rollout; its sampler is restored again if sampled again."""
+        self._restored.pop(restore_id, None)
+        try:
+            await self.trainer.DeleteJob(trainer_pb2.DeleteJobRequest(job_id=restore_id))
+        except grpc.aio.AioRpcError as e:
+            logger.warning("could not delete restore job %s: %s", restore_id, e.details())
+        await self._unload(restore_id)
+
+    async def sample(self, request: rollout_pb2.GenerateRequest, shape: SampleShape | None = None,
+                     sampler: Sampler | None = None) -> bytes:
+        """One sample call; a ``sampler`` whose version the rollout no longer holds is restored and asked again."""
         shape = shape or SampleShape()
-        reply = await self._call(self.rollout.Generate, request)
+        try:
+            reply = await self.rollout.Generate(request)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND or sampler is None or not sampler.adapter:
+                raise refusal(e) from None
+            await self._restore(sampler, request.policy.job_id, request.policy.version)
+            request.policy.CopyFrom(rollout_pb2.PolicySelector(job_id=sampler.job_id, version=sampler.version))
+            reply = await self._call(self.rollout.Generate, request)
         (result,) = reply.results
         prompt = list(result.prompt_logprobs) if request.sampling.prompt_logprobs else None
         tops: list[Any] | None = None

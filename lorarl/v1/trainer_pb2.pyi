@@ -453,16 +453,18 @@ class ExportResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
-    __slots__ = ("job_id", "mode", "wait_for_activation", "timeout_seconds")
+    __slots__ = ("job_id", "mode", "wait_for_activation", "timeout_seconds", "skip_unpublished")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_UNPUBLISHED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     mode: _common_pb2.SyncMode
     wait_for_activation: bool
     timeout_seconds: int
-    def __init__(self, job_id: _Optional[str] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., wait_for_activation: _Optional[bool] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+    skip_unpublished: bool
+    def __init__(self, job_id: _Optional[str] = ..., mode: _Optional[_Union[_common_pb2.SyncMode, str]] = ..., wait_for_activation: _Optional[bool] = ..., timeout_seconds: _Optional[int] = ..., skip_unpublished: _Optional[bool] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
     __slots__ = ("manifest", "seconds", "version", "mode", "mode_reason", "duplicate", "activated", "error", "failed_replicas", "payload_bytes", "transport")

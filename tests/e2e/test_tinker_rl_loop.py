@@ -151,8 +151,14 @@ def a_teacher_on_the_same_engine_distils_a_student(front) -> None:
         student = service.create_lora_training_client(base_model=front.base_model, rank=8).result()
         held = [prompt(p.prompt) for p in load_split("test")[:16]]
         kls, checked = [], False
-        for _ in range(5):
-            sampler = student.save_weights_and_get_sampling_client().result()
+        for step in range(5):
+            if step == 1:  # the first trained weights, saved by name: sampled again at the end
+                first_path = student.save_weights_for_sampler(name="first").result().path
+                sampler = service.create_sampling_client(model_path=first_path)
+                probe = types.ModelInput.from_ints(held[0] + held[1])
+                first_scores = sampler.compute_logprobs(probe).result()
+            else:
+                sampler = student.save_weights_and_get_sampling_client().result()
             # one seed per prompt, the same every step: the steps' KL estimates share their sampling noise, so
             # the fall is the student's (without seeds one run read 0.249 -> 0.155, another 0.364 -> 0.158)
             samples = [(t, sampler.sample(types.ModelInput.from_ints(t), 4,
@@ -178,6 +184,22 @@ def a_teacher_on_the_same_engine_distils_a_student(front) -> None:
         # seeded, at lr 5e-3 (2026-12-07, this 2-core CPU, twice alike): 0.341 -> 0.310, 0.216, 0.172, 0.161; at 2e-3
         # the same seeds fell only to 0.223 (0.65x)
         assert kls[-1] < 0.6 * kls[0], kls
+        for _ in range(2):  # the student moves on: "first" is 6 versions old, past the rollout's window
+            student.forward_backward(batch, "importance_sampling").result()
+            student.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+            student.save_weights_and_get_sampling_client().result()
+        # saved sampler paths stay servable (tenants issue): restored from the adapter exported when saved, they
+        # score as they did then, while the session lasts and after it ended (its job and adapters freed)
+        again = service.create_sampling_client(model_path=first_path).compute_logprobs(probe).result()
+        assert again[1:] == pytest.approx(first_scores[1:], abs=1e-4)
+        assert again[1:] != pytest.approx(student.save_weights_and_get_sampling_client().result().compute_logprobs(
+            probe).result()[1:], abs=1e-3)  # not the student's current weights
     finally:
         service.close("success")
+    later = tinker.ServiceClient(base_url=front.base_url, api_key=front.api_key)
+    try:
+        after_end = later.create_sampling_client(model_path=first_path).compute_logprobs(probe).result()
+        assert after_end[1:] == pytest.approx(first_scores[1:], abs=1e-4)
+    finally:
+        later.close("success")
 

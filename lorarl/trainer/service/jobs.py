@@ -467,11 +467,14 @@ class JobManager:
 
     # ------------------------------------------------------------ weight sync
 
-    async def publish(self, job_id: str, publisher: Any, mode: int, wait: bool, timeout_s: float) -> PublishOutcome:
+    async def publish(self, job_id: str, publisher: Any, mode: int, wait: bool, timeout_s: float,
+                      skip_unpublished: bool = False) -> PublishOutcome:
         """Publishes the job's current version through weight sync (a WeightPublisher).
 
         The engine is locked while the payload is packed and sent, so training cannot change it
-        underneath; waiting for the replicas to activate happens outside the lock.
+        underneath; waiting for the replicas to activate happens outside the lock. ``skip_unpublished``: the
+        job registers again with weight sync from the version before this one (an idempotent registration that
+        only moves its latest version up), so versions trained since the last publish are skipped, not a gap.
         """
         import grpc
 
@@ -486,7 +489,7 @@ class JobManager:
                     raise FailedPreconditionError(
                         f"job {job_id!r} is at version 0 (the base model every replica already serves); "
                         "train a step before publishing")
-                if job_id not in publisher.jobs or job.sync_unchecked:
+                if job_id not in publisher.jobs or job.sync_unchecked or skip_unpublished:
                     catalog = await self._in_engine_thread(
                         job_id, lambda: catalog_from_tensors(engine.iter_base_tensors()))
                     registration = await publisher.register_job(

@@ -254,7 +254,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.jobs.get(request.job_id)
         started = time.perf_counter()
         outcome = await self.jobs.publish(request.job_id, self.publisher(), request.mode or common_pb2.SYNC_MODE_AUTO,
-                                          request.wait_for_activation, float(request.timeout_seconds or 600))
+                                          request.wait_for_activation, float(request.timeout_seconds or 600),
+                                          skip_unpublished=request.skip_unpublished)
         return trainer_pb2.PublishWeightsResponse(
             seconds=time.perf_counter() - started, version=outcome.version, mode=outcome.mode,
             mode_reason=outcome.mode_reason, duplicate=outcome.duplicate, activated=outcome.activated,

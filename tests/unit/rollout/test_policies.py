@@ -68,8 +68,25 @@ def test_make_room_frees_idle_old_versions_and_refuses_when_all_are_busy() -> No
     add_adapter(table, "b", 1)
     assert table.make_room("a") == [v1]
     table.acquire(v1.served)
-    with pytest.raises(ResourceExhaustedError, match="a v1 \\(1 in flight\\)"):
+    held = r"a v1 \(1 in flight\), a v2 \(its job.s latest\), b v1 \(its job.s latest\); unload a job"
+    with pytest.raises(ResourceExhaustedError, match=held):
         table.make_room("a")
+
+
+def test_another_jobs_idle_old_versions_give_way_but_never_its_latest_or_one_in_flight() -> None:
+    """A job arriving at a full engine (a Tinker user's first save, a restored sampler path) takes the slot of
+    another job's idle older version, from the job holding most; latest versions and requests stay."""
+    table = PolicyTable(window=4, capacity=4)
+    a1, a2 = add_adapter(table, "a", 1), add_adapter(table, "a", 2)
+    add_adapter(table, "a", 3)
+    add_adapter(table, "b", 1)
+    table.acquire(a1.served)
+    assert table.make_room("c") == [a2]  # a v1 is in flight: a v2 is the oldest idle one
+    table.remove(a2)
+    add_adapter(table, "c", 1)
+    with pytest.raises(ResourceExhaustedError, match=r"each a job's latest version or in flight"):
+        table.make_room("d")  # a v1 in flight; a v3, b v1, c v1 latest
+    assert table.resolve(PolicyRef("a")).version == 3 and table.resolve(PolicyRef("b")).version == 1
 
 
 def test_merged_job_owns_the_weights() -> None:
