@@ -26,12 +26,13 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # The CPU build is a local version PyPI cannot serve: pip takes it from its configured sources when
 # they hold it, else from the PyTorch CPU index, named for this one package only (an unreachable
 # extra index costs ~8 s of retries per package looked up, so the whole stack never goes through it).
-$(STAMP): $(REQUIREMENTS) requirements/cpu-constraints.txt pyproject.toml
+$(STAMP): $(REQUIREMENTS) requirements/cookbook.txt requirements/cpu-constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_CPU) 2>/dev/null || $(PIP) install -q --extra-index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
 	$(PIP) install -q $(addprefix -r ,$(wordlist 2,4,$(REQUIREMENTS))) -c requirements/cpu-constraints.txt
 	$(PIP) uninstall -q -y torchaudio torchcodec || true
+	$(PIP) install -q --no-deps -r requirements/cookbook.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -m lorarl.common.torchvision_cpu
 	touch $@

@@ -3,7 +3,8 @@ cookbook-style loop in examples/tinker/rl_loop.py, on the official `tinker` clie
 the same front samples with prompt logprobs (compute_logprobs) that agree with the trainer's, and with the top
 alternatives of each prompt and sampled token; two users on its one engine, one at the SDK's default rank, cannot
 change what the other samples; on-policy distillation the Tinker way, a teacher sampling client scoring the
-student's samples on the same engine."""
+student's samples on the same engine, and a saved sampler path restored after the rollout let it go; then
+tinker-cookbook's own RL and distillation loops, unpatched, learn through the same front."""
 
 from __future__ import annotations
 
@@ -62,6 +63,25 @@ def test_the_cookbook_style_loop_learns_through_the_tinker_front(tmp_path: Path)
         service.close("success")
         users_on_one_engine_cannot_change_what_the_other_samples(front)
         a_teacher_on_the_same_engine_distils_a_student(front)
+        the_cookbooks_own_loops_learn_unchanged(env)
+
+
+def the_cookbooks_own_loops_learn_unchanged(env: dict[str, str]) -> None:
+    """Tenants issue: Thinking Machines' tinker-cookbook (0.6.1, unpatched) drives the front with its own RL loop
+    (`tinker_cookbook.rl.train`) and its own on-policy distillation (`distillation.train_on_policy`, the teacher
+    an adapter on the same base, taught through the front first), one after the other on this front after the
+    runs above (no slot left held). Healthy runs (this 2-core CPU, 2026-12-07, 08b063a + the examples): RL
+    0.360 -> 0.810 and 0.780 in 24 steps; distillation 0.360 -> 0.700 and 0.710 in 10 steps (teacher 0.710);
+    the floors sit ~10-12 points below the worse of each."""
+    for script, args, floor in (("examples/tinker/cookbook_rl.py", "24", 0.33),
+                                ("examples/tinker/cookbook_distill.py", "10", 0.22)):
+        done = subprocess.run([sys.executable, script, args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        before = float(re.search(r"accuracy before: ([\d.]+)", done.stdout).group(1))
+        after = float(re.search(r"accuracy after:\s+([\d.]+)", done.stdout).group(1))
+        print(script, done.stdout[-600:])
+        assert after - before >= floor, done.stdout
 
 
 def users_on_one_engine_cannot_change_what_the_other_samples(front) -> None:

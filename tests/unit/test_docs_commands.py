@@ -52,6 +52,8 @@ NOT_RUN = {
 #: Commands a named test runs in full: the test must name the script or read the page.
 RUN_BY_TEST = {
     "examples/tinker/rl_loop.py": "tests/e2e/test_tinker_rl_loop.py",
+    "examples/tinker/cookbook_rl.py": "tests/e2e/test_tinker_rl_loop.py",
+    "examples/tinker/cookbook_distill.py": "tests/e2e/test_tinker_rl_loop.py",
 }
 #: What synopsis placeholders stand for when a command is parsed.
 PLACEHOLDERS = {
