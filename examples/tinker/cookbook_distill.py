@@ -22,7 +22,7 @@ import tempfile
 
 import chz
 import tinker
-from cookbook_task import BASE_MODEL, GROUP_SIZE, GROUPS, MAX_TOKENS, RENDERER, accuracy, final_sampler_path, register
+from cookbook_task import BASE_MODEL, GROUP_SIZE, GROUPS, MAX_TOKENS, RENDERER, accuracy, register, report_after
 from tinker import types
 from tinker_cookbook import renderers
 from tinker_cookbook.distillation import train_on_policy
@@ -86,10 +86,7 @@ def main(steps: int = 10) -> int:
         renderer_name=RENDERER, max_tokens=MAX_TOKENS, log_path=log_path, eval_every=0, save_every=0,
         base_url=os.environ.get("TINKER_BASE_URL"))
     asyncio.run(train_on_policy.main(config))
-    path = final_sampler_path(log_path)
-    with tinker.ServiceClient() as service:
-        after = accuracy(service.create_sampling_client(model_path=path).result(), renderer)
-    print(f"held-out greedy accuracy after:  {after:.3f} ({path})", flush=True)
+    report_after(log_path, renderer)
     return 0
 
 

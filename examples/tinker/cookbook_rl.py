@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 import tinker
-from cookbook_task import BASE_MODEL, MAX_TOKENS, RENDERER, TaskDatasetBuilder, accuracy, final_sampler_path, register
+from cookbook_task import BASE_MODEL, MAX_TOKENS, RENDERER, TaskDatasetBuilder, accuracy, register, report_after
 from tinker_cookbook.rl import train
 
 LEARNING_RATE = 2e-3
@@ -34,10 +34,7 @@ def main(steps: int = 24) -> int:
                           max_tokens=MAX_TOKENS, log_path=log_path, eval_every=0, save_every=0,
                           renderer_name=RENDERER, base_url=os.environ.get("TINKER_BASE_URL"))
     asyncio.run(train.main(config))
-    path = final_sampler_path(log_path)
-    with tinker.ServiceClient() as service:
-        after = accuracy(service.create_sampling_client(model_path=path).result(), renderer)
-    print(f"held-out greedy accuracy after:  {after:.3f} ({path})", flush=True)
+    report_after(log_path, renderer)
     return 0
 
 

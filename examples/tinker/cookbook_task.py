@@ -95,9 +95,13 @@ def accuracy(sampler: tinker.SamplingClient, renderer: renderers.Renderer,
     return sum(reward(text, p.answer) >= 1.0 for text, p in zip(replies, problems, strict=True)) / len(problems)
 
 
-def final_sampler_path(log_path: str) -> str:
-    """The sampler weights of the cookbook's last checkpoint ("final"), from its checkpoints.jsonl."""
+def report_after(log_path: str, renderer: renderers.Renderer) -> None:
+    """Prints the held-out accuracy of the cookbook's last checkpoint ("final": its sampler path, from the run's
+    checkpoints.jsonl)."""
     import json
 
     records = [json.loads(line) for line in (Path(log_path) / "checkpoints.jsonl").read_text().splitlines()]
-    return records[-1]["sampler_path"]
+    path = records[-1]["sampler_path"]
+    with tinker.ServiceClient() as service:
+        after = accuracy(service.create_sampling_client(model_path=path).result(), renderer)
+    print(f"held-out greedy accuracy after:  {after:.3f} ({path})", flush=True)
