@@ -46,6 +46,8 @@ class TinkerSettings:
     token_file: str | None = setting(None, check=existing_file, doc="The services' token (else $LORARL_AUTH_TOKEN).")
     session_ttl_s: float = setting(SESSION_TTL_S, check=in_range(1.0), doc="A session silent this long (no heartbeat"
                                    ", no call: a crashed client) expires: its models leave the trainer and rollout.")
+    state_file: str | None = setting(None, doc="Where the front keeps the tinker:// paths its clients saved, so they "
+                                     "still load after a restart or a kill (lorarl.tinker.state; null: memory).")
 
     def validate(self) -> None:
         if not self.trainer:
@@ -87,8 +89,12 @@ async def serve_forever(config: TinkerFrontConfig) -> None:
 
     settings, server = config.tinker, config.server
     token = resolve_token(token_file=settings.token_file)
-    service = TinkerService(settings.models, settings.trainer, settings.rollout, token=token,
-                            session_ttl_s=settings.session_ttl_s, tls=peer_tls(server.peer_tls))
+    try:
+        service = TinkerService(settings.models, settings.trainer, settings.rollout, token=token,
+                                session_ttl_s=settings.session_ttl_s, tls=peer_tls(server.peer_tls),
+                                state_path=settings.state_file)
+    except ValueError as e:  # a state file it cannot read: said, never replaced
+        raise ConfigError("tinker.state_file", str(e)) from None
     app = create_app(service, settings.keys())
     web = await start_http_server(app, server.host, server.port, name="Tinker API", tls=server.tls, lifespan="on",
                                   log_level=server.log_level)

@@ -31,6 +31,7 @@ from lorarl.contract.training import AdamStep, LossSpec, OptimizerSpec, Training
 from lorarl.tinker import wire
 from lorarl.tinker.futures import UserError
 from lorarl.tinker.runs import Runs
+from lorarl.tinker.state import FrontState
 from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -113,10 +114,11 @@ class TinkerService:
 
     def __init__(self, models: dict[str, str], trainer: str, rollout: str = "", token: str | None = None,
                  session_ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.monotonic,
-                 tls: ClientTls | None = None) -> None:
+                 tls: ClientTls | None = None, state_path: str | Path | None = None) -> None:
         """``models``: Tinker base-model name -> the model's directory on the trainer and rollout;
         ``session_ttl_s``: silence after which a session expires (`expire_silent`); ``tls``: how the calls to the
-        trainer and rollout are secured (the stack's ``server.peer_tls``; None: plaintext)."""
+        trainer and rollout are secured (the stack's ``server.peer_tls``; None: plaintext); ``state_path``: the
+        file the saved ``tinker://`` paths are kept in across a restart (lorarl.tinker.state; None: memory)."""
         self.base_models = dict(models)
         self._trainer_channel = aio_channel(trainer, token=token, tls=tls)
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
@@ -125,15 +127,16 @@ class TinkerService:
         self.sessions: dict[str, set[str]] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.saved: dict[str, Saved] = {}  # tinker://<model_id>/weights/<name> -> the trainer's checkpoint
+        self.state = FrontState(state_path)
+        # tinker://<model_id>/weights/<name> -> the trainer's checkpoint; .../sampler_weights/<name> -> its sampler;
+        # the tinker paths deleted through the REST API: what a restarted front still knows
+        self.saved, self._paths, self._deleted = self.state.load(Saved, Sampler)
         self._lora_of: dict[str, dict[str, Any]] = {}  # model_id -> its create_model lora_config
         self._sampler_ids = itertools.count()
         self.session_ttl_s, self._clock = session_ttl_s, clock
         self._last_seen: dict[str, float] = {}  # session_id -> when it last heartbeat or called
         self.runs = Runs()  # the REST API's training runs and checkpoints (they outlive their sessions)
-        self._deleted: set[str] = set()  # tinker paths deleted through the REST API
         self._restored: dict[str, Sampler] = {}  # restore job id -> the sampler it serves, oldest first
-        self._restore_ids = itertools.count()
         self._restore_lock: asyncio.Lock | None = None  # made in the serving loop, on the first restore
 
     async def close(self) -> None:
@@ -329,6 +332,7 @@ class TinkerService:
                                  self._lora_of.get(model.model_id, {}))
         self.runs.saved(path)
         self._deleted.discard(path)
+        self._keep()
         return {"path": path, "type": "save_weights"}
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
@@ -336,7 +340,9 @@ class TinkerService:
         until its own retention removes them)."""
         path = self.runs.forget(run_id, checkpoint_id)
         self.saved.pop(path, None)
+        self._paths.pop(path, None)
         self._deleted.add(path)
+        self._keep()
 
     def _saved(self, body: dict[str, Any]) -> Saved:
         path = str(body.get("path", ""))
@@ -391,10 +397,7 @@ class TinkerService:
         name = body.get("path")
         if model.version == 0:  # untrained: a fresh adapter (B = 0) computes what the base does; nothing to publish
             path = f"tinker://{model.model_id}/sampler_weights/{name or 'v0'}"
-            sampler_id = self._new_sampler(Sampler(model.base_model, "", 0, path))
-            self.runs.saved(path)
-            self._deleted.discard(path)
-            return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+            return self._saved_sampler(Sampler(model.base_model, "", 0, path))
         reply = await self._call(self.trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600,
             skip_unpublished=True))  # a client saves after any number of optim steps
@@ -405,18 +408,27 @@ class TinkerService:
         # session ends), so a path sampled after that is restored from this (`_restore`)
         exported = await self._call(self.trainer.Export, trainer_pb2.ExportRequest(
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{model.job_id}/sampler-v{reply.version}"))
-        sampler_id = self._new_sampler(Sampler(model.base_model, model.job_id, int(reply.version), path,
-                                               exported.path, self._lora_of.get(model.model_id, {"rank": model.rank})))
-        self.runs.saved(path)
-        self._deleted.discard(path)
-        return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+        return self._saved_sampler(Sampler(model.base_model, model.job_id, int(reply.version), path, exported.path,
+                                           self._lora_of.get(model.model_id, {"rank": model.rank})))
+
+    def _saved_sampler(self, sampler: Sampler) -> dict[str, Any]:
+        """A sampler path saved: known by path (kept across a restart), a sampling session on it."""
+        self._paths[sampler.model_path] = sampler
+        self.runs.saved(sampler.model_path)
+        self._deleted.discard(sampler.model_path)
+        self._keep()
+        return {"path": sampler.model_path, "sampling_session_id": self._new_sampler(sampler),
+                "type": "save_weights_for_sampler"}
+
+    def _keep(self) -> None:
+        self.state.write(self.saved, self._paths, self._deleted)
 
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         self._session(str(body.get("session_id", "")))
         if body.get("model_path"):
             if body["model_path"] in self._deleted:
                 raise UserError(f"{body['model_path']} was deleted")
-            found = next((s for s in self.samplers.values() if s.model_path == body["model_path"]), None)
+            found = self._paths.get(body["model_path"])
             if found is None:
                 raise UserError(f"no sampler weights at {body['model_path']!r}")
             return {"sampling_session_id": self._new_sampler(found)}
@@ -495,7 +507,7 @@ class TinkerService:
         async with self._restore_lock:
             if (sampler.job_id, sampler.version) != (job_id, version):
                 return
-            restore_id = f"tinker-restored-{next(self._restore_ids)}"
+            restore_id = f"tinker-restored-{uuid.uuid4().hex[:10]}"  # unique across restarts of the front
             spec = self._spec(sampler.base_model, sampler.lora or {}, init_adapter=sampler.adapter)
             await self._call(self.trainer.CreateJob, trainer_pb2.CreateJobRequest(job_id=restore_id,
                                                                                    config=spec.to_proto()))
@@ -508,6 +520,7 @@ class TinkerService:
                         version, sampler.adapter, restore_id, reply.version)
             sampler.job_id, sampler.version = restore_id, int(reply.version)
             self._restored[restore_id] = sampler
+            self._keep()
             while len(self._restored) > MAX_RESTORED:
                 await self._drop_restored(next(iter(self._restored)))
 

@@ -514,3 +514,60 @@ def test_the_rest_routes_the_cookbook_calls_answer_through_the_sdks_rest_client(
             rest.get_training_run("nope:train:0").result()
     finally:
         service.close("success")
+
+
+def test_a_killed_front_comes_back_with_the_paths_its_clients_saved(front: tuple[str, str], model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """Tenants issue: `lorarl serve tinker` with a state file, SIGKILLed after a client saved its state, and
+    started again on the same port and file: a new client's create_training_client_from_state loads the saved
+    path and computes what the saved weights computed; a path it never saved is still refused by name."""
+    import json
+    import subprocess
+
+    import yaml
+
+    from lorarl.client.launch.local import lorarl_command
+
+    _, trainer = front
+    (tmp_path / "keys").write_text(f"{KEY}\n")
+    (tmp_path / "token").write_text(TOKEN)
+    port = free_port()
+    config = tmp_path / "tinker.yaml"
+    config.write_text(yaml.safe_dump({"tinker": {
+        "trainer": trainer, "models": {BASE: str(model_dir)}, "api_key_file": str(tmp_path / "keys"),
+        "token_file": str(tmp_path / "token"), "state_file": str(tmp_path / "state" / "front.json")}}))
+
+    def started(ready: Path) -> subprocess.Popen:
+        process = subprocess.Popen([*lorarl_command(), "serve", "tinker", "--config", str(config), "--port",
+                                    str(port), "--ready-file", str(ready)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), f"the front did not start (exit {process.poll()})"
+        return process
+
+    url = f"http://127.0.0.1:{port}"
+    process = started(tmp_path / "ready-1.json")
+    try:
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+        data = batch(5, "cross_entropy")
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = client.save_state("kept").result().path
+        want = client.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        process.kill()
+        process.wait(timeout=30)
+        kept = json.loads((tmp_path / "state" / "front.json").read_text())
+        assert list(kept["saved"]) == [path]
+        process = started(tmp_path / "ready-2.json")
+        again = tinker.ServiceClient(base_url=url, api_key=KEY)
+        restored = again.create_training_client_from_state(path).result()
+        assert restored.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
+        with pytest.raises(tinker.RequestFailedError, match="no checkpoint at"):
+            again.create_training_client_from_state(path.replace("kept", "never")).result()
+        again.close("success")
+    finally:
+        process.kill()
+        process.wait(timeout=30)

@@ -40,9 +40,11 @@ def model_names(model_path: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str | None, api_key: str,
-                host: str = "127.0.0.1", session_ttl_s: float | None = None) -> Iterator[str]:
+                host: str = "127.0.0.1", session_ttl_s: float | None = None,
+                state_path: str | Path | None = None) -> Iterator[str]:
     """The front on a thread of its own (its own event loop), until the block ends; yields its base URL.
-    ``session_ttl_s``: silence after which a session expires (None: the service's default)."""
+    ``session_ttl_s``: silence after which a session expires (None: the service's default); ``state_path``: where
+    the saved tinker:// paths are kept across restarts (None: memory)."""
     from lorarl.common.http_server import start_http_server
     from lorarl.tinker.app import create_app
     from lorarl.tinker.service import TinkerService
@@ -52,7 +54,8 @@ def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str |
     def run() -> None:
         async def main() -> None:
             ttl = {} if session_ttl_s is None else {"session_ttl_s": session_ttl_s}
-            app = create_app(TinkerService(models, trainer, rollout, token=token, **ttl), [api_key])
+            app = create_app(TinkerService(models, trainer, rollout, token=token, state_path=state_path, **ttl),
+                             [api_key])
             try:
                 web = await start_http_server(app, host, 0, name="Tinker API", lifespan="on")
             except BaseException as e:
@@ -90,5 +93,6 @@ def local_front(config: str | Path, overrides: Sequence[str] = (), out: str | Pa
         trainer, rollout = stack.address("trainer"), stack.addresses("rollout")[0]
         # also under the name the job gave its base (a Hub id): the name the clients' exported adapters then record
         models = {**model_names(cfg.model.path), base_model_name(cfg): str(Path(cfg.model.path).resolve())}
-        with serve_front(models, trainer, rollout, stack.token, api_key) as base_url:
+        with serve_front(models, trainer, rollout, stack.token, api_key,
+                         state_path=out / "tinker-state.json") as base_url:
             yield Front(base_url, api_key, Path(cfg.model.path).name, trainer, rollout)
