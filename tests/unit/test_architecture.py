@@ -380,3 +380,31 @@ def test_the_map_names_every_package() -> None:
         if not (row_of_its_own or named_in_an_ancestors_row):
             unnamed.append(package)
     assert packages and unnamed == []
+
+
+def _calls(tree: ast.AST, dotted: str) -> list[int]:
+    """Lines calling ``dotted`` ("asyncio.run", "stop_on_sigterm") in ``tree``."""
+    head, _, attr = dotted.rpartition(".")
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (head and isinstance(f, ast.Attribute) and f.attr == attr and isinstance(f.value, ast.Name)
+                    and f.value.id == head) or (not head and isinstance(f, ast.Name) and f.id == attr):
+                found.append(node.lineno)
+    return found
+
+
+def test_a_launcher_that_stops_on_sigterm_runs_its_loop_through_run_interruptible() -> None:
+    """A launcher that stops on SIGTERM as on Ctrl-C runs its event loop with lorarl.client.interrupt's
+    run_interruptible, never asyncio.run: there the handler's KeyboardInterrupt lands inside whichever task
+    runs, which printed a traceback (ci14) and exited 1 (stop 53's CI) instead of stopping in order."""
+    offenders = {}
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        if _calls(tree, "stop_on_sigterm") and (lines := _calls(tree, "asyncio.run")):
+            offenders[name] = lines
+    assert offenders == {}
+    assert _calls(ast.parse("stop_on_sigterm()\nasyncio.run(main())"), "asyncio.run") == [2]
+    assert {"lorarl.client.commands.run", "lorarl.client.commands.evaluate"} <= {
+        name for name, path in modules().items() if _calls(ast.parse(path.read_text()), "run_interruptible")}

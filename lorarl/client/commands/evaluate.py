@@ -11,7 +11,6 @@ export: a job's adapter (PEFT) or merged model (HF) on disk, either from a train
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -55,7 +54,8 @@ def read_adapter(directory: Path) -> tuple[dict, dict]:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from lorarl.client.commands.run import data_ready, load, stop_on_sigterm
+    from lorarl.client.commands.run import data_ready, load
+    from lorarl.client.interrupt import run_interruptible, stop_on_sigterm
     from lorarl.client.launch.local import LocalStack
     from lorarl.client.launch.services import stack_sections
 
@@ -74,7 +74,7 @@ def eval_command(args: argparse.Namespace) -> int:
     stop_on_sigterm()  # a supervisor's stop ends the evaluation and stops its rollout, as Ctrl-C does
     try:
         with LocalStack(out / "services", {"rollout": sections["rollout"]}, services=("rollout",)) as stack:
-            results = asyncio.run(evaluate(cfg, stack.address("rollout"), stack.token, targets))
+            results = run_interruptible(evaluate(cfg, stack.address("rollout"), stack.token, targets))
     except KeyboardInterrupt:
         print("lorarl eval: interrupted; its rollout is stopped", file=sys.stderr)
         return 130

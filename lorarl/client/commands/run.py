@@ -13,13 +13,13 @@ train: the same loop against services already running (compose stack, other host
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
 from pathlib import Path
 from typing import Any
 
 from lorarl.client.calls import ServiceCallError, client_token
+from lorarl.client.interrupt import run_interruptible, stop_on_sigterm
 from lorarl.client.job.inputs import inputs_ok
 from lorarl.client.job.resume_check import resume_ok
 from lorarl.client.launch.attach import wait_for_attached
@@ -200,16 +200,6 @@ def model_ready(cfg) -> bool:
     return True
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM (scancel, kubectl delete, a supervisor) stops the run as Ctrl-C does: services stopped, resumable."""
-    import signal
-
-    def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-
-
 def dry_run(cfg) -> int:
     """--dry-run: the memory and placement plan, then the job's own inputs (every row of its data, its
     reward, its workflow); "config OK" only when both hold. A Hub model not in the cache is planned from
@@ -283,7 +273,7 @@ def run_command(args: argparse.Namespace) -> int:
             if line := metrics_line(stack, out):
                 print(line, flush=True)
             stack.supervise(cfg.recovery.restarts if cfg.recovery.enabled else 0)
-            code = asyncio.run(drive(cfg, stack.address("trainer"), None, stack.token, out,
+            code = run_interruptible(drive(cfg, stack.address("trainer"), None, stack.token, out,
                                      stack.address("weightsync"), fresh=args.fresh, give_up=stack.raise_if_failed,
                                      openai_urls=stack.openai_urls))
             if hasattr(stack, "workdir"):  # a local stack: other runs may have attached to it
@@ -361,7 +351,7 @@ def drive_services(cfg, args: argparse.Namespace, trainer: str, rollouts: list[s
     stop_on_sigterm()  # a Kubernetes Job deleted, a Slurm job cancelled: stop as Ctrl-C does
     try:
         with hold or contextlib.nullcontext():
-            return asyncio.run(drive(cfg, trainer, rollouts, token, out, weightsync, fresh=args.fresh, tls=tls,
+            return run_interruptible(drive(cfg, trainer, rollouts, token, out, weightsync, fresh=args.fresh, tls=tls,
                                      openai_urls=lambda: list(openai_urls or [])))
     except KeyboardInterrupt:
         print("lorarl: interrupted. Run the same command again to resume.", file=sys.stderr)

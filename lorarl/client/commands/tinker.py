@@ -24,7 +24,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lorarl.client.commands.run import stop_on_sigterm
+    from lorarl.client.interrupt import stop_on_sigterm
     from lorarl.client.launch.tinker import local_front
 
     stop_on_sigterm()  # a supervisor's stop ends the front and its services as Ctrl-C does

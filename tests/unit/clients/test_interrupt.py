@@ -1,0 +1,95 @@
+"""A launcher's event loop stopped by SIGTERM or Ctrl-C (lorarl.client.interrupt): the main task is cancelled,
+its child tasks unwind, KeyboardInterrupt comes out of ``run_interruptible``, and nothing prints a traceback —
+even when the signal lands in a child task's own code, where raising KeyboardInterrupt (what launchers did)
+left asyncio logging the task's exception with its traceback, and a launcher that exited 1."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from lorarl.client.interrupt import run_interruptible
+
+# Two child tasks that spend nearly all their time in their own code, so the signal lands there.
+SCRIPT = textwrap.dedent("""
+    import asyncio, sys, time
+    from lorarl.client.interrupt import run_interruptible, stop_on_sigterm
+
+    async def child(i):
+        try:
+            while True:
+                began = time.monotonic()
+                while time.monotonic() - began < 0.05:
+                    pass
+                await asyncio.sleep(0)
+        finally:
+            print(f"child {i} unwound", flush=True)
+
+    async def main():
+        print("ready", flush=True)
+        await asyncio.gather(child(0), child(1))
+
+    stop_on_sigterm()
+    try:
+        {RUN}(main())
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+""")
+
+
+def stopped_by(sig: signal.Signals, run: str = "run_interruptible") -> subprocess.CompletedProcess[str]:
+    code = SCRIPT.replace("{RUN}", run)
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    time.sleep(0.3)
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=30)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_cancels_the_loop_and_raises_keyboard_interrupt_where_it_was_run(sig: signal.Signals) -> None:
+    done = stopped_by(sig)
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert "child 0 unwound" in done.stdout and "child 1 unwound" in done.stdout, done.stdout
+    assert done.stdout.rstrip().endswith("interrupted") and "Traceback" not in done.stderr, done.stderr
+
+
+def test_raising_keyboard_interrupt_in_a_child_task_is_what_printed_the_traceback() -> None:
+    """The case this module exists for, shown with plain asyncio.run: the test above is not vacuous."""
+    done = stopped_by(signal.SIGTERM, run="asyncio.run")
+    assert "KeyboardInterrupt" in done.stderr and "Traceback" in done.stderr, done.stderr  # asyncio's log of it
+
+
+def test_a_loop_that_ends_normally_returns_its_value_and_gives_the_handlers_back() -> None:
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    assert run_interruptible(answer()) == 42
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_loop_that_swallows_the_cancellation_is_still_a_stop() -> None:
+    """A task that suppresses CancelledError (contextlib.suppress around an await) and returns: the launcher
+    still stops as interrupted rather than reporting a finished run."""
+    async def stubborn() -> str:
+        signal.raise_signal(signal.SIGTERM)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return "finished?"
+        return "not cancelled"
+
+    with pytest.raises(KeyboardInterrupt):
+        run_interruptible(stubborn())
