@@ -7,9 +7,8 @@ for minutes, so none is sent for a caller's mistake or an unknown route (404).""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -20,28 +19,45 @@ from lorarl.tinker.bodies import checked
 from lorarl.tinker.futures import Futures, Outcome, UserError
 from lorarl.tinker.runs import MAX_PAGE, NotFoundError
 from lorarl.tinker.service import TinkerService
+from lorarl.tinker.state import Journal
+from lorarl.tinker.tenants import RETRY_AFTER_S, Admission, TooManyRequestsError
 
 logger = logging.getLogger(__name__)
 PROTOBUF = "application/x-protobuf"
+#: The routes that name no tenant's resource; every other route acts as the caller's tenant (``caller``).
+UNOWNED_ROUTES = frozenset({"GET /api/v1/healthz", "POST /api/v1/client/config", "GET /api/v1/get_server_capabilities",
+                            "POST /api/v1/telemetry", "POST /api/v1/create_session"})
 
 
-def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures | None = None) -> FastAPI:
-    """The front's app; ``api_keys``: the keys accepted in X-API-Key (each starts with "tml-", as the SDK
-    requires of a key)."""
-    keys = [k.encode() for k in api_keys]
-    if not keys or any(not k.startswith(b"tml-") for k in keys):
+def create_app(service: TinkerService, futures: Futures | None = None) -> FastAPI:
+    """The front's app: the keys accepted in X-API-Key are its tenants' (``service.tenants``; each starts with
+    "tml-", as the SDK requires of a key). Each request acts as the tenant whose key it presents: it sees only
+    that tenant's sessions, models, samplers, paths, runs and futures, and waits in that tenant's queue."""
+    tenants = service.tenants
+    if not any(t.keys for t in tenants.by_name.values()):
         raise ValueError("the Tinker front needs API keys, each starting with 'tml-' (the SDK refuses others)")
-    futures = futures or Futures()
+    if futures is None:  # each request journaled beside the state file, read back after a restart
+        futures = Futures(journal=Journal(service.state.journal_path))
+        futures.restore()
+    for model_id in service.models:  # models a killed front held: their requests go on in seq_id order
+        futures.start_model(model_id)
+    admission = Admission(tenants)
     app = FastAPI(title="lorarl Tinker front")
-    app.state.service, app.state.futures = service, futures
+    app.state.service, app.state.futures, app.state.admission = service, futures, admission
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        presented = request.headers.get("x-api-key", "").encode()
-        if request.url.path != "/api/v1/healthz" and not any(hmac.compare_digest(presented, k) for k in keys):
+        tenant = tenants.of_key(request.headers.get("x-api-key", ""))
+        if request.url.path != "/api/v1/healthz" and tenant is None:
             logger.warning("tinker: refused %s %s: bad or missing X-API-Key", request.method, request.url.path)
             return JSONResponse({"detail": "a valid X-API-Key is needed"}, status_code=401)
+        request.state.tenant = tenant.name if tenant is not None else ""
         return await call_next(request)
+
+    @app.exception_handler(TooManyRequestsError)
+    async def too_many(request: Request, exc: TooManyRequestsError) -> JSONResponse:
+        logger.warning("tinker: refused %s: %s", request.url.path, exc)
+        return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(NotFoundError)
     async def not_found(request: Request, exc: NotFoundError) -> JSONResponse:
@@ -66,28 +82,46 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
     def future(request_id: str, **extra: Any) -> dict[str, Any]:
         return {"request_id": request_id, **extra}
 
-    def new_model(body: dict[str, Any], create: Callable[[dict[str, Any]], Awaitable[Any]]) -> dict[str, Any]:
-        """The future of `create(body)`, the model's first request: its ordered requests start after it."""
+    def caller(request: Request) -> str:
+        """The tenant the request acts as (its key's)."""
+        return request.state.tenant
+
+    def new_model(request: Request, body: dict[str, Any],
+                  create: Callable[[dict[str, Any], str], Awaitable[Any]]) -> dict[str, Any]:
+        """The future of `create(body, tenant)`, the model's first request: its ordered requests start after it."""
+        tenant = caller(request)
         seq = body.get("model_seq_id", 0)
         if isinstance(seq, bool) or not isinstance(seq, int):
             raise UserError(f"model_seq_id must be an integer, got {seq!r}")
         model_id = service.model_id_for(str(body.get("session_id", "")), seq)
 
         async def work() -> Any:
-            created = await create(body)
+            created = await create(body, tenant)
             futures.start_model(model_id)
             return created
 
-        return future(futures.submit(work), model_id=model_id)
+        return future(futures.submit(admission.admitted(tenant, work), tenant), model_id=model_id)
 
-    def in_model_order(body: dict[str, Any], call: Callable[[dict[str, Any]], Awaitable[Any]]) -> dict[str, Any]:
-        """The future of `call(body)` on its model, run after the model's earlier seq_ids."""
-        model_id = str(body.get("model_id", ""))
-        service.model(model_id)
-        seq_id = body.get("seq_id", 0)
+    def in_model_order(request: Request, model_id: str, seq_id: Any,
+                       call: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+        """The future of `call()` on the caller's model ``model_id``, run after the model's earlier seq_ids."""
+        tenant = caller(request)
+        service.model(model_id, tenant)
         if isinstance(seq_id, bool) or not isinstance(seq_id, int):
             raise UserError(f"seq_id must be an integer, got {seq_id!r}")
-        return future(futures.submit_ordered(model_id, seq_id, lambda: call(body)), model_id=model_id)
+        if (again := futures.resubmitted(model_id, seq_id, tenant)) is not None:
+            return future(again, model_id=model_id)
+        work = admission.admitted(tenant, call)
+        try:
+            request_id = futures.submit_ordered(model_id, seq_id, work, tenant)
+        except BaseException:
+            admission.withdraw(tenant)
+            raise
+        return future(request_id, model_id=model_id)
+
+    def ordered(request: Request, body: dict[str, Any],
+                call: Callable[[dict[str, Any]], Awaitable[Any]]) -> dict[str, Any]:
+        return in_model_order(request, str(body.get("model_id", "")), body.get("seq_id", 0), lambda: call(body))
 
     # ------------------------------------------------------------ bootstrap and sessions
 
@@ -107,18 +141,18 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         await body_of(request)
-        return service.create_session()
+        return service.create_session(caller(request))
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         body = await body_of(request)
-        if not service.heartbeat(str(body.get("session_id", ""))):  # unknown, finished or expired
+        if not service.heartbeat(str(body.get("session_id", "")), caller(request)):  # unknown, ended, another's
             return JSONResponse({"detail": "unknown session"}, status_code=410)  # the SDK stops heartbeating
         return {}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
-    async def finish(session_id: str) -> dict[str, Any]:
-        await service.finish_session(session_id)
+    async def finish(session_id: str, request: Request) -> dict[str, Any]:
+        await service.finish_session(session_id, caller(request))  # another tenant's session: left alone
         return {}
 
     @app.post("/api/v1/telemetry")
@@ -129,11 +163,12 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        return new_model(await body_of(request), service.create_model)
+        return new_model(request, await body_of(request),
+                         lambda body, tenant: service.create_model(body, tenant=tenant))
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        return service.get_info(str((await body_of(request)).get("model_id", "")))
+        return service.get_info(str((await body_of(request)).get("model_id", "")), caller(request))
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -144,46 +179,46 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
             message.ParseFromString(await request.body())
         except Exception:
             raise UserError("the body is not a ForwardBackwardRequest") from None
-        service.model(message.model_id)
-        request_id = futures.submit_ordered(message.model_id, message.seq_id,
-                                            lambda: service.forward_backward(message))
-        return future(request_id, model_id=message.model_id)
+        return in_model_order(request, message.model_id, message.seq_id, lambda: service.forward_backward(message))
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        return in_model_order(await body_of(request), service.optim_step)
+        return ordered(request, await body_of(request), service.optim_step)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        return in_model_order(await body_of(request), service.save_weights_for_sampler)
+        return ordered(request, await body_of(request), service.save_weights_for_sampler)
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        return in_model_order(await body_of(request), service.save_weights)
+        return ordered(request, await body_of(request), service.save_weights)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         body = await body_of(request)
         if "model_id" in body:  # load_state_with_optimizer on an existing model, in its order
-            return in_model_order(body, service.load_weights)
-        return new_model(body, service.create_from_state)  # a new model from a checkpoint
+            return ordered(request, body, service.load_weights)
+        return new_model(request, body,  # a new model from a checkpoint
+                         lambda body, tenant: service.create_from_state(body, tenant=tenant))
 
     # ------------------------------------------------------------ sampling
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        return service.create_sampling_session(await body_of(request))
+        return service.create_sampling_session(await body_of(request), caller(request))
 
     @app.get("/api/v1/samplers/{sampler_id}")
-    async def sampler(sampler_id: str) -> dict[str, Any]:
-        return service.sampler_info(sampler_id)
+    async def sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+        return service.sampler_info(sampler_id, caller(request))
 
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:
         body = await body_of(request)
-        generate, n, shape = service.sample_request(body)
-        sampler = service.samplers[str(body.get("sampling_session_id", ""))]  # sample_request checked it
-        request_id = futures.submit(lambda: service.sample(generate, shape, sampler))
+        tenant = caller(request)
+        generate, n, shape = service.sample_request(body, tenant)
+        sampler = service.sampler(str(body.get("sampling_session_id", "")), tenant)
+        request_id = futures.submit(admission.admitted(tenant, lambda: service.sample(generate, shape, sampler)),
+                                    tenant)
         return future(request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(n)])
 
     # ------------------------------------------------------------ REST: training runs and checkpoints
@@ -194,29 +229,29 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
         return limit, offset
 
     @app.get("/api/v1/training_runs")
-    async def training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return service.runs.training_runs(*page(limit, offset))
+    async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return service.runs.training_runs(*page(limit, offset), owner=caller(request))
 
     @app.get("/api/v1/training_runs/{run_id}")
-    async def training_run(run_id: str) -> dict[str, Any]:
-        return service.runs.training_run(run_id)
+    async def training_run(run_id: str, request: Request) -> dict[str, Any]:
+        return service.runs.training_run(run_id, owner=caller(request))
 
     @app.get("/api/v1/training_runs/{run_id}/checkpoints")
-    async def run_checkpoints(run_id: str) -> dict[str, Any]:
-        return service.runs.checkpoints(run_id)
+    async def run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
+        return service.runs.checkpoints(run_id, owner=caller(request))
 
     @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-    async def delete_checkpoint(run_id: str, checkpoint_id: str) -> dict[str, Any]:
-        service.delete_checkpoint(run_id, checkpoint_id)
+    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        service.delete_checkpoint(run_id, checkpoint_id, caller(request))
         return {}
 
     @app.get("/api/v1/checkpoints")
-    async def user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        return service.runs.checkpoints(None, *page(limit, offset))
+    async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return service.runs.checkpoints(None, *page(limit, offset), owner=caller(request))
 
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
-        return service.runs.weights_info((await body_of(request))["tinker_path"])
+        return service.runs.weights_info((await body_of(request))["tinker_path"], owner=caller(request))
 
     # ------------------------------------------------------------ futures
 
@@ -224,7 +259,7 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
     async def retrieve_future(request: Request) -> Response:
         request_id = str((await body_of(request)).get("request_id", ""))
         try:
-            outcome: Outcome | None = await futures.retrieve(request_id)
+            outcome: Outcome | None = await futures.retrieve(request_id, caller(request))
         except KeyError:
             raise HTTPException(404, f"unknown request_id {request_id!r}") from None
         if outcome is None:
@@ -246,6 +281,7 @@ def create_app(service: TinkerService, api_keys: Sequence[str], futures: Futures
 
     @app.on_event("startup")
     async def startup() -> None:
+        await service.reconcile()  # kept models whose trainer jobs are gone: dropped, not answered as missing jobs
         app.state.expiry = asyncio.create_task(expire_sessions(), name="tinker-session-expiry")
 
     @app.on_event("shutdown")

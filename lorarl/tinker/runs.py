@@ -27,6 +27,7 @@ class Run:
     base_model: str
     rank: int
     lora: dict[str, Any]
+    owner: str = ""  # the tenant that made it: only its keys see it (lorarl.tinker.tenants)
     last_request: float = field(default_factory=time.time)
     checkpoints: dict[str, float] = field(default_factory=dict)  # tinker path -> when it was saved
 
@@ -47,11 +48,11 @@ def parse_path(path: str) -> tuple[str, str, str]:
 class Runs:
     """Every training run the front has made, and its checkpoints."""
 
-    def __init__(self) -> None:
-        self.runs: dict[str, Run] = {}
+    def __init__(self, runs: dict[str, Run] | None = None) -> None:
+        self.runs: dict[str, Run] = dict(runs or {})
 
-    def add(self, run_id: str, base_model: str, rank: int, lora: dict[str, Any]) -> None:
-        self.runs[run_id] = Run(run_id, base_model, rank, dict(lora))
+    def add(self, run_id: str, base_model: str, rank: int, lora: dict[str, Any], owner: str = "") -> None:
+        self.runs[run_id] = Run(run_id, base_model, rank, dict(lora), owner)
 
     def touch(self, run_id: str) -> None:
         if run_id in self.runs:
@@ -63,8 +64,9 @@ class Runs:
         if run_id in self.runs:
             self.runs[run_id].checkpoints[path] = time.time()
 
-    def run(self, run_id: str) -> Run:
-        if run_id not in self.runs:
+    def run(self, run_id: str, owner: str | None = None) -> Run:
+        """The run, when ``owner``'s (None: any); another tenant's is answered as none."""
+        if run_id not in self.runs or owner not in (None, self.runs[run_id].owner):
             raise NotFoundError(f"no training run {run_id!r} on this front")
         return self.runs[run_id]
 
@@ -73,8 +75,8 @@ class Runs:
         return types.Checkpoint(checkpoint_id=f"{kind}/{name}", checkpoint_type=KINDS[kind], time=_when(when),
                                 tinker_path=path)
 
-    def training_run(self, run_id: str) -> dict[str, Any]:
-        run = self.run(run_id)
+    def training_run(self, run_id: str, owner: str | None = None) -> dict[str, Any]:
+        run = self.run(run_id, owner)
         last = {KINDS[parse_path(p)[1]]: (p, t) for p, t in sorted(run.checkpoints.items(), key=lambda i: i[1])}
         body = types.TrainingRun(
             training_run_id=run.run_id, base_model=run.base_model, model_owner="", is_lora=True, lora_rank=run.rank,
@@ -83,35 +85,38 @@ class Runs:
             last_sampler_checkpoint=self._checkpoint(*last["sampler"]) if "sampler" in last else None)
         return body.model_dump(mode="json")
 
-    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
-        ids = sorted(self.runs, key=lambda r: -self.runs[r].last_request)
+    def training_runs(self, limit: int, offset: int, owner: str | None = None) -> dict[str, Any]:
+        ids = sorted((r for r in self.runs if owner in (None, self.runs[r].owner)),
+                     key=lambda r: -self.runs[r].last_request)
         page = ids[offset: offset + limit]
         body = types.TrainingRunsResponse(training_runs=[types.TrainingRun.model_validate(self.training_run(r))
                                                          for r in page],
                                           cursor=types.Cursor(offset=offset, limit=limit, total_count=len(ids)))
         return body.model_dump(mode="json")
 
-    def checkpoints(self, run_id: str | None = None, limit: int = MAX_PAGE, offset: int = 0) -> dict[str, Any]:
-        """A run's checkpoints (None: every run's), newest first."""
-        runs = [self.run(run_id)] if run_id is not None else list(self.runs.values())
+    def checkpoints(self, run_id: str | None = None, limit: int = MAX_PAGE, offset: int = 0,
+                    owner: str | None = None) -> dict[str, Any]:
+        """A run's checkpoints (None: every run of ``owner``'s), newest first."""
+        runs = [self.run(run_id, owner)] if run_id is not None else [
+            r for r in self.runs.values() if owner in (None, r.owner)]
         found = sorted(((p, t) for r in runs for p, t in r.checkpoints.items()), key=lambda item: -item[1])
         body = types.CheckpointsListResponse(
             checkpoints=[self._checkpoint(p, t) for p, t in found[offset: offset + limit]],
             cursor=types.Cursor(offset=offset, limit=limit, total_count=len(found)))
         return body.model_dump(mode="json")
 
-    def forget(self, run_id: str, checkpoint_id: str) -> str:
+    def forget(self, run_id: str, checkpoint_id: str, owner: str | None = None) -> str:
         """Drops a checkpoint (``weights/NAME`` or ``sampler_weights/NAME``) from its run; its tinker path."""
         path = f"tinker://{run_id}/{checkpoint_id}"
         parse_path(path)
-        if path not in self.run(run_id).checkpoints:
+        if path not in self.run(run_id, owner).checkpoints:
             raise NotFoundError(f"training run {run_id!r} has no checkpoint {checkpoint_id!r}")
         del self.runs[run_id].checkpoints[path]
         return path
 
-    def weights_info(self, path: str) -> dict[str, Any]:
+    def weights_info(self, path: str, owner: str | None = None) -> dict[str, Any]:
         run_id, _, _ = parse_path(path)
-        run = self.run(run_id)
+        run = self.run(run_id, owner)
         if path not in run.checkpoints:
             raise NotFoundError(f"no checkpoint at {path!r}")
         lora = run.lora

@@ -13,7 +13,6 @@ linears): `train_unembed` is accepted and logged, since the SDK sends it by defa
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
@@ -30,8 +29,9 @@ from lorarl.contract.lora import ALL_LINEAR, ATTENTION_TARGETS, MLP_TARGETS, Lor
 from lorarl.contract.training import AdamStep, LossSpec, OptimizerSpec, TrainingSpec
 from lorarl.tinker import wire
 from lorarl.tinker.futures import UserError
-from lorarl.tinker.runs import Runs
-from lorarl.tinker.state import FrontState
+from lorarl.tinker.runs import Run, Runs
+from lorarl.tinker.state import FrontState, Kinds, Snapshot
+from lorarl.tinker.tenants import DEFAULT_TENANT, FrontTenant, FrontTenants
 from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class Model:
     base_model: str
     rank: int
     version: int = 0  # the trainer's, after this model's last optim_step (0: untrained, the base's outputs)
+    tenant: str = DEFAULT_TENANT  # whose it is (lorarl.tinker.tenants)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Saved:
     base_model: str
     rank: int
     lora: dict[str, Any]
+    tenant: str = DEFAULT_TENANT  # whose path it is: only its keys load it
 
 
 #: How long a session may go without a heartbeat or a call before it expires and frees what it holds. The SDK
@@ -92,6 +94,7 @@ class Sampler:
     model_path: str = ""
     adapter: str = ""  # the same weights as a PEFT adapter (the trainer's export): what a restore loads
     lora: dict[str, Any] | None = None  # the create_model lora_config they were trained with
+    tenant: str = DEFAULT_TENANT  # whose path it is: only its keys open sampling sessions on it
 
 
 #: How many sampler paths the front keeps restored at once (each a trainer job and an adapter slot on the
@@ -114,47 +117,99 @@ class TinkerService:
 
     def __init__(self, models: dict[str, str], trainer: str, rollout: str = "", token: str | None = None,
                  session_ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.monotonic,
-                 tls: ClientTls | None = None, state_path: str | Path | None = None) -> None:
+                 tls: ClientTls | None = None, state_path: str | Path | None = None,
+                 tenants: FrontTenants | None = None) -> None:
         """``models``: Tinker base-model name -> the model's directory on the trainer and rollout;
         ``session_ttl_s``: silence after which a session expires (`expire_silent`); ``tls``: how the calls to the
         trainer and rollout are secured (the stack's ``server.peer_tls``; None: plaintext); ``state_path``: the
-        file the saved ``tinker://`` paths are kept in across a restart (lorarl.tinker.state; None: memory)."""
+        file the front's state is kept in across a restart (lorarl.tinker.state; None: memory);
+        ``tenants``: who may call, their limits and trainer keys (None: one tenant, DEFAULT_TENANT)."""
         self.base_models = dict(models)
+        self.tenants = tenants or FrontTenants([FrontTenant(DEFAULT_TENANT, ())])
         self._trainer_channel = aio_channel(trainer, token=token, tls=tls)
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
+        # a tenant with a key of its own on the trainer calls with it: the trainer confines it to its jobs
+        self._tenant_channels = {t.name: aio_channel(trainer, token=t.trainer_token, tls=tls)
+                                 for t in self.tenants.by_name.values() if t.trainer_token}
+        self._trainers = {name: trainer_pb2_grpc.TrainerServiceStub(channel)
+                          for name, channel in self._tenant_channels.items()}
         self._rollout_channel = aio_channel(rollout, token=token, tls=tls) if rollout else None
         self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel) if self._rollout_channel else None
-        self.sessions: dict[str, set[str]] = {}
-        self.models: dict[str, Model] = {}
-        self.samplers: dict[str, Sampler] = {}
-        self.state = FrontState(state_path)
-        # tinker://<model_id>/weights/<name> -> the trainer's checkpoint; .../sampler_weights/<name> -> its sampler;
-        # the tinker paths deleted through the REST API: what a restarted front still knows
-        self.saved, self._paths, self._deleted = self.state.load(Saved, Sampler)
-        self._lora_of: dict[str, dict[str, Any]] = {}  # model_id -> its create_model lora_config
-        self._sampler_ids = itertools.count()
+        self._creating: dict[str, int] = {}  # tenant -> create_model calls under way (counted against max_models)
         self.session_ttl_s, self._clock = session_ttl_s, clock
-        self._last_seen: dict[str, float] = {}  # session_id -> when it last heartbeat or called
-        self.runs = Runs()  # the REST API's training runs and checkpoints (they outlive their sessions)
-        self._restored: dict[str, Sampler] = {}  # restore job id -> the sampler it serves, oldest first
         self._restore_lock: asyncio.Lock | None = None  # made in the serving loop, on the first restore
+        self.state = FrontState(state_path)
+        kept = self.state.load(Kinds(Saved, Sampler, Model, Run))  # what a front killed before held
+        # tinker://<model_id>/weights/<name> -> the trainer's checkpoint; .../sampler_weights/<name> -> its sampler;
+        # the tinker paths deleted through the REST API
+        self.saved, self._paths, self._deleted = kept.saved, kept.paths, kept.deleted
+        self.session_owner: dict[str, str] = dict(kept.sessions)  # session_id -> its tenant
+        self.sessions: dict[str, set[str]] = {s: set() for s in kept.sessions}  # session_id -> its model ids
+        self.models: dict[str, Model] = dict(kept.models)  # their trainer jobs outlived the front
+        for model_id in self.models:
+            self.sessions.setdefault(model_id.split(":train:", 1)[0], set()).add(model_id)
+        self._lora_of: dict[str, dict[str, Any]] = dict(kept.lora)  # model_id -> its create_model lora_config
+        self.samplers: dict[str, Sampler] = {}
+        self.sampler_owner: dict[str, str] = {}  # sampler_id -> the tenant that opened it
+        for sampler_id, record in kept.sampling.items():
+            found = self._paths.get(record.get("path", "")) or Sampler(record.get("base_model", ""),
+                                                                      tenant=record["owner"])
+            self.samplers[sampler_id], self.sampler_owner[sampler_id] = found, record["owner"]
+        now = clock()
+        self._last_seen: dict[str, float] = {s: now for s in self.sessions}  # their silence counts from now
+        self.runs = Runs(kept.runs)  # the REST API's training runs and checkpoints (they outlive their sessions)
+        # restore job id -> the sampler it serves, oldest first
+        self._restored: dict[str, Sampler] = {r: self._paths[p] for r, p in kept.restored.items() if p in self._paths}
+        self.on_rollout: dict[str, str] = dict(kept.on_rollout)  # job id the rollout holds for sampling -> tenant
 
     async def close(self) -> None:
         await self._trainer_channel.close()
+        for channel in self._tenant_channels.values():
+            await channel.close()
         if self._rollout_channel is not None:
             await self._rollout_channel.close()
 
     # ------------------------------------------------------------ sessions and models
 
-    def create_session(self) -> dict[str, Any]:
+    async def reconcile(self) -> list[str]:
+        """After a restart: the kept models whose trainer jobs are gone (the services were restarted too, as
+        `lorarl tinker` does) are dropped, with their rollout slots, rather than answering with a missing job;
+        their sessions and saved paths stay. The model ids dropped."""
+        if not self.models and not self.on_rollout:
+            return []
+        try:
+            listed = await self.trainer.ListJobs(trainer_pb2.ListJobsRequest())
+        except grpc.aio.AioRpcError as e:
+            logger.warning("could not list the trainer's jobs to check the kept models: %s", e.details())
+            return []
+        alive = {job.job_id for job in listed.jobs}
+        gone = [m for m, model in self.models.items() if model.job_id not in alive]
+        for model_id in gone:
+            logger.warning("model %s: its trainer job %s is gone (the trainer restarted); dropped", model_id,
+                           self.models[model_id].job_id)
+            del self.models[model_id]
+            for models in self.sessions.values():
+                models.discard(model_id)
+        self.on_rollout = {job: tenant for job, tenant in self.on_rollout.items() if job in alive}
+        self._restored = {r: sampler for r, sampler in self._restored.items() if r in alive}
+        self._keep()
+        return gone
+
+    def _trainer_of(self, tenant: str) -> Any:
+        """The trainer stub a tenant's calls go through (its own trainer key, else the service token)."""
+        return self._trainers.get(tenant, self.trainer)
+
+    def create_session(self, tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
         session_id = f"s{uuid.uuid4().hex[:12]}"
         self.sessions[session_id] = set()
+        self.session_owner[session_id] = tenant
+        self._keep()
         self._last_seen[session_id] = self._clock()
         return {"session_id": session_id}
 
-    def heartbeat(self, session_id: str) -> bool:
-        """A session's heartbeat: False for a session that is not (or no longer) open."""
-        if session_id not in self.sessions:
+    def heartbeat(self, session_id: str, tenant: str = DEFAULT_TENANT) -> bool:
+        """A session's heartbeat: False for a session that is not (or no longer) open, or not ``tenant``'s."""
+        if session_id not in self.sessions or self.session_owner.get(session_id) != tenant:
             return False
         self._last_seen[session_id] = self._clock()
         return True
@@ -171,23 +226,29 @@ class TinkerService:
             await self.finish_session(session_id)
         return silent
 
-    async def finish_session(self, session_id: str) -> None:
+    async def finish_session(self, session_id: str, tenant: str | None = None) -> None:
         """A session's end (the client's close): its models' jobs leave the trainer and their adapters the rollout,
         freeing their slots and memory (on a shared rollout the adapters of finished sessions would otherwise
-        fill every slot); what they saved stays loadable (create_training_client_from_state_with_optimizer)."""
+        fill every slot); what they saved stays loadable (create_training_client_from_state_with_optimizer).
+        ``tenant``: the caller's (another tenant's session is left alone); None: the front's own (expiry)."""
+        if tenant is not None and self.session_owner.get(session_id) != tenant:
+            return
         self._last_seen.pop(session_id, None)
+        self.session_owner.pop(session_id, None)
         for model_id in sorted(self.sessions.pop(session_id, set())):
             model = self.models.pop(model_id, None)
             if model is None:
                 continue
             try:
-                await self.trainer.DeleteJob(trainer_pb2.DeleteJobRequest(job_id=model.job_id))
+                await self._trainer_of(model.tenant).DeleteJob(trainer_pb2.DeleteJobRequest(job_id=model.job_id))
             except grpc.aio.AioRpcError as e:
                 logger.warning("session %s: could not delete job %s: %s", session_id, model.job_id, e.details())
             await self._unload(model.job_id)
+        self._keep()
 
     async def _unload(self, job_id: str) -> None:
         """Every version of ``job_id`` off the rollout (each once its requests have finished)."""
+        self.on_rollout.pop(job_id, None)
         if self.rollout is None:
             return
         try:
@@ -196,15 +257,16 @@ class TinkerService:
             if e.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it never sampled
                 logger.warning("could not unload job %s from the rollout: %s", job_id, e.details())
 
-    def _session(self, session_id: str) -> set[str]:
-        if session_id not in self.sessions:
+    def _session(self, session_id: str, tenant: str = DEFAULT_TENANT) -> set[str]:
+        if session_id not in self.sessions or self.session_owner.get(session_id) != tenant:
             raise UserError(f"unknown session_id {session_id!r}: create_session first (a session silent for "
                             f"{self.session_ttl_s:.0f} s expires)")
         self._last_seen[session_id] = self._clock()
         return self.sessions[session_id]
 
-    def model(self, model_id: str) -> Model:
-        if model_id not in self.models:
+    def model(self, model_id: str, tenant: str | None = None) -> Model:
+        """The model, when ``tenant``'s (None: the front's own call, the route checked it already)."""
+        if model_id not in self.models or tenant not in (None, self.models[model_id].tenant):
             raise UserError(f"unknown model_id {model_id!r}")
         session_id = model_id.split(":train:", 1)[0]
         if session_id in self._last_seen:  # a call on a session's model counts as a sign of life
@@ -225,9 +287,10 @@ class TinkerService:
     def model_id_for(self, session_id: str, model_seq_id: int) -> str:
         return f"{session_id}:train:{model_seq_id}"
 
-    async def create_model(self, body: dict[str, Any], init_adapter: str = "") -> dict[str, Any]:
+    async def create_model(self, body: dict[str, Any], init_adapter: str = "",
+                           tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
         session_id = str(body.get("session_id", ""))
-        models = self._session(session_id)
+        models = self._session(session_id, tenant)
         model_id = self.model_id_for(session_id, int(body.get("model_seq_id", 0)))
         if model_id in self.models:
             raise UserError(f"model {model_id} exists already")
@@ -240,13 +303,24 @@ class TinkerService:
         if optimizer != "adamw":
             raise UserError(f"optimizer_config.type {optimizer!r}: lorarl serves adamw")
         spec = self._spec(base_model, lora, init_adapter)
-        job_id = f"tinker-{session_id}-{int(body.get('model_seq_id', 0))}"
-        created = await self._call(self.trainer.CreateJob, trainer_pb2.CreateJobRequest(job_id=job_id,
-                                                                                          config=spec.to_proto()))
-        self.models[model_id] = Model(model_id, job_id, base_model, rank, version=int(created.job.version))
+        owner = self.tenants[tenant]
+        live = sum(m.tenant == tenant for m in self.models.values()) + self._creating.get(tenant, 0)
+        if live >= owner.limits.max_models:
+            raise UserError(f"tenant {tenant!r} has {live} training models, its limit (tinker.tenants[].max_models "
+                            f"{owner.limits.max_models}): finish a session (its models are freed) and create again")
+        job_id = f"{owner.job_prefix}{session_id}-{int(body.get('model_seq_id', 0))}"
+        self._creating[tenant] = self._creating.get(tenant, 0) + 1
+        try:
+            created = await self._call(self._trainer_of(tenant).CreateJob, trainer_pb2.CreateJobRequest(
+                job_id=job_id, config=spec.to_proto()))
+        finally:
+            self._creating[tenant] -= 1
+        self.models[model_id] = Model(model_id, job_id, base_model, rank, version=int(created.job.version),
+                                      tenant=tenant)
         self._lora_of[model_id] = dict(lora)
-        self.runs.add(model_id, base_model, rank, lora)
+        self.runs.add(model_id, base_model, rank, lora, owner=tenant)
         models.add(model_id)
+        self._keep()
         return {"model_id": model_id, "type": "create_model"}
 
     def _spec(self, base_model: str, lora: dict[str, Any], init_adapter: str = "") -> TrainingSpec:
@@ -269,8 +343,8 @@ class TinkerService:
         except ValueError as e:
             raise UserError(f"lora_config: {e}") from None
 
-    def get_info(self, model_id: str) -> dict[str, Any]:
-        model = self.model(model_id)
+    def get_info(self, model_id: str, tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+        model = self.model(model_id, tenant)
         return {"model_id": model_id, "is_lora": True, "lora_rank": model.rank, "model_name": model.base_model,
                 "model_data": {"model_name": model.base_model,
                                "tokenizer_id": str(Path(self.base_models[model.base_model]).resolve())},
@@ -290,7 +364,7 @@ class TinkerService:
         records = wire.trajectories(request, model.job_id)
         clip = wire.loss_config(request)
         loss = LossSpec(type=wire.LOSSES[request.loss_fn], **clip)
-        reply = await self._call(self.trainer.ForwardBackward, trainer_pb2.ForwardBackwardRequest(
+        reply = await self._call(self._trainer_of(model.tenant).ForwardBackward, trainer_pb2.ForwardBackwardRequest(
             job_id=model.job_id, trajectories=records, loss=loss.to_proto(), forward_only=request.forward_only,
             return_logprobs=True))
         return wire.forward_backward_output([list(r.logprobs) for r in reply.logprobs], dict(reply.metrics.values))
@@ -309,9 +383,10 @@ class TinkerService:
             adam.applied_to(OptimizerSpec())  # OptimizerSpec's bounds, named: "optimizer.beta1 must be in [0, 1)"
         except (TypeError, ValueError) as e:
             raise UserError(f"adam_params: {e}") from None
-        reply = await self._call(self.trainer.OptimStep, adam.to_proto(trainer_pb2.OptimStepRequest(
+        reply = await self._call(self._trainer_of(model.tenant).OptimStep, adam.to_proto(trainer_pb2.OptimStepRequest(
             job_id=model.job_id, learning_rate=lr)))
         model.version = int(reply.version)
+        self._keep()
         metrics = {f"{k}:mean": float(v) for k, v in reply.metrics.values.items() if math.isfinite(v)}
         return {"metrics": metrics, "type": "optim_step"}
 
@@ -324,68 +399,73 @@ class TinkerService:
         path = f"tinker://{model.model_id}/weights/{name}"
         if path in self.saved and not body.get("overwrite"):
             raise UserError(f"{path} exists; save under another name or pass overwrite")
-        reply = await self._call(self.trainer.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(
+        trainer = self._trainer_of(model.tenant)
+        reply = await self._call(trainer.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(
             job_id=model.job_id, path=f"{model.job_id}/{name}"))
-        adapter = await self._call(self.trainer.Export, trainer_pb2.ExportRequest(
+        adapter = await self._call(trainer.Export, trainer_pb2.ExportRequest(
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{model.job_id}/{name}-adapter"))
         self.saved[path] = Saved(reply.path, adapter.path, model.base_model, model.rank,
-                                 self._lora_of.get(model.model_id, {}))
+                                 self._lora_of.get(model.model_id, {}), tenant=model.tenant)
         self.runs.saved(path)
         self._deleted.discard(path)
         self._keep()
         return {"path": path, "type": "save_weights"}
 
-    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str, tenant: str = DEFAULT_TENANT) -> None:
         """DELETE .../checkpoints/{checkpoint_id}: the path no longer loads or samples (the trainer keeps its files
         until its own retention removes them)."""
-        path = self.runs.forget(run_id, checkpoint_id)
+        path = self.runs.forget(run_id, checkpoint_id, tenant)
         self.saved.pop(path, None)
         self._paths.pop(path, None)
         self._deleted.add(path)
         self._keep()
 
-    def _saved(self, body: dict[str, Any]) -> Saved:
+    def _saved(self, body: dict[str, Any], tenant: str) -> Saved:
         path = str(body.get("path", ""))
-        if path not in self.saved:
+        if path not in self.saved or self.saved[path].tenant != tenant:
             raise UserError(f"no checkpoint at {path!r} (this front knows the save_state paths it returned)")
         return self.saved[path]
 
     async def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         """load_state[_with_optimizer] on a model: with the optimizer, the checkpoint (Adam moments, step and
         RNG included); without, the model's job starts again from the saved adapter with a fresh optimizer."""
-        saved = self._saved(body)
         model = self.model(str(body.get("model_id", "")))
+        saved = self._saved(body, model.tenant)
+        trainer = self._trainer_of(model.tenant)
         if body.get("optimizer", False):
-            reply = await self._call(self.trainer.LoadCheckpoint, trainer_pb2.LoadCheckpointRequest(
+            reply = await self._call(trainer.LoadCheckpoint, trainer_pb2.LoadCheckpointRequest(
                 job_id=model.job_id, path=saved.checkpoint))
             model.version = int(reply.version)
+            self._keep()
         else:
             session_id, seq = model.model_id.split(":train:")
-            await self._call(self.trainer.DeleteJob, trainer_pb2.DeleteJobRequest(job_id=model.job_id))
+            await self._call(trainer.DeleteJob, trainer_pb2.DeleteJobRequest(job_id=model.job_id))
             del self.models[model.model_id]
             self.sessions.get(session_id, set()).discard(model.model_id)
             await self.create_model({"session_id": session_id, "model_seq_id": int(seq),
                                      "base_model": saved.base_model, "lora_config": saved.lora or {"rank": saved.rank}},
-                                    init_adapter=saved.adapter)
+                                    init_adapter=saved.adapter, tenant=model.tenant)
         return {"path": body["path"], "type": "load_weights"}
 
-    async def create_from_state(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def create_from_state(self, body: dict[str, Any], tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
         """create_training_client_from_state[_with_optimizer]: a new model like the saved one, from its state."""
-        saved = self._saved(body)
+        saved = self._saved(body, tenant)
         with_optimizer = bool(body.get("optimizer", False))
         created = await self.create_model({"session_id": body.get("session_id"), "model_seq_id":
                                            body.get("model_seq_id", 0), "base_model": saved.base_model,
                                            "lora_config": saved.lora or {"rank": saved.rank}},
-                                          init_adapter="" if with_optimizer else saved.adapter)
+                                          init_adapter="" if with_optimizer else saved.adapter, tenant=tenant)
         if with_optimizer:
             await self.load_weights({**body, "model_id": created["model_id"]})
         return {"model_id": created["model_id"], "path": body["path"], "type": "load_weights"}
 
     # ------------------------------------------------------------ sampling
 
-    def _new_sampler(self, sampler: Sampler) -> str:
-        sampler_id = f"sampler-{next(self._sampler_ids)}"
+    def _new_sampler(self, sampler: Sampler, tenant: str) -> str:
+        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"  # unique across restarts of the front
         self.samplers[sampler_id] = sampler
+        self.sampler_owner[sampler_id] = tenant
+        self._keep()
         return sampler_id
 
     async def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -397,8 +477,10 @@ class TinkerService:
         name = body.get("path")
         if model.version == 0:  # untrained: a fresh adapter (B = 0) computes what the base does; nothing to publish
             path = f"tinker://{model.model_id}/sampler_weights/{name or 'v0'}"
-            return self._saved_sampler(Sampler(model.base_model, "", 0, path))
-        reply = await self._call(self.trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
+            return self._saved_sampler(Sampler(model.base_model, "", 0, path, tenant=model.tenant))
+        self._hold_slot(model.tenant, model.job_id)
+        trainer = self._trainer_of(model.tenant)
+        reply = await self._call(trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600,
             skip_unpublished=True))  # a client saves after any number of optim steps
         if not reply.activated:
@@ -406,10 +488,24 @@ class TinkerService:
         path = f"tinker://{model.model_id}/sampler_weights/{name or f'v{reply.version}'}"
         # the same weights as a PEFT adapter: the rollout keeps only a job's last few versions (and none once its
         # session ends), so a path sampled after that is restored from this (`_restore`)
-        exported = await self._call(self.trainer.Export, trainer_pb2.ExportRequest(
+        exported = await self._call(trainer.Export, trainer_pb2.ExportRequest(
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{model.job_id}/sampler-v{reply.version}"))
         return self._saved_sampler(Sampler(model.base_model, model.job_id, int(reply.version), path, exported.path,
-                                           self._lora_of.get(model.model_id, {"rank": model.rank})))
+                                           self._lora_of.get(model.model_id, {"rank": model.rank}),
+                                           tenant=model.tenant))
+
+    def _hold_slot(self, tenant: str, job_id: str) -> None:
+        """``job_id``'s weights to be held on the rollout for ``tenant``: refused past its max_sampling_models
+        (a job already there holds its slot)."""
+        if job_id in self.on_rollout:
+            return
+        limit = self.tenants[tenant].limits.max_sampling_models
+        held = sorted(j for j, t in self.on_rollout.items() if t == tenant)
+        if len(held) >= limit:
+            raise UserError(f"tenant {tenant!r} has {len(held)} models loaded on the rollout for sampling ({held}), "
+                            f"its limit (tinker.tenants[].max_sampling_models {limit}): finish a session to free one")
+        self.on_rollout[job_id] = tenant
+        self._keep()
 
     def _saved_sampler(self, sampler: Sampler) -> dict[str, Any]:
         """A sampler path saved: known by path (kept across a restart), a sampling session on it."""
@@ -417,41 +513,52 @@ class TinkerService:
         self.runs.saved(sampler.model_path)
         self._deleted.discard(sampler.model_path)
         self._keep()
-        return {"path": sampler.model_path, "sampling_session_id": self._new_sampler(sampler),
+        return {"path": sampler.model_path, "sampling_session_id": self._new_sampler(sampler, sampler.tenant),
                 "type": "save_weights_for_sampler"}
 
     def _keep(self) -> None:
-        self.state.write(self.saved, self._paths, self._deleted)
+        """The state file rewritten (lorarl.tinker.state): called on each change of what it holds."""
+        sampling = {sampler_id: {"owner": self.sampler_owner[sampler_id],
+                                 **({"path": s.model_path} if s.model_path in self._paths else
+                                    {"base_model": s.base_model})}
+                    for sampler_id, s in self.samplers.items()}
+        self.state.write(Snapshot(
+            saved=self.saved, paths=self._paths, deleted=self._deleted, sessions=self.session_owner,
+            models=self.models, lora=self._lora_of, sampling=sampling, runs=self.runs.runs,
+            restored={r: s.model_path for r, s in self._restored.items()}, on_rollout=self.on_rollout))
 
-    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
-        self._session(str(body.get("session_id", "")))
+    def create_sampling_session(self, body: dict[str, Any], tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+        self._session(str(body.get("session_id", "")), tenant)
         if body.get("model_path"):
+            found = self._paths.get(body["model_path"])
+            if found is None or found.tenant != tenant:  # another tenant's path is not there for this one
+                raise UserError(f"no sampler weights at {body['model_path']!r}")
             if body["model_path"] in self._deleted:
                 raise UserError(f"{body['model_path']} was deleted")
-            found = self._paths.get(body["model_path"])
-            if found is None:
-                raise UserError(f"no sampler weights at {body['model_path']!r}")
-            return {"sampling_session_id": self._new_sampler(found)}
+            return {"sampling_session_id": self._new_sampler(found, tenant)}
         base_model = str(body.get("base_model", ""))
         self._base_path(base_model)
-        return {"sampling_session_id": self._new_sampler(Sampler(base_model))}
+        return {"sampling_session_id": self._new_sampler(Sampler(base_model, tenant=tenant), tenant)}
 
-    def sampler_info(self, sampler_id: str) -> dict[str, Any]:
-        if sampler_id not in self.samplers:
+    def sampler(self, sampler_id: str, tenant: str) -> Sampler:
+        if sampler_id not in self.samplers or self.sampler_owner.get(sampler_id) != tenant:
+            raise UserError(f"unknown sampling_session_id {sampler_id!r}")
+        return self.samplers[sampler_id]
+
+    def sampler_info(self, sampler_id: str, tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+        if sampler_id not in self.samplers or self.sampler_owner.get(sampler_id) != tenant:
             raise UserError(f"unknown sampler {sampler_id!r}")
         s = self.samplers[sampler_id]
         return {"sampler_id": sampler_id, "base_model": s.base_model, **({"model_path": s.model_path}
                                                                          if s.model_path else {})}
 
-    def sample_request(self, body: dict[str, Any]) -> tuple[rollout_pb2.GenerateRequest, int, SampleShape]:
+    def sample_request(self, body: dict[str, Any], tenant: str = DEFAULT_TENANT
+                       ) -> tuple[rollout_pb2.GenerateRequest, int, SampleShape]:
         """The rollout request for an asample body (checked before its future exists), num_samples, and what
         the response holds beside the samples."""
-        sampler_id = str(body.get("sampling_session_id", ""))
-        if sampler_id not in self.samplers:
-            raise UserError(f"unknown sampling_session_id {sampler_id!r}")
+        sampler = self.sampler(str(body.get("sampling_session_id", "")), tenant)
         if self.rollout is None:
             raise UserError("this front has no rollout to sample from")
-        sampler = self.samplers[sampler_id]
         if body.get("prompt_alt_tokens_k"):
             raise UserError("prompt_alt_tokens_k: not served (lorarl returns logprobs, not alternative draws)")
         topk = {}
@@ -507,11 +614,21 @@ class TinkerService:
         async with self._restore_lock:
             if (sampler.job_id, sampler.version) != (job_id, version):
                 return
-            restore_id = f"tinker-restored-{uuid.uuid4().hex[:10]}"  # unique across restarts of the front
+            owner = self.tenants[sampler.tenant]
+            restore_id = f"{owner.job_prefix}restored-{uuid.uuid4().hex[:10]}"  # unique across restarts of the front
+            mine = [r for r, s in self._restored.items() if s.tenant == owner.name]
+            if mine and sum(t == owner.name for t in self.on_rollout.values()) >= owner.limits.max_sampling_models:
+                await self._drop_restored(mine[0])  # the tenant's own oldest restore makes room, before a refusal
+            self._hold_slot(owner.name, restore_id)
             spec = self._spec(sampler.base_model, sampler.lora or {}, init_adapter=sampler.adapter)
-            await self._call(self.trainer.CreateJob, trainer_pb2.CreateJobRequest(job_id=restore_id,
-                                                                                   config=spec.to_proto()))
-            reply = await self._call(self.trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
+            trainer = self._trainer_of(owner.name)
+            try:
+                await self._call(trainer.CreateJob, trainer_pb2.CreateJobRequest(job_id=restore_id,
+                                                                                  config=spec.to_proto()))
+            except BaseException:
+                self.on_rollout.pop(restore_id, None)
+                raise
+            reply = await self._call(trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
                 job_id=restore_id, mode=common_pb2.SYNC_MODE_ADAPTER, wait_for_activation=True, timeout_seconds=600))
             if not reply.activated:
                 raise UserError(f"{sampler.model_path}: the rollout did not take its restored weights: "
@@ -526,9 +643,11 @@ class TinkerService:
 
     async def _drop_restored(self, restore_id: str) -> None:
         """A restore off the trainer and the rollout; its sampler is restored again if sampled again."""
-        self._restored.pop(restore_id, None)
+        sampler = self._restored.pop(restore_id, None)
+        self._keep()
         try:
-            await self.trainer.DeleteJob(trainer_pb2.DeleteJobRequest(job_id=restore_id))
+            await self._trainer_of(sampler.tenant if sampler else DEFAULT_TENANT).DeleteJob(
+                trainer_pb2.DeleteJobRequest(job_id=restore_id))
         except grpc.aio.AioRpcError as e:
             logger.warning("could not delete restore job %s: %s", restore_id, e.details())
         await self._unload(restore_id)

@@ -3,13 +3,16 @@ cookbook-style loop in examples/tinker/rl_loop.py, on the official `tinker` clie
 the same front samples with prompt logprobs (compute_logprobs) that agree with the trainer's, and with the top
 alternatives of each prompt and sampled token; two users on its one engine, one at the SDK's default rank, cannot
 change what the other samples; on-policy distillation the Tinker way, a teacher sampling client scoring the
-student's samples on the same engine, and a saved sampler path restored after the rollout let it go; then
-tinker-cookbook's own RL and distillation loops, unpatched, learn through the same front."""
+student's samples on the same engine, and a saved sampler path restored after the rollout let it go; two tenants
+that cannot see or touch each other's sessions, models, samplers, paths, runs or futures on any route, and the
+limits of one (models, adapter slots, requests in flight); then tinker-cookbook's own RL and distillation loops,
+unpatched, learn through the same front."""
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +29,12 @@ def test_the_cookbook_style_loop_learns_through_the_tinker_front(tmp_path: Path)
     from tinker import types
 
     from lorarl.client.launch.tinker import local_front
+    from lorarl.tinker.tenants import FrontTenant, TenantLimits
 
-    with local_front(ROOT / "examples/demo.yaml", [*SETTINGS, f"output.dir={tmp_path}"]) as front:
+    team_b = FrontTenant("team-b", (f"tml-{secrets.token_urlsafe(16)}",), TenantLimits(
+        max_models=2, max_sampling_models=1, max_in_flight=1, max_waiting=1))
+    with local_front(ROOT / "examples/demo.yaml", [*SETTINGS, f"output.dir={tmp_path}"],
+                     other_tenants=[team_b]) as front:
         env = {**os.environ, "TINKER_BASE_URL": front.base_url, "TINKER_API_KEY": front.api_key,
                "TINKER_TELEMETRY": "0", "EVAL_PROBLEMS": "100", "TINKER_BASE_MODEL": front.base_model}
         done = subprocess.run([sys.executable, "examples/tinker/rl_loop.py", "16"], cwd=ROOT, env=env,
@@ -62,6 +69,7 @@ def test_the_cookbook_style_loop_learns_through_the_tinker_front(tmp_path: Path)
         assert all(len(top) == 3 for top in sequence.topk_logprobs)
         service.close("success")
         users_on_one_engine_cannot_change_what_the_other_samples(front)
+        tenants_cannot_reach_each_other_on_any_route(front, team_b.keys[0])
         a_teacher_on_the_same_engine_distils_a_student(front)
         the_cookbooks_own_loops_learn_unchanged(env)
 
@@ -125,6 +133,145 @@ def users_on_one_engine_cannot_change_what_the_other_samples(front) -> None:
         assert [c.checkpoint_type for c in listed] == ["sampler"] and listed[0].tinker_path.startswith(
             f"tinker://{a.model_id}/sampler_weights/")
     finally:
+        user_a.close("success")
+        user_b.close("success")
+
+
+def tenants_cannot_reach_each_other_on_any_route(front, key_b: str) -> None:
+    """Tenants issue, item 2: tenant A (the front's default key) trains, saves a state and sampler weights and
+    samples; tenant B (its own key) then calls every route that names a resource with A's ids and paths: each is
+    answered as if A's did not exist (400/404/410, or a future that fails "unknown"), A's session, model, paths
+    and sampler keep working as before, and B's view of runs and checkpoints holds none of A's. Then B's own
+    limits: its third model, its second model loaded for sampling, and its third request at once (one running,
+    one waiting) are refused by name — the last as HTTP 429 with Retry-After — while A's request beside them is
+    taken."""
+    import httpx
+    import tinker
+    from tinker import types
+    from tinker.proto import tinker_public_pb2 as pb
+
+    from lorarl.tinker.app import UNOWNED_ROUTES, create_app
+    from lorarl.tinker.service import TinkerService
+    from lorarl.tinker.tenants import FrontTenants
+
+    def datum(tokens: list[int]) -> types.Datum:
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64")})
+
+    api = f"{front.base_url}/api/v1"
+    user_a = tinker.ServiceClient(base_url=front.base_url, api_key=front.api_key)
+    user_b = tinker.ServiceClient(base_url=front.base_url, api_key=key_b)
+    b = httpx.Client(headers={"X-API-Key": key_b}, timeout=60)
+    a_raw = httpx.Client(headers={"X-API-Key": front.api_key}, timeout=60)
+    try:
+        a = user_a.create_lora_training_client(base_model=front.base_model, rank=8).result()
+        tokens = a.get_tokenizer().encode("12+34=46")
+        a.forward_backward([datum(tokens)], "cross_entropy").result()
+        a.optim_step(types.AdamParams(learning_rate=1e-1)).result()
+        state_path = a.save_state("a-state").result().path
+        sampler_a = a.save_weights_and_get_sampling_client().result()
+        sampler_path = next(c.tinker_path for c in user_a.create_rest_client().list_checkpoints(a.model_id)
+                            .result().checkpoints if c.checkpoint_type == "sampler")
+        prompt = types.ModelInput.from_ints(tokens)
+        before = sampler_a.compute_logprobs(prompt).result()
+        a_session, a_model, a_sampler = user_a.holder.get_session_id(), a.model_id, sampler_a._sampling_session_id
+        b_session = user_b.holder.get_session_id()
+        sample_body = {"prompt": prompt.model_dump(mode="json"), "num_samples": 1,
+                       "sampling_params": {"max_tokens": 4, "temperature": 1.0}}
+        a_request = a_raw.post(f"{api}/asample", json={**sample_body, "sampling_session_id": a_sampler}).json()
+        a_raw.post(f"{api}/retrieve_future", json={"request_id": a_request["request_id"]})
+
+        def failed_future(response: httpx.Response, message: str) -> None:
+            assert response.status_code == 200, response.text
+            outcome = b.post(f"{api}/retrieve_future", json={"request_id": response.json()["request_id"]}).json()
+            assert message in outcome.get("error", ""), outcome
+
+        fwd = pb.ForwardBackwardRequest(model_id=a_model, seq_id=1000)
+        tried = {
+            "POST /api/v1/session_heartbeat": (b.post(f"{api}/session_heartbeat", json={"session_id": a_session}),
+                                               410, "unknown session"),
+            "POST /api/v1/sessions/{session_id}/finish": (b.post(f"{api}/sessions/{a_session}/finish"), 200, ""),
+            "POST /api/v1/get_info": (b.post(f"{api}/get_info", json={"model_id": a_model}), 400, "unknown model_id"),
+            "POST /api/v1/forward_backward": (b.post(f"{api}/forward_backward", content=fwd.SerializeToString(),
+                                                     headers={"content-type": "application/x-protobuf"}),
+                                              400, "unknown model_id"),
+            "POST /api/v1/optim_step": (b.post(f"{api}/optim_step", json={
+                "model_id": a_model, "seq_id": 1000, "optim_params": {"learning_rate": 0.1}}), 400, "unknown model_id"),
+            "POST /api/v1/save_weights_for_sampler": (b.post(f"{api}/save_weights_for_sampler", json={
+                "model_id": a_model, "seq_id": 1000}), 400, "unknown model_id"),
+            "POST /api/v1/save_weights": (b.post(f"{api}/save_weights", json={
+                "model_id": a_model, "seq_id": 1000, "path": "taken"}), 400, "unknown model_id"),
+            "POST /api/v1/create_sampling_session": (b.post(f"{api}/create_sampling_session", json={
+                "session_id": b_session, "sampling_session_seq_id": 7, "model_path": sampler_path}),
+                400, "no sampler weights"),
+            "GET /api/v1/samplers/{sampler_id}": (b.get(f"{api}/samplers/{a_sampler}"), 400, "unknown sampler"),
+            "POST /api/v1/asample": (b.post(f"{api}/asample", json={**sample_body, "sampling_session_id": a_sampler}),
+                                     400, "unknown sampling_session_id"),
+            "GET /api/v1/training_runs/{run_id}": (b.get(f"{api}/training_runs/{a_model}"), 404, "no training run"),
+            "GET /api/v1/training_runs/{run_id}/checkpoints": (b.get(f"{api}/training_runs/{a_model}/checkpoints"),
+                                                               404, "no training run"),
+            "DELETE /api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}": (
+                b.delete(f"{api}/training_runs/{a_model}/checkpoints/weights/a-state"), 404, "no training run"),
+            "POST /api/v1/weights_info": (b.post(f"{api}/weights_info", json={"tinker_path": state_path}),
+                                          404, "no training run"),
+            "POST /api/v1/retrieve_future": (b.post(f"{api}/retrieve_future", json={
+                "request_id": a_request["request_id"]}), 404, "unknown request_id"),
+        }
+        for route, (response, status, message) in tried.items():
+            assert response.status_code == status and message in response.text, (route, response.text)
+        listed = b.get(f"{api}/training_runs").json()["training_runs"]
+        assert a_model not in {r["training_run_id"] for r in listed}, listed
+        assert not {c["tinker_path"] for c in b.get(f"{api}/checkpoints").json()["checkpoints"]} & {
+            state_path, sampler_path}
+        tried["GET /api/v1/training_runs"] = tried["GET /api/v1/checkpoints"] = (None, 200, "")
+        failed_future(b.post(f"{api}/create_model", json={"session_id": a_session, "model_seq_id": 99,
+                                                           "base_model": front.base_model}), "unknown session_id")
+        response = b.post(f"{api}/load_weights", json={"model_id": a_model, "seq_id": 1000, "path": state_path,
+                                                        "optimizer": True})
+        assert response.status_code == 400 and "unknown model_id" in response.text, response.text
+        failed_future(b.post(f"{api}/load_weights", json={"session_id": b_session, "model_seq_id": 50,
+                                                           "path": state_path, "optimizer": False}),
+                      "no checkpoint at")
+        tried["POST /api/v1/create_model"] = tried["POST /api/v1/load_weights"] = (None, 200, "")
+        # every route of the app is either tried above or names nothing of a tenant's (UNOWNED_ROUTES)
+        app = create_app(TinkerService({}, "127.0.0.1:1", tenants=FrontTenants.single(["tml-x"])))
+        routes = {f"{m} {r.path}" for r in app.routes for m in getattr(r, "methods", ()) if m != "HEAD"}
+        routes = {r for r in routes if "/docs" not in r and "openapi" not in r and "redoc" not in r}
+        assert routes == set(tried) | UNOWNED_ROUTES, routes ^ (set(tried) | UNOWNED_ROUTES)
+        # A's things are untouched: its session lives, its paths load and list, its sampler answers as before
+        assert a_raw.post(f"{api}/session_heartbeat", json={"session_id": a_session}).status_code == 200
+        assert sampler_a.compute_logprobs(prompt).result()[1:] == pytest.approx(before[1:], abs=1e-5)
+        assert {c.tinker_path for c in user_a.create_rest_client().list_checkpoints(a_model).result().checkpoints} \
+            == {state_path, sampler_path}
+        user_a.create_training_client_from_state(state_path).result()
+
+        # B's limits: 2 models, 1 of them loaded for sampling, 1 request running and 1 waiting
+        b1 = user_b.create_lora_training_client(base_model=front.base_model, rank=8).result()
+        b2 = user_b.create_lora_training_client(base_model=front.base_model, rank=8).result()
+        with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError),
+                           match=r"tenant 'team-b' has 2 training models.*max_models 2"):
+            user_b.create_lora_training_client(base_model=front.base_model, rank=8).result()
+        for client in (b1, b2):
+            client.forward_backward([datum(tokens)], "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=1e-1)).result()
+        sampler_b = b1.save_weights_and_get_sampling_client().result()
+        with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError),
+                           match=r"tenant 'team-b' has 1 models loaded on the rollout.*max_sampling_models 1"):
+            b2.save_weights_and_get_sampling_client().result()
+        long = {**sample_body, "num_samples": 8, "sampling_params": {"max_tokens": 64, "temperature": 1.0},
+                "sampling_session_id": sampler_b._sampling_session_id}
+        flood = [b.post(f"{api}/asample", json=long) for _ in range(3)]
+        beside = a_raw.post(f"{api}/asample", json={**sample_body, "sampling_session_id": a_sampler})
+        assert [r.status_code for r in flood] == [200, 200, 429], [r.text for r in flood]
+        assert flood[2].headers["retry-after"] == "2" and "max_in_flight" in flood[2].text, flood[2].text
+        assert beside.status_code == 200, beside.text  # A's request is taken beside B's flood
+        for r in flood[:2]:  # both run in turn: a SampleResponse each (protobuf), not an error
+            while "protobuf" not in (got := b.post(f"{api}/retrieve_future", json={
+                    "request_id": r.json()["request_id"]})).headers["content-type"]:
+                assert got.json().get("type") == "try_again", got.text
+    finally:
+        b.close()
+        a_raw.close()
         user_a.close("success")
         user_b.close("success")
 

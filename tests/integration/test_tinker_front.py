@@ -6,9 +6,10 @@ ComputeLogprobs, two concurrent clients sharing one resident base, and what is r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from lorarl.common.server import start_server
 from lorarl.common.server_config import ServerConfig
 from lorarl.tinker.app import create_app
 from lorarl.tinker.service import TinkerService
-from lorarl.trainer.service.config import TrainerSettings
+from lorarl.tinker.tenants import FrontTenant, FrontTenants
+from lorarl.trainer.service.config import TenantKey, TrainerSettings
 from lorarl.trainer.service.server import NAME, TrainerServicer, registration
 from lorarl.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.unit.trainer.tiny import dense_model
@@ -60,23 +62,27 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def front(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[str, str]]:
-    """(the front's base_url, the trainer's address): a trainer service and the front over it."""
-    root = tmp_path_factory.mktemp("tinker")
+@contextlib.contextmanager
+def trainer_and_front(root: Path, model_dir: Path, settings: dict | None = None,
+                      service: Callable[[str], TinkerService] | None = None) -> Iterator[tuple[str, str]]:
+    """(the front's base_url, the trainer's address): a trainer service (``settings``: more TrainerSettings) and
+    the front over it (``service``: the TinkerService for the trainer's address; default: KEY, one tenant)."""
     loop = LoopThread()
     config = ServerConfig(port=0)
     config.auth.token = TOKEN
-    settings = TrainerSettings(checkpoint_dir=str(root / "ckpt"), export_dir=str(root / "export"))
-    server = loop.run(start_server(NAME, config, registration(TrainerServicer(settings))))
+    trainer_settings = TrainerSettings(checkpoint_dir=str(root / "ckpt"), export_dir=str(root / "export"),
+                                       **(settings or {}))
+    servicer = TrainerServicer(trainer_settings)
+    server = loop.run(start_server(NAME, config, registration(servicer), also_tokens=servicer.tenants.tokens))
     trainer = f"127.0.0.1:{server.port}"
     port = free_port()
     ready: Future = Future()
+    make = service or (lambda address: TinkerService({BASE: str(model_dir)}, address, token=TOKEN,
+                                                     tenants=FrontTenants.single([KEY])))
 
     def serve() -> None:
         async def main() -> None:
-            service = TinkerService({BASE: str(model_dir)}, trainer, token=TOKEN)
-            app = create_app(service, [KEY])
+            app = create_app(make(trainer))
             web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
             ready.set_result(web)
             await web.serve()
@@ -96,6 +102,13 @@ def front(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
         thread.join(15)
         loop.run(server.stop(0))
         loop.stop()
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[str, str]]:
+    """(the front's base_url, the trainer's address): a trainer service and the front over it."""
+    with trainer_and_front(tmp_path_factory.mktemp("tinker"), model_dir) as addresses:
+        yield addresses
 
 
 def datum(tokens: list[int], loss: str, rng: np.random.Generator) -> types.Datum:
@@ -516,14 +529,18 @@ def test_the_rest_routes_the_cookbook_calls_answer_through_the_sdks_rest_client(
         service.close("success")
 
 
-def test_a_killed_front_comes_back_with_the_paths_its_clients_saved(front: tuple[str, str], model_dir: Path,
-                                                                    tmp_path: Path) -> None:
-    """Tenants issue: `lorarl serve tinker` with a state file, SIGKILLed after a client saved its state, and
-    started again on the same port and file: a new client's create_training_client_from_state loads the saved
-    path and computes what the saved weights computed; a path it never saved is still refused by name."""
+def test_a_killed_front_comes_back_with_what_its_clients_had(front: tuple[str, str], model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """Tenants issue: `lorarl serve tinker` with a state file, SIGKILLed after a client trained and saved its
+    state, and started again on the same port and file: the same client's training client goes on (its session,
+    model and seq_ids were kept; its trainer job outlived the front), a finished request's outcome is retrieved
+    again, a kept model whose trainer job went meanwhile is dropped at start, a new client's
+    create_training_client_from_state loads the saved path and computes what the saved weights computed, and a
+    path it never saved is still refused by name."""
     import json
     import subprocess
 
+    import httpx
     import yaml
 
     from lorarl.client.launch.local import lorarl_command
@@ -557,11 +574,37 @@ def test_a_killed_front_comes_back_with_the_paths_its_clients_saved(front: tuple
         client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         path = client.save_state("kept").result().path
         want = client.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        raw = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": KEY}, timeout=60)
+
+        def outcome(request_id: str) -> dict:
+            while (answer := raw.post("/retrieve_future", json={"request_id": request_id}).json()).get(
+                    "type") == "try_again":
+                pass
+            return answer
+
+        session = service.holder.get_session_id()
+        made = raw.post("/create_model", json={"session_id": session, "model_seq_id": 7, "base_model": BASE,
+                                               "lora_config": {"rank": 4}}).json()["request_id"]
+        first = outcome(made)
         process.kill()
         process.wait(timeout=30)
         kept = json.loads((tmp_path / "state" / "front.json").read_text())
-        assert list(kept["saved"]) == [path]
+        assert list(kept["saved"]) == [path] and session in kept["sessions"]
+        from lorarl.common.channel import sync_channel
+
+        with sync_channel(trainer, token=TOKEN) as channel:  # one kept model's job goes while the front is down
+            trainer_pb2_grpc.TrainerServiceStub(channel).DeleteJob(trainer_pb2.DeleteJobRequest(
+                job_id=f"tinker-{session}-7"))
         process = started(tmp_path / "ready-2.json")
+        assert outcome(made) == first and first["model_id"].endswith(":train:7")  # a finished outcome, again
+        gone = raw.post("/get_info", json={"model_id": first["model_id"]})  # dropped at start, not a missing job
+        assert gone.status_code == 400 and "unknown model_id" in gone.text, gone.text
+        assert raw.post("/session_heartbeat", json={"session_id": session}).status_code == 200
+        assert client.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
+        client.forward_backward(data, "cross_entropy").result()  # the same client trains on, in its seq order
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert client.forward(data, "cross_entropy").result().metrics["loss:sum"] < want
+        raw.close()
         again = tinker.ServiceClient(base_url=url, api_key=KEY)
         restored = again.create_training_client_from_state(path).result()
         assert restored.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
@@ -571,3 +614,32 @@ def test_a_killed_front_comes_back_with_the_paths_its_clients_saved(front: tuple
     finally:
         process.kill()
         process.wait(timeout=30)
+
+
+def test_a_front_tenant_reaches_the_trainer_as_the_trainers_own_tenant(tmp_path: Path, model_dir: Path) -> None:
+    """Front tenants map onto the trainer's (trainer.tenants): a tenant's calls present its trainer key, so its
+    jobs are named tinker-<tenant>-..., the trainer shows them to that key (and charges their turns to the tenant),
+    and a front tenant whose trainer key may not use such jobs is refused by the trainer itself, by name."""
+    settings = {"tenants": [TenantKey(name="team-a", token="trainer-key-a", jobs=["tinker-team-a-*"]),
+                            TenantKey(name="team-z", token="trainer-key-z", jobs=["other-*"])],
+                "model_roots": [str(model_dir.parent)]}
+    tenants = FrontTenants([FrontTenant("team-a", ("tml-team-a",), trainer_token="trainer-key-a"),
+                            FrontTenant("team-z", ("tml-team-z",), trainer_token="trainer-key-z")])
+    with trainer_and_front(tmp_path, model_dir, settings, lambda address: TinkerService(
+            {BASE: str(model_dir)}, address, token=TOKEN, tenants=tenants)) as (base_url, trainer):
+        team_a = tinker.ServiceClient(base_url=base_url, api_key="tml-team-a")
+        team_z = tinker.ServiceClient(base_url=base_url, api_key="tml-team-z")
+        try:
+            client = team_a.create_lora_training_client(base_model=BASE, rank=4).result()
+            client.forward_backward(batch(2, "cross_entropy"), "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            from lorarl.common.channel import sync_channel
+
+            with sync_channel(trainer, token="trainer-key-a") as channel:
+                jobs = trainer_pb2_grpc.TrainerServiceStub(channel).ListJobs(trainer_pb2.ListJobsRequest()).jobs
+            assert [j.job_id for j in jobs] == [f"tinker-team-a-{client.model_id.split(':')[0]}-0"]
+            with pytest.raises(tinker.RequestFailedError, match=r"PERMISSION_DENIED.*tenant 'team-z'.*other-\*"):
+                team_z.create_lora_training_client(base_model=BASE, rank=4).result()
+        finally:
+            team_a.close("success")
+            team_z.close("success")

@@ -408,3 +408,30 @@ def test_a_launcher_that_stops_on_sigterm_runs_its_loop_through_run_interruptibl
     assert _calls(ast.parse("stop_on_sigterm()\nasyncio.run(main())"), "asyncio.run") == [2]
     assert {"lorarl.client.commands.run", "lorarl.client.commands.evaluate"} <= {
         name for name, path in modules().items() if _calls(ast.parse(path.read_text()), "run_interruptible")}
+
+
+def test_every_tinker_route_that_names_a_resource_acts_as_the_callers_tenant() -> None:
+    """Tenants issue, item 2: each Tinker front route is either one of UNOWNED_ROUTES or hands its request to
+    the tenant helpers (``caller``, ``new_model``, ``ordered``, ``in_model_order``), so a route added later cannot
+    serve one tenant's models, samplers, paths or futures to another by forgetting the check (the e2e test in
+    tests/e2e/test_tinker_rl_loop.py tries every such route with another tenant's ids)."""
+    from lorarl.tinker.app import UNOWNED_ROUTES
+
+    tree = ast.parse((ROOT / "lorarl/tinker/app.py").read_text())
+    helpers = {"caller", "new_model", "ordered", "in_model_order"}
+    routes, unchecked = set(), []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.AsyncFunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
+                    and decorator.func.attr in ("get", "post", "delete")
+                    and isinstance(decorator.args[0], ast.Constant)):
+                route = f"{decorator.func.attr.upper()} {decorator.args[0].value}"
+                routes.add(route)
+                hands_over = any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in helpers
+                                 and c.args and isinstance(c.args[0], ast.Name) and c.args[0].id == "request"
+                                 for c in ast.walk(node))
+                if route not in UNOWNED_ROUTES and not hands_over:
+                    unchecked.append(route)
+    assert len(routes) >= 20 and routes >= UNOWNED_ROUTES and unchecked == []

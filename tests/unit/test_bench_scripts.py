@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
                                     "scaling.py", "gpu_check.py", "trl_at_shape.py", "head_logprobs.py",
                                     "npu_check.py", "receive_in_worker.py", "multitenant.py", "routing_replay.py",
                                     "recovery.py", "soak.py", "multi_lora_pass.py", "service_start.py",
-                                    "colocate.py", "one_base_gpu.py"])
+                                    "colocate.py", "one_base_gpu.py", "tenant_flood.py"])
 def test_command_line_parses(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -260,3 +260,15 @@ def test_the_batched_multi_job_pass_gives_each_job_its_turns_gradients() -> None
         p.grad = None
     round_batched(model, slots, batches[::-1], 1024)  # each job's adapter on the other's rows
     assert max((p.grad - g).abs().max().item() for p, g in zip(params, turns, strict=True)) > 1e-3
+
+
+def test_the_tenant_flood_table_pools_alone_and_divides_by_it() -> None:
+    from bench.tenant_flood import Phase, summary
+
+    phases = {"alone": Phase("alone", [1.0, 1.2]), "alone again": Phase("alone again", [1.0, 0.8]),
+              "beside held flood": Phase("beside held flood", [1.2, 1.4, 1.3], flood_done=30, flood_s=10.0),
+              "beside free flood": Phase("beside free flood", [5.0, 6.0, 7.0], flood_done=90, flood_s=10.0)}
+    lines, ratios = summary(phases)
+    assert ratios == {"beside held flood": pytest.approx(1.3), "beside free flood": pytest.approx(6.0)}
+    assert lines[2] == "| alone | 4 | 1.000 | 1.200 | 1.00 | - |"
+    assert lines[3] == "| beside held flood | 3 | 1.300 | 1.400 | 1.30 | 3.0 |"

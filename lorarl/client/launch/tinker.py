@@ -41,21 +41,24 @@ def model_names(model_path: str) -> dict[str, str]:
 @contextlib.contextmanager
 def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str | None, api_key: str,
                 host: str = "127.0.0.1", session_ttl_s: float | None = None,
-                state_path: str | Path | None = None) -> Iterator[str]:
+                state_path: str | Path | None = None, other_tenants: Sequence[Any] = ()) -> Iterator[str]:
     """The front on a thread of its own (its own event loop), until the block ends; yields its base URL.
     ``session_ttl_s``: silence after which a session expires (None: the service's default); ``state_path``: where
-    the saved tinker:// paths are kept across restarts (None: memory)."""
+    the front's state and request journal are kept across restarts (None: memory); ``other_tenants``:
+    FrontTenants served beside the default one, whose key is ``api_key`` (lorarl.tinker.tenants)."""
     from lorarl.common.http_server import start_http_server
     from lorarl.tinker.app import create_app
     from lorarl.tinker.service import TinkerService
+    from lorarl.tinker.tenants import DEFAULT_TENANT, FrontTenant, FrontTenants
 
     started: Future = Future()
 
     def run() -> None:
         async def main() -> None:
             ttl = {} if session_ttl_s is None else {"session_ttl_s": session_ttl_s}
-            app = create_app(TinkerService(models, trainer, rollout, token=token, state_path=state_path, **ttl),
-                             [api_key])
+            app = create_app(TinkerService(models, trainer, rollout, token=token, state_path=state_path,
+                                           tenants=FrontTenants([FrontTenant(DEFAULT_TENANT, (api_key,)),
+                                                                 *other_tenants]), **ttl))
             try:
                 web = await start_http_server(app, host, 0, name="Tinker API", lifespan="on")
             except BaseException as e:
@@ -77,8 +80,10 @@ def serve_front(models: dict[str, str], trainer: str, rollout: str, token: str |
 
 
 @contextlib.contextmanager
-def local_front(config: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None) -> Iterator[Front]:
-    """The job file's three services (as `lorarl run` starts them) and the front over them."""
+def local_front(config: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
+                other_tenants: Sequence[Any] = ()) -> Iterator[Front]:
+    """The job file's three services (as `lorarl run` starts them) and the front over them: its generated key the
+    default tenant's, ``other_tenants`` (lorarl.tinker.tenants.FrontTenant) beside it."""
     from lorarl.client.job.config import base_model_name, load_job_config
     from lorarl.client.launch.many_jobs import shared_sections
     from lorarl.client.launch.services import local_stack
@@ -94,5 +99,5 @@ def local_front(config: str | Path, overrides: Sequence[str] = (), out: str | Pa
         # also under the name the job gave its base (a Hub id): the name the clients' exported adapters then record
         models = {**model_names(cfg.model.path), base_model_name(cfg): str(Path(cfg.model.path).resolve())}
         with serve_front(models, trainer, rollout, stack.token, api_key,
-                         state_path=out / "tinker-state.json") as base_url:
+                         state_path=out / "tinker-state.json", other_tenants=other_tenants) as base_url:
             yield Front(base_url, api_key, Path(cfg.model.path).name, trainer, rollout)

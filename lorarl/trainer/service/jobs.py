@@ -83,6 +83,9 @@ class Job:
     turns: FairShare | None = None
     #: Tokens of its calls accepted and not yet answered (trainer.max_job_tokens_in_flight).
     tokens_in_flight: int = 0
+    #: Whose turns these are at a shared base: its tenant's ("tenant:<name>", one share for all the tenant's
+    #: jobs) when a tenant's key created it, else None (its own).
+    account: str | None = None
 
     def count(self, metrics: Metrics, seconds: float) -> Metrics:
         self.trained_tokens += float(metrics.get("tokens", 0.0))
@@ -216,8 +219,10 @@ class JobManager:
                     f"job {job.job_id!r} already trains {spec.base_model_path} on the megatron engine, which does "
                     "not share a base between jobs; use engine 'torch' (jobs on one base share it) or delete it")
 
-    async def create(self, job_id: str, spec: TrainingSpec, attach: bool = False) -> tuple[Job, bool]:
-        """A new job, or with ``attach`` the existing one of the same configuration; True when attached."""
+    async def create(self, job_id: str, spec: TrainingSpec, attach: bool = False,
+                     tenant: str | None = None) -> tuple[Job, bool]:
+        """A new job, or with ``attach`` the existing one of the same configuration; True when attached.
+        ``tenant``: the tenant whose key created it (its turns at a shared base are charged to the tenant)."""
         check_job_id(job_id)
         if job_id in self._creating:
             raise UnavailableError(f"job {job_id!r} is being created by another call; retry in a few seconds")
@@ -267,6 +272,7 @@ class JobManager:
             job = Job(job_id, spec, engine, TrajectoryBuffer(engine.vocab_size, spec.limits, spec.loss, routes,
                                                              FingerprintRule(action=spec.fingerprint_check)))
             job.turns = self.share_of(job)
+            job.account = f"tenant:{tenant}" if tenant else None
             self._jobs[job_id] = job
             logger.info("job %s: created on base %s, resident once for %d job(s); its own adapter %.1f MiB",
                         job_id, spec.base_model_path, base_jobs, adapter_bytes / 2**20)
@@ -319,7 +325,7 @@ class JobManager:
         On the way out the lock goes first and the turn one loop iteration later: the job's next call, woken
         by the lock, is then already waiting for the base, so the share weighs every job that has work."""
         await job.lock.acquire()
-        turn = (job.turns or self.share_of(job)).turn(job.job_id, job.spec.share)
+        turn = (job.turns or self.share_of(job)).turn(job.job_id, job.spec.share, job.account)
         try:
             await turn.__aenter__()
         except BaseException:

@@ -154,7 +154,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                                      "config.init_adapter_path": spec.init_adapter_path},
                             [self.settings.checkpoint_dir, self.settings.export_dir])
         await self._check_shared_rollouts(request.job_id, spec)
-        job, attached = await self.jobs.create(request.job_id, spec, attach=request.attach)
+        job, attached = await self.jobs.create(request.job_id, spec, attach=request.attach,
+                                               tenant=tenant.name if tenant is not None else None)
         if self.settings.weightsync_address:
             self.publisher().connect()  # the first publish should not pay for the import and the handshake
         return trainer_pb2.CreateJobResponse(job=job_status(job), attached=attached)

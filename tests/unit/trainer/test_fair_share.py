@@ -21,11 +21,11 @@ class Clock:
 
 
 async def busy(share: FairShare, clock: Clock, job: str, weight: float, seconds: float, calls: int,
-               log: list[tuple[str, float]], callers: int = 1) -> None:
+               log: list[tuple[str, float]], callers: int = 1, account: str | None = None) -> None:
     """``calls`` turns of ``seconds`` each, from ``callers`` concurrent callers (a job with calls in flight)."""
     async def caller(count: int) -> None:
         for _ in range(count):
-            async with share.turn(job, weight):
+            async with share.turn(job, weight, account):
                 clock.now += seconds
                 log.append((job, clock.now))
                 await asyncio.sleep(0)  # the others queue meanwhile
@@ -43,6 +43,24 @@ def test_compute_time_follows_the_shares_while_jobs_wait() -> None:
 
     first = [job for job, _ in asyncio.run(main())[:40]]  # while both have calls waiting: 3 of a for 1 of b
     assert abs(first.count("a") - 30) <= 1 and abs(first.count("b") - 10) <= 1, first
+
+
+def test_a_tenants_jobs_share_one_account_so_many_jobs_do_not_buy_more_of_the_base() -> None:
+    """Four jobs of one tenant (a team flooding the Tinker front with models) against one job of another: while
+    all wait, each tenant gets half the base, not four fifths to one (trainer.tenants: the key that created a job)."""
+    async def main(accounts: bool) -> list[tuple[str, float]]:
+        clock, log = Clock(), []
+        share = FairShare(clock)
+        flood = [busy(share, clock, f"flood-{i}", 1.0, 1.0, 40, log, account="tenant:flood" if accounts else None)
+                 for i in range(4)]
+        await asyncio.gather(*flood, busy(share, clock, "quiet", 1.0, 1.0, 40, log,
+                                          account="tenant:quiet" if accounts else None))
+        return log
+
+    by_tenant = [job for job, _ in asyncio.run(main(accounts=True))[:40]]
+    assert abs(by_tenant.count("quiet") - 20) <= 1, by_tenant
+    by_job = [job for job, _ in asyncio.run(main(accounts=False))[:40]]  # each job its own account: 1 in 5
+    assert abs(by_job.count("quiet") - 8) <= 1, by_job
 
 
 def test_a_job_that_sends_many_small_calls_does_not_crowd_out_one_with_large_calls() -> None:
