@@ -245,6 +245,11 @@ def create_app(service: TinkerService, futures: Futures | None = None) -> FastAP
         service.delete_checkpoint(run_id, checkpoint_id, caller(request))
         return {}
 
+    @app.put("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        service.set_ttl(run_id, checkpoint_id, (await body_of(request))["ttl_seconds"], caller(request))
+        return {}
+
     @app.get("/api/v1/checkpoints")
     async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
         return service.runs.checkpoints(None, *page(limit, offset), owner=caller(request))
@@ -271,13 +276,15 @@ def create_app(service: TinkerService, futures: Futures | None = None) -> FastAP
         return JSONResponse(outcome.json)
 
     async def expire_sessions() -> None:
-        """Sessions whose client went silent (crashed, killed, cut off) are finished, freeing what they hold."""
+        """Sessions whose client went silent (crashed, killed, cut off) are finished, freeing what they hold;
+        saved paths whose ttl_seconds passed expire."""
         while True:
             await asyncio.sleep(min(30.0, max(0.1, service.session_ttl_s / 4)))
             try:
                 await service.expire_silent()
+                service.expire_paths()
             except Exception:
-                logger.exception("tinker: expiring silent sessions failed")
+                logger.exception("tinker: expiring silent sessions or saved paths failed")
 
     @app.on_event("startup")
     async def startup() -> None:

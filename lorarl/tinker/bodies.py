@@ -22,6 +22,14 @@ class WeightsInfoRequest(BaseModel):
     tinker_path: str
 
 
+class CheckpointTtlRequest(BaseModel):
+    """PUT /training_runs/{run}/checkpoints/{checkpoint}/ttl, as tinker.RestClient.set_checkpoint_ttl_from_tinker_path
+    sends it (the SDK has no model): seconds from now, or null to keep the checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttl_seconds: int | None
+
+
 #: Route name (the path after /api/v1/) -> the SDK's model of its body.
 BODIES: dict[str, type[BaseModel]] = {
     "create_session": types.CreateSessionRequest,
@@ -36,6 +44,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "asample": types.SampleRequest,
     "retrieve_future": types.FutureRetrieveRequest,
     "weights_info": WeightsInfoRequest,
+    "ttl": CheckpointTtlRequest,
 }
 #: The most field problems one refusal lists.
 MAX_PROBLEMS = 3

@@ -30,6 +30,7 @@ class Run:
     owner: str = ""  # the tenant that made it: only its keys see it (lorarl.tinker.tenants)
     last_request: float = field(default_factory=time.time)
     checkpoints: dict[str, float] = field(default_factory=dict)  # tinker path -> when it was saved
+    expires: dict[str, float] = field(default_factory=dict)  # tinker path -> when it expires (absent: never)
 
 
 def _when(seconds: float) -> datetime:
@@ -58,11 +59,29 @@ class Runs:
         if run_id in self.runs:
             self.runs[run_id].last_request = time.time()
 
-    def saved(self, path: str) -> None:
-        """A checkpoint at ``path`` (its run's), saved now."""
+    def saved(self, path: str, expires_at: float = 0.0) -> None:
+        """A checkpoint at ``path`` (its run's), saved now; ``expires_at``: when it expires (0: never)."""
         run_id, _, _ = parse_path(path)
         if run_id in self.runs:
             self.runs[run_id].checkpoints[path] = time.time()
+            self._set_expiry(self.runs[run_id], path, expires_at)
+
+    @staticmethod
+    def _set_expiry(run: Run, path: str, expires_at: float) -> None:
+        if expires_at:
+            run.expires[path] = expires_at
+        else:
+            run.expires.pop(path, None)
+
+    def set_expiry(self, run_id: str, checkpoint_id: str, expires_at: float, owner: str | None = None) -> str:
+        """A checkpoint's expiry set (0: removed); its tinker path. NotFoundError for another's or none."""
+        path = f"tinker://{run_id}/{checkpoint_id}"
+        parse_path(path)
+        run = self.run(run_id, owner)
+        if path not in run.checkpoints:
+            raise NotFoundError(f"training run {run_id!r} has no checkpoint {checkpoint_id!r}")
+        self._set_expiry(run, path, expires_at)
+        return path
 
     def run(self, run_id: str, owner: str | None = None) -> Run:
         """The run, when ``owner``'s (None: any); another tenant's is answered as none."""
@@ -71,9 +90,10 @@ class Runs:
         return self.runs[run_id]
 
     def _checkpoint(self, path: str, when: float) -> types.Checkpoint:
-        _, kind, name = parse_path(path)
+        run_id, kind, name = parse_path(path)
+        expires = self.runs[run_id].expires.get(path) if run_id in self.runs else None
         return types.Checkpoint(checkpoint_id=f"{kind}/{name}", checkpoint_type=KINDS[kind], time=_when(when),
-                                tinker_path=path)
+                                tinker_path=path, expires_at=_when(expires) if expires else None)
 
     def training_run(self, run_id: str, owner: str | None = None) -> dict[str, Any]:
         run = self.run(run_id, owner)
@@ -105,6 +125,13 @@ class Runs:
             cursor=types.Cursor(offset=offset, limit=limit, total_count=len(found)))
         return body.model_dump(mode="json")
 
+    def drop(self, path: str) -> None:
+        """A checkpoint gone from its run's listing (expired), if it is there."""
+        run_id, _, _ = parse_path(path)
+        if run_id in self.runs:
+            self.runs[run_id].checkpoints.pop(path, None)
+            self.runs[run_id].expires.pop(path, None)
+
     def forget(self, run_id: str, checkpoint_id: str, owner: str | None = None) -> str:
         """Drops a checkpoint (``weights/NAME`` or ``sampler_weights/NAME``) from its run; its tinker path."""
         path = f"tinker://{run_id}/{checkpoint_id}"
@@ -112,6 +139,7 @@ class Runs:
         if path not in self.run(run_id, owner).checkpoints:
             raise NotFoundError(f"training run {run_id!r} has no checkpoint {checkpoint_id!r}")
         del self.runs[run_id].checkpoints[path]
+        self.runs[run_id].expires.pop(path, None)
         return path
 
     def weights_info(self, path: str, owner: str | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ class Saved:
     rank: int
     lora: dict[str, Any]
     tenant: str = DEFAULT_TENANT  # whose path it is: only its keys load it
+    expires_at: float = 0.0  # wall-clock seconds when the path expires (its ttl_seconds; 0: never)
 
 
 #: How long a session may go without a heartbeat or a call before it expires and frees what it holds. The SDK
@@ -71,6 +72,9 @@ SESSION_TTL_S = 300.0
 
 #: The most top logprobs per token a sample returns (the rollout's bound, OpenAI's too).
 MAX_TOPK = 20
+
+#: A saved path's ttl_seconds, as the SDK documents it: 1 hour to 10 years.
+TTL_RANGE_S = (3600, 10 * 365 * 24 * 3600)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Sampler:
     adapter: str = ""  # the same weights as a PEFT adapter (the trainer's export): what a restore loads
     lora: dict[str, Any] | None = None  # the create_model lora_config they were trained with
     tenant: str = DEFAULT_TENANT  # whose path it is: only its keys open sampling sessions on it
+    expires_at: float = 0.0  # wall-clock seconds when the path expires (its ttl_seconds; 0: never)
 
 
 #: How many sampler paths the front keeps restored at once (each a trainer job and an adapter slot on the
@@ -118,12 +123,13 @@ class TinkerService:
     def __init__(self, models: dict[str, str], trainer: str, rollout: str = "", token: str | None = None,
                  session_ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.monotonic,
                  tls: ClientTls | None = None, state_path: str | Path | None = None,
-                 tenants: FrontTenants | None = None) -> None:
+                 tenants: FrontTenants | None = None, wall_clock: Callable[[], float] = time.time) -> None:
         """``models``: Tinker base-model name -> the model's directory on the trainer and rollout;
         ``session_ttl_s``: silence after which a session expires (`expire_silent`); ``tls``: how the calls to the
         trainer and rollout are secured (the stack's ``server.peer_tls``; None: plaintext); ``state_path``: the
         file the front's state is kept in across a restart (lorarl.tinker.state; None: memory);
-        ``tenants``: who may call, their limits and trainer keys (None: one tenant, DEFAULT_TENANT)."""
+        ``tenants``: who may call, their limits and trainer keys (None: one tenant, DEFAULT_TENANT);
+        ``wall_clock``: what saved paths' ttl_seconds count against."""
         self.base_models = dict(models)
         self.tenants = tenants or FrontTenants([FrontTenant(DEFAULT_TENANT, ())])
         self._trainer_channel = aio_channel(trainer, token=token, tls=tls)
@@ -136,7 +142,7 @@ class TinkerService:
         self._rollout_channel = aio_channel(rollout, token=token, tls=tls) if rollout else None
         self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel) if self._rollout_channel else None
         self._creating: dict[str, int] = {}  # tenant -> create_model calls under way (counted against max_models)
-        self.session_ttl_s, self._clock = session_ttl_s, clock
+        self.session_ttl_s, self._clock, self._wall = session_ttl_s, clock, wall_clock
         self._restore_lock: asyncio.Lock | None = None  # made in the serving loop, on the first restore
         self.state = FrontState(state_path)
         kept = self.state.load(Kinds(Saved, Sampler, Model, Run))  # what a front killed before held
@@ -397,6 +403,7 @@ class TinkerService:
         model = self.model(str(body.get("model_id", "")))
         name = str(body.get("path") or f"step-{model.version}")
         path = f"tinker://{model.model_id}/weights/{name}"
+        expires_at = self._expires_at(body)
         if path in self.saved and not body.get("overwrite"):
             raise UserError(f"{path} exists; save under another name or pass overwrite")
         trainer = self._trainer_of(model.tenant)
@@ -405,11 +412,55 @@ class TinkerService:
         adapter = await self._call(trainer.Export, trainer_pb2.ExportRequest(
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{model.job_id}/{name}-adapter"))
         self.saved[path] = Saved(reply.path, adapter.path, model.base_model, model.rank,
-                                 self._lora_of.get(model.model_id, {}), tenant=model.tenant)
-        self.runs.saved(path)
+                                 self._lora_of.get(model.model_id, {}), tenant=model.tenant, expires_at=expires_at)
+        self.runs.saved(path, expires_at)
         self._deleted.discard(path)
         self._keep()
         return {"path": path, "type": "save_weights"}
+
+    def _expires_at(self, body: dict[str, Any]) -> float:
+        """When a path saved by ``body`` expires (its ttl_seconds from now; 0: never)."""
+        return self._expiry(body.get("ttl_seconds"))
+
+    def _expiry(self, ttl: Any) -> float:
+        if ttl is None:
+            return 0.0
+        low, high = TTL_RANGE_S
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or not low <= ttl <= high:
+            raise UserError(f"ttl_seconds must be an integer from {low} (1 hour) to {high} (10 years), or null "
+                            f"(never expires); got {ttl!r}")
+        return self._wall() + ttl
+
+    def set_ttl(self, run_id: str, checkpoint_id: str, ttl: Any, tenant: str = DEFAULT_TENANT) -> None:
+        """PUT .../checkpoints/{checkpoint_id}/ttl: the path expires ``ttl`` seconds from now (None: never)."""
+        expires_at = self._expiry(ttl)
+        path = self.runs.set_expiry(run_id, checkpoint_id, expires_at, tenant)
+        if path in self.saved:
+            self.saved[path] = replace(self.saved[path], expires_at=expires_at)
+        if path in self._paths:  # shared by the sampling sessions on it
+            self._paths[path].expires_at = expires_at
+        self._keep()
+
+    def _check_unexpired(self, path: str, record: Any) -> None:
+        if record.expires_at and self._wall() >= record.expires_at:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.expires_at))
+            raise UserError(f"{path} expired at {when} (its ttl_seconds)")
+
+    def expire_paths(self) -> list[str]:
+        """The saved paths whose ttl_seconds have passed: they no longer load, sample or list (the trainer's files
+        stay until its own retention removes them). The paths expired."""
+        now = self._wall()
+        gone = [p for records in (self.saved, self._paths) for p, r in records.items()
+                if r.expires_at and now >= r.expires_at]
+        for path in gone:
+            self.saved.pop(path, None)
+            self._paths.pop(path, None)
+            self._deleted.add(path)
+            self.runs.drop(path)
+            logger.info("%s: its ttl_seconds passed; expired", path)
+        if gone:
+            self._keep()
+        return gone
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str, tenant: str = DEFAULT_TENANT) -> None:
         """DELETE .../checkpoints/{checkpoint_id}: the path no longer loads or samples (the trainer keeps its files
@@ -424,6 +475,7 @@ class TinkerService:
         path = str(body.get("path", ""))
         if path not in self.saved or self.saved[path].tenant != tenant:
             raise UserError(f"no checkpoint at {path!r} (this front knows the save_state paths it returned)")
+        self._check_unexpired(path, self.saved[path])
         return self.saved[path]
 
     async def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -475,9 +527,11 @@ class TinkerService:
         if self.rollout is None:
             raise UserError("this front has no rollout to sample from (start it with one)")
         name = body.get("path")
+        expires_at = self._expires_at(body)
         if model.version == 0:  # untrained: a fresh adapter (B = 0) computes what the base does; nothing to publish
             path = f"tinker://{model.model_id}/sampler_weights/{name or 'v0'}"
-            return self._saved_sampler(Sampler(model.base_model, "", 0, path, tenant=model.tenant))
+            return self._saved_sampler(Sampler(model.base_model, "", 0, path, tenant=model.tenant,
+                                               expires_at=expires_at))
         self._hold_slot(model.tenant, model.job_id)
         trainer = self._trainer_of(model.tenant)
         reply = await self._call(trainer.PublishWeights, trainer_pb2.PublishWeightsRequest(
@@ -492,7 +546,7 @@ class TinkerService:
             job_id=model.job_id, mode=common_pb2.SYNC_MODE_ADAPTER, path=f"{model.job_id}/sampler-v{reply.version}"))
         return self._saved_sampler(Sampler(model.base_model, model.job_id, int(reply.version), path, exported.path,
                                            self._lora_of.get(model.model_id, {"rank": model.rank}),
-                                           tenant=model.tenant))
+                                           tenant=model.tenant, expires_at=expires_at))
 
     def _hold_slot(self, tenant: str, job_id: str) -> None:
         """``job_id``'s weights to be held on the rollout for ``tenant``: refused past its max_sampling_models
@@ -510,7 +564,7 @@ class TinkerService:
     def _saved_sampler(self, sampler: Sampler) -> dict[str, Any]:
         """A sampler path saved: known by path (kept across a restart), a sampling session on it."""
         self._paths[sampler.model_path] = sampler
-        self.runs.saved(sampler.model_path)
+        self.runs.saved(sampler.model_path, sampler.expires_at)
         self._deleted.discard(sampler.model_path)
         self._keep()
         return {"path": sampler.model_path, "sampling_session_id": self._new_sampler(sampler, sampler.tenant),
@@ -535,6 +589,7 @@ class TinkerService:
                 raise UserError(f"no sampler weights at {body['model_path']!r}")
             if body["model_path"] in self._deleted:
                 raise UserError(f"{body['model_path']} was deleted")
+            self._check_unexpired(body["model_path"], found)
             return {"sampling_session_id": self._new_sampler(found, tenant)}
         base_model = str(body.get("base_model", ""))
         self._base_path(base_model)

@@ -214,6 +214,9 @@ def tenants_cannot_reach_each_other_on_any_route(front, key_b: str) -> None:
                 b.delete(f"{api}/training_runs/{a_model}/checkpoints/weights/a-state"), 404, "no training run"),
             "POST /api/v1/weights_info": (b.post(f"{api}/weights_info", json={"tinker_path": state_path}),
                                           404, "no training run"),
+            "PUT /api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl": (
+                b.put(f"{api}/training_runs/{a_model}/checkpoints/weights/a-state/ttl", json={"ttl_seconds": 3600}),
+                404, "no training run"),
             "POST /api/v1/retrieve_future": (b.post(f"{api}/retrieve_future", json={
                 "request_id": a_request["request_id"]}), 404, "unknown request_id"),
         }

@@ -473,18 +473,25 @@ def test_malformed_bodies_on_every_route_are_4xx_naming_the_field(front: tuple[s
                         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}},
             "retrieve_future": {"request_id": "nope"},
             "weights_info": {"tinker_path": "tinker://nope/weights/a"},
+            "ttl": {"ttl_seconds": 7200},
         }
         assert set(valid) == set(BODIES)
+
+        def send(route: str, **body) -> httpx.Response:
+            if route == "ttl":  # the one JSON route that is a PUT under a run's checkpoint
+                return http.put(f"/training_runs/{session}:train:0/checkpoints/weights/a/ttl", **body)
+            return http.post(f"/{route}", **body)
+
         answers: dict[int, int] = {}
         for route, body in valid.items():
             variants = [[], "text", 3, None]
             variants += [{**body, field: junk} for field in BODIES[route].model_fields for junk in JUNK]
             variants += [{**body, "unknown_field": 1}]
             for variant in variants:
-                reply = http.post(f"/{route}", json=variant)
+                reply = send(route, json=variant)
                 answers[reply.status_code] = answers.get(reply.status_code, 0) + 1
                 assert reply.status_code < 500, (route, variant, reply.status_code, reply.text[:300])
-            raw = http.post(f"/{route}", content=b"\xff{not json", headers={"content-type": "application/json"})
+            raw = send(route, content=b"\xff{not json", headers={"content-type": "application/json"})
             assert raw.status_code == 400, (route, raw.text)
         assert answers.get(400, 0) > 500, answers
         typed = http.post("/session_heartbeat", json={"session_id": ["a list"]})  # a 500 before the bodies were typed
@@ -498,8 +505,9 @@ def test_malformed_bodies_on_every_route_are_4xx_naming_the_field(front: tuple[s
 def test_the_rest_routes_the_cookbook_calls_answer_through_the_sdks_rest_client(front: tuple[str, str]) -> None:
     """Issue "tenants": the cookbook reads training runs and checkpoints through tinker.RestClient, and those
     routes were 404. A run's checkpoints (save_state weights here; sampler weights on a front with a rollout, in
-    tests/e2e/test_tinker_rl_loop.py), the run itself, every run, the weights' info; a deleted checkpoint no longer
-    lists or loads; an unknown run is the SDK's NotFoundError."""
+    tests/e2e/test_tinker_rl_loop.py), the run itself, every run, the weights' info; a checkpoint's ttl as saved
+    and as set (the cookbook saves with ttl_seconds); a deleted checkpoint no longer lists or loads; an unknown
+    run is the SDK's NotFoundError."""
     base_url, _ = front
     service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
     try:
@@ -507,10 +515,19 @@ def test_the_rest_routes_the_cookbook_calls_answer_through_the_sdks_rest_client(
         training.forward_backward(batch(6, "cross_entropy"), "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         weights = training.save_state("first").result().path
-        later = training.save_state("second").result().path  # sampler weights: tests/e2e/test_tinker_rl_loop.py
+        later = training.save_state("second", ttl_seconds=7200).result().path  # sampler weights: test_tinker_rl_loop
         rest = service.create_rest_client()
         listed = rest.list_checkpoints(training.model_id).result().checkpoints
         assert [c.tinker_path for c in listed] == [later, weights]  # newest first
+        assert listed[1].expires_at is None and 7100 < (listed[0].expires_at - listed[0].time).total_seconds() < 7300
+        rest.set_checkpoint_ttl_from_tinker_path(weights, 10 * 86400).result()
+        rest.set_checkpoint_ttl_from_tinker_path(later, None).result()  # kept after all
+        listed = rest.list_checkpoints(training.model_id).result().checkpoints
+        assert listed[0].expires_at is None and listed[1].expires_at is not None
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be an integer from 3600"):
+            rest.set_checkpoint_ttl_from_tinker_path(weights, 60).result()
+        with pytest.raises(tinker.RequestFailedError, match="ttl_seconds must be an integer from 3600"):
+            training.save_state("brief", ttl_seconds=60).result()
         assert {c.checkpoint_type for c in listed} == {"training"} and listed[1].checkpoint_id == "weights/first"
         run = rest.get_training_run(training.model_id).result()
         assert (run.base_model, run.is_lora, run.lora_rank) == (BASE, True, 4)

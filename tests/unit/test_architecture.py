@@ -425,7 +425,7 @@ def test_every_tinker_route_that_names_a_resource_acts_as_the_callers_tenant() -
             continue
         for decorator in node.decorator_list:
             if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
-                    and decorator.func.attr in ("get", "post", "delete")
+                    and decorator.func.attr in ("get", "post", "put", "delete")
                     and isinstance(decorator.args[0], ast.Constant)):
                 route = f"{decorator.func.attr.upper()} {decorator.args[0].value}"
                 routes.add(route)
