@@ -44,7 +44,8 @@ def test_the_state_comes_back_as_it_was_written(tmp_path: Path) -> None:
     (json.dumps({"version": 99}), "not a Tinker front state of version 1 or 2"),
     (json.dumps({"version": 2, "saved": {"p": {"checkpoint": "c"}}}), r"saved\['p'\] must hold \['adapter'"),
     (json.dumps({"version": 2, "saved": {"p": {"checkpoint": "c", "adapter": "a", "base_model": "b", "rank": 8,
-                                               "lora": {}, "owner": "x"}}}), r"and may hold \['tenant'\]"),
+                                               "lora": {}, "owner": "x"}}}),
+     r"and may hold \['expires_at', 'tenant'\]"),
     (json.dumps({"version": 2, "sessions": ["s"]}), "a record of the wrong shape"),
 ])
 def test_a_file_the_front_cannot_read_is_refused_by_name(tmp_path: Path, text: str, message: str) -> None:

@@ -5,6 +5,8 @@ clock is the test's."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from lorarl.tinker.futures import UserError
@@ -16,6 +18,10 @@ SAMPLER = f"tinker://{RUN}/sampler_weights/v1"
 
 
 def test_a_path_past_its_ttl_no_longer_loads_samples_or_lists() -> None:
+    asyncio.run(a_path_past_its_ttl())  # the service's gRPC channels are made in a running loop
+
+
+async def a_path_past_its_ttl() -> None:
     now = [1_000_000.0]
     service = TinkerService({"base": "/models/base"}, "127.0.0.1:1", wall_clock=lambda: now[0])
     session = service.create_session()["session_id"]
@@ -45,7 +51,10 @@ def test_a_path_past_its_ttl_no_longer_loads_samples_or_lists() -> None:
 
 @pytest.mark.parametrize("ttl", [60, 3599, 10 * 365 * 24 * 3600 + 1, 7200.5, True, "3600"])
 def test_a_ttl_outside_one_hour_to_ten_years_is_refused_by_name(ttl) -> None:
-    service = TinkerService({"base": "/models/base"}, "127.0.0.1:1")
-    with pytest.raises(UserError, match="ttl_seconds must be an integer from 3600 .1 hour. to 315360000"):
-        service._expiry(ttl)
-    assert service._expiry(None) == 0.0
+    async def check() -> None:
+        service = TinkerService({"base": "/models/base"}, "127.0.0.1:1")
+        with pytest.raises(UserError, match=r"ttl_seconds must be an integer from 3600 \(1 hour\) to 315360000"):
+            service._expiry(ttl)
+        assert service._expiry(None) == 0.0
+
+    asyncio.run(check())
