@@ -18,8 +18,12 @@ from lorarl.client.interrupt import run_interruptible
 
 # Two child tasks that spend nearly all their time in their own code, so the signal lands there.
 SCRIPT = textwrap.dedent("""
-    import asyncio, sys, time
+    import asyncio, signal, sys, time
     from lorarl.client.interrupt import run_interruptible, stop_on_sigterm
+
+    # a launcher typed at a terminal: Ctrl-C not ignored. A job a non-interactive shell put in the background
+    # (CI's, for one) starts with SIGINT ignored, and run_interruptible leaves an ignored SIGINT alone
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     async def child(i):
         try:
@@ -32,7 +36,7 @@ SCRIPT = textwrap.dedent("""
             print(f"child {i} unwound", flush=True)
 
     async def main():
-        print("ready", flush=True)
+        print("ready", signal.getsignal(signal.SIGINT), flush=True)
         await asyncio.gather(child(0), child(1))
 
     stop_on_sigterm()
@@ -48,10 +52,17 @@ def stopped_by(sig: signal.Signals, run: str = "run_interruptible") -> subproces
     code = SCRIPT.replace("{RUN}", run)
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
-    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    assert process.stdout is not None
+    ready = process.stdout.readline()  # "ready" and the handler SIGINT has (a hang below says which it was)
+    assert ready.startswith("ready"), ready
     time.sleep(0.3)
     process.send_signal(sig)
-    out, err = process.communicate(timeout=30)
+    try:
+        out, err = process.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"{sig.name} did not stop it within 15 s ({ready.strip()}): {out} {err}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
