@@ -145,6 +145,8 @@ def tenants_cannot_reach_each_other_on_any_route(front, key_b: str) -> None:
     limits: its third model, its second model loaded for sampling, and its third request at once (one running,
     one waiting) are refused by name — the last as HTTP 429 with Retry-After — while A's request beside them is
     taken."""
+    import asyncio
+
     import httpx
     import tinker
     from tinker import types
@@ -237,8 +239,11 @@ def tenants_cannot_reach_each_other_on_any_route(front, key_b: str) -> None:
                       "no checkpoint at")
         tried["POST /api/v1/create_model"] = tried["POST /api/v1/load_weights"] = (None, 200, "")
         # every route of the app is either tried above or names nothing of a tenant's (UNOWNED_ROUTES)
-        app = create_app(TinkerService({}, "127.0.0.1:1", tenants=FrontTenants.single(["tml-x"])))
-        routes = {f"{m} {r.path}" for r in app.routes for m in getattr(r, "methods", ()) if m != "HEAD"}
+        async def app_routes() -> set[str]:  # the service's gRPC channels are made in a running loop
+            app = create_app(TinkerService({}, "127.0.0.1:1", tenants=FrontTenants.single(["tml-x"])))
+            return {f"{m} {r.path}" for r in app.routes for m in getattr(r, "methods", ()) if m != "HEAD"}
+
+        routes = asyncio.run(app_routes())
         routes = {r for r in routes if "/docs" not in r and "openapi" not in r and "redoc" not in r}
         assert routes == set(tried) | UNOWNED_ROUTES, routes ^ (set(tried) | UNOWNED_ROUTES)
         # A's things are untouched: its session lives, its paths load and list, its sampler answers as before
