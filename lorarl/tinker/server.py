@@ -42,6 +42,14 @@ KEY_PREFIX = "tml-"
 _LIMITS = TenantLimits()
 
 
+def read_keys(api_keys: list[str], api_key_file: str | None) -> list[str]:
+    """The keys listed in a config, then those in its key file, one per line (blank lines skipped)."""
+    found = list(api_keys)
+    if api_key_file:
+        found += [line.strip() for line in Path(api_key_file).read_text().splitlines() if line.strip()]
+    return found
+
+
 @dataclass
 class TenantSettings:
     """One team on the front: its keys, what it may hold, and its key on the trainer (lorarl.tinker.tenants)."""
@@ -75,10 +83,7 @@ class TenantSettings:
             raise ConfigError("api_keys", f"tenant {self.name!r} has no key: set api_key_file (or api_keys)")
 
     def key_list(self) -> list[str]:
-        found = list(self.api_keys)
-        if self.api_key_file:
-            found += [line.strip() for line in Path(self.api_key_file).read_text().splitlines() if line.strip()]
-        return found
+        return read_keys(self.api_keys, self.api_key_file)
 
     def tenant(self) -> FrontTenant:
         token = resolve_token(token_file=self.trainer_token_file, token_env=self.trainer_token_env or None)
@@ -136,10 +141,7 @@ class TinkerSettings:
         return FrontTenants(plain + [t.tenant() for t in self.tenants])
 
     def keys(self) -> list[str]:
-        found = list(self.api_keys)
-        if self.api_key_file:
-            found += [line.strip() for line in Path(self.api_key_file).read_text().splitlines() if line.strip()]
-        return found
+        return read_keys(self.api_keys, self.api_key_file)
 
 
 @dataclass

@@ -566,7 +566,7 @@ class TinkerService:
         self._paths[sampler.model_path] = sampler
         self.runs.saved(sampler.model_path, sampler.expires_at)
         self._deleted.discard(sampler.model_path)
-        self._keep()
+        # _new_sampler writes the state file, this path with it
         return {"path": sampler.model_path, "sampling_session_id": self._new_sampler(sampler, sampler.tenant),
                 "type": "save_weights_for_sampler"}
 
