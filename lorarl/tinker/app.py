@@ -45,6 +45,14 @@ def create_app(service: TinkerService, futures: Futures | None = None) -> FastAP
     app = FastAPI(title="lorarl Tinker front")
     app.state.service, app.state.futures, app.state.admission = service, futures, admission
 
+    def model_ended(model_id: str) -> None:
+        """Requests of an ended model that wait for an earlier seq_id fail, and leave their tenant's queue."""
+        for owner in futures.end_model(model_id, f"model {model_id!r} ended (its session finished) before this "
+                                                 f"request's earlier seq_ids arrived: create a new model to go on"):
+            admission.withdraw(owner)
+
+    service.on_model_ended = model_ended
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         tenant = tenants.of_key(request.headers.get("x-api-key", ""))

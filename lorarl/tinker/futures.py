@@ -185,6 +185,20 @@ class Futures:
             self._start(Future(), lambda: self._drain(model_id))
         return request_id
 
+    def end_model(self, model_id: str, reason: str) -> list[str]:
+        """``model_id`` has ended (its session finished or expired): each request of it still waiting for an
+        earlier seq_id that will now never come fails with ``reason`` rather than waiting for ever, and the one
+        running (if any) is the last. The owners of the requests failed, one per request (their places in their
+        tenants' queues are freed by the caller)."""
+        waiting = self._waiting.get(model_id, {})
+        running = self._next_seq.get(model_id) if model_id in self._draining else None
+        owners = []
+        for seq_id in sorted(s for s in waiting if s != running):
+            future, _ = waiting.pop(seq_id)
+            self._settled(future, Outcome(error=reason, category="user"))
+            owners.append(future.owner)
+        return owners
+
     async def _drain(self, model_id: str) -> dict[str, Any]:
         waiting = self._waiting[model_id]
         try:

@@ -142,6 +142,8 @@ class TinkerService:
         self._rollout_channel = aio_channel(rollout, token=token, tls=tls) if rollout else None
         self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel) if self._rollout_channel else None
         self._creating: dict[str, int] = {}  # tenant -> create_model calls under way (counted against max_models)
+        # told each model that ends with its session (app.py fails its requests still waiting for their turn)
+        self.on_model_ended: Callable[[str], None] = lambda model_id: None
         self.session_ttl_s, self._clock, self._wall = session_ttl_s, clock, wall_clock
         self._restore_lock: asyncio.Lock | None = None  # made in the serving loop, on the first restore
         self.state = FrontState(state_path)
@@ -245,6 +247,7 @@ class TinkerService:
             model = self.models.pop(model_id, None)
             if model is None:
                 continue
+            self.on_model_ended(model_id)
             try:
                 await self._trainer_of(model.tenant).DeleteJob(trainer_pb2.DeleteJobRequest(job_id=model.job_id))
             except grpc.aio.AioRpcError as e:

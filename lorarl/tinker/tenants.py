@@ -147,5 +147,6 @@ class Admission:
         return run
 
     def withdraw(self, tenant: str) -> None:
-        """An admitted request that was then refused before it was queued (a used seq_id): not pending."""
+        """An admitted request that will never run — refused before it was queued (a used seq_id), or failed
+        while it waited for its model's earlier seq_ids (the model ended): not pending."""
         self.pending[tenant] -= 1

@@ -142,9 +142,9 @@ def tenants_cannot_reach_each_other_on_any_route(front, key_b: str) -> None:
     samples; tenant B (its own key) then calls every route that names a resource with A's ids and paths: each is
     answered as if A's did not exist (400/404/410, or a future that fails "unknown"), A's session, model, paths
     and sampler keep working as before, and B's view of runs and checkpoints holds none of A's. Then B's own
-    limits: its third model, its second model loaded for sampling, and its third request at once (one running,
-    one waiting) are refused by name — the last as HTTP 429 with Retry-After — while A's request beside them is
-    taken."""
+    limits: its third model, its second model loaded for sampling, and a third request while two wait (sent
+    ahead of their model's turn) are refused by name — the last as HTTP 429 with Retry-After — while A's request
+    beside them is taken; when B's session ends its waiting requests fail by name and its queue is free again."""
     import asyncio
 
     import httpx
@@ -266,17 +266,26 @@ def tenants_cannot_reach_each_other_on_any_route(front, key_b: str) -> None:
         with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError),
                            match=r"tenant 'team-b' has 1 models loaded on the rollout.*max_sampling_models 1"):
             b2.save_weights_and_get_sampling_client().result()
-        long = {**sample_body, "num_samples": 8, "sampling_params": {"max_tokens": 64, "temperature": 1.0},
-                "sampling_session_id": sampler_b._sampling_session_id}
-        flood = [b.post(f"{api}/asample", json=long) for _ in range(3)]
+        # B's queue (1 running + 1 waiting) filled deterministically: two of b2's requests sent ahead of their
+        # turn (seq_ids it has not reached) are accepted and wait; a sample would take a place, and is refused
+        ahead = [b.post(f"{api}/optim_step", json={"model_id": b2.model_id, "seq_id": 10_000 + i,
+                                                   "optim_params": {"learning_rate": 0.1}}) for i in range(2)]
+        assert [r.status_code for r in ahead] == [200, 200], [r.text for r in ahead]
+        refused = b.post(f"{api}/asample", json={**sample_body, "sampling_session_id": sampler_b._sampling_session_id})
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "2" and "max_in_flight" in refused.text, refused.text
         beside = a_raw.post(f"{api}/asample", json={**sample_body, "sampling_session_id": a_sampler})
-        assert [r.status_code for r in flood] == [200, 200, 429], [r.text for r in flood]
-        assert flood[2].headers["retry-after"] == "2" and "max_in_flight" in flood[2].text, flood[2].text
-        assert beside.status_code == 200, beside.text  # A's request is taken beside B's flood
-        for r in flood[:2]:  # both run in turn: a SampleResponse each (protobuf), not an error
-            while "protobuf" not in (got := b.post(f"{api}/retrieve_future", json={
-                    "request_id": r.json()["request_id"]})).headers["content-type"]:
-                assert got.json().get("type") == "try_again", got.text
+        assert beside.status_code == 200, beside.text  # A's request is taken beside B's full queue
+        # B's session ends: the requests that waited for their turn fail by name and leave B's queue
+        assert b.post(f"{api}/sessions/{b_session}/finish").status_code == 200
+        for r in ahead:
+            outcome = b.post(f"{api}/retrieve_future", json={"request_id": r.json()["request_id"]}).json()
+            assert "ended (its session finished)" in outcome.get("error", ""), outcome
+        again = tinker.ServiceClient(base_url=front.base_url, api_key=key_b)
+        try:  # room again: a new session's model is accepted and made (its models and queue were freed)
+            again.create_lora_training_client(base_model=front.base_model, rank=8).result()
+        finally:
+            again.close("success")
     finally:
         b.close()
         a_raw.close()

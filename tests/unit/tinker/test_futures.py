@@ -39,6 +39,39 @@ def test_requests_run_in_seq_order_and_a_failure_lets_the_next_run() -> None:
     asyncio.run(body())
 
 
+def test_an_ended_models_requests_waiting_for_their_turn_fail_and_the_running_one_finishes() -> None:
+    """A request sent ahead of its turn (seq 3 and 4 while 1 runs and 2 never comes) would otherwise wait for ever
+    when its model ends, holding its tenant's queue: end_model fails each one waiting, names their owners (so
+    their places are freed), lets the running one finish, and runs nothing after it."""
+    async def body() -> None:
+        futures = Futures(hold_s=5)
+        futures.start_model("m")
+        release = asyncio.Event()
+        ran: list[int] = []
+
+        def work(seq: int):
+            async def run():
+                ran.append(seq)
+                await release.wait()
+                return {"seq": seq}
+            return run
+
+        ids = {seq: futures.submit_ordered("m", seq, work(seq), owner="team-b") for seq in (1, 3, 4)}
+        await asyncio.sleep(0.01)
+        assert futures.end_model("m", "model 'm' ended") == ["team-b", "team-b"]
+        for seq in (3, 4):
+            outcome = await futures.retrieve(ids[seq], "team-b")
+            assert outcome.error == "model 'm' ended" and outcome.category == "user"
+        release.set()
+        assert (await futures.retrieve(ids[1], "team-b")).json == {"seq": 1}
+        futures.submit_ordered("m", 2, work(2), owner="team-b")
+        assert (await futures.retrieve(futures.resubmitted("m", 2, "team-b"), "team-b")).json == {"seq": 2}
+        assert ran == [1, 2] and futures.end_model("m", "again") == []
+        await futures.close()
+
+    asyncio.run(body())
+
+
 def test_a_poll_is_held_then_answered_not_yet_and_a_server_fault_is_the_servers() -> None:
     async def body() -> None:
         futures = Futures(hold_s=0.05)
