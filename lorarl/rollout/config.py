@@ -96,6 +96,11 @@ class RolloutSettings:
         None, doc="Identity of the base model; default: computed from model_path like the trainer does."
     )
     weightsync_address: str = setting("", doc="host:port of the weight-sync service to follow (empty: none).")
+    teacher_engines: dict[str, str] = setting(
+        default_factory=dict, doc="On-policy distillation's full-model teachers: name -> host:port of the rollout "
+        "service that serves that teacher's own model (its own engine: another base, the same tokenizer). A "
+        "Generate request's teacher with that engine name is scored there, by the stack's token and peer TLS; "
+        "adapter teachers are scored in this engine.")
     collective_backends: list[str] = setting(
         default_factory=lambda: ["gloo"], doc="Collective backends this replica can join ('gloo', 'nccl', 'hccl'); "
         "empty: inline transfers only."

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lorarl.common.errors import FailedPreconditionError
 from lorarl.contract.transfer_ranks import merges_locally
 from lorarl.rollout import teachers
 from lorarl.rollout.config import RolloutSettings
@@ -29,6 +30,7 @@ from lorarl.rollout.policy_manager import PolicyManager
 from lorarl.rollout.prompts import PromptRenderer
 from lorarl.rollout.schema import LATEST, CompletionChunk, EngineInfo, GenerateInput, Mode, PromptResult
 from lorarl.rollout.segments import SegmentRunner
+from lorarl.rollout.teacher_engines import TeacherEngines
 from lorarl.v1 import common_pb2
 
 
@@ -66,6 +68,8 @@ class RolloutCore:
         self.runner = SegmentRunner(engine, settings, self.table, gate, renderer,
                                     on_drained=lambda loaded: self.policies.unload_if_drained(loaded))
         self.policies = PolicyManager(engine, settings, self.table, gate, files, fingerprint, self.runner)
+        #: full-model teachers' engines (rollout.teacher_engines; set by the server, which holds the stack's token)
+        self.teacher_engines: TeacherEngines | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -87,7 +91,16 @@ class RolloutCore:
         """Generate, then the request's teachers score its completions in this engine (lorarl.rollout.teachers);
         the results and the seconds scoring took."""
         results = await self.runner.generate(request)
-        return results, await teachers.score(self.runner.generate, request, results)
+        return results, await teachers.score(self._score_rows, request, results)
+
+    async def _score_rows(self, rows: GenerateInput) -> list[PromptResult]:
+        """One teacher's scoring rows: in this engine, or on the teacher's own engine (a full-model teacher)."""
+        if not rows.policy.engine:
+            return await self.runner.generate(rows)
+        if self.teacher_engines is None:
+            raise FailedPreconditionError(f"{rows.policy} is not reachable from this replica (no "
+                                          "rollout.teacher_engines)")
+        return await self.teacher_engines.generate(rows)
 
     def generate_stream(self, request: GenerateInput) -> AsyncIterator[CompletionChunk]:
         return self.runner.generate_stream(request)

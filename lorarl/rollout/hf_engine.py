@@ -76,8 +76,24 @@ def choose_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Gene
     return token, float(logprobs[token]), top
 
 
+def prompt_logprobs(logits: torch.Tensor, ids: list[int], top: int) -> tuple[list[float], list[dict[int, float]]]:
+    """Each prompt token's raw logprob given the tokens before it (the first NaN: nothing predicts it), as vLLM's
+    prompt logprobs are, and with ``top`` > 0 the most likely tokens at each position (the first empty)."""
+    logprobs = torch.log_softmax(logits[:-1].float(), -1)
+    targets = torch.tensor(ids[1:], dtype=torch.long)
+    chosen = [float("nan"), *logprobs.gather(1, targets[:, None])[:, 0].tolist()]
+    tops: list[dict[int, float]] = []
+    if top > 0:
+        values, indices = torch.topk(logprobs, top, -1)
+        tops = [{}, *({int(i): float(v) for i, v in zip(row_i, row_v, strict=True)}
+                     for row_i, row_v in zip(indices, values, strict=True))]
+    return chosen, tops
+
+
 class HfEngine:
     """GenerationEngine backed by transformers (see module docstring)."""
+
+    serves_prompt_logprobs = True  # SamplingParams.prompt_logprobs: from the prompt's own forward pass
 
     def __init__(self, settings: RolloutSettings) -> None:
         if settings.model_path is None:
@@ -150,10 +166,16 @@ class HfEngine:
                 async with self._lock:
                     if segment.aborted:
                         continue
-                    token, logprob, top, past = await asyncio.to_thread(self._step, spec, ids, past, segment.generator)
+                    first = past is None
+                    token, logprob, top, past, logits = await asyncio.to_thread(
+                        self._step, spec, ids, past, segment.generator)
                 segment.produced.append(token)
                 finish = self._finish(spec.sampling, segment.produced)
-                yield SegmentEvent([token], [logprob], [top] if spec.sampling.logprobs > 0 else [], finish)
+                event = SegmentEvent([token], [logprob], [top] if spec.sampling.logprobs > 0 else [], finish)
+                if first and spec.sampling.prompt_logprobs:
+                    event.prompt_logprobs, event.prompt_top_logprobs = prompt_logprobs(logits, ids,
+                                                                                       spec.sampling.logprobs)
+                yield event
                 if finish is not None:
                     return
                 ids = [token]
@@ -162,7 +184,7 @@ class HfEngine:
 
     @torch.no_grad()
     def _step(self, spec: SegmentSpec, ids: list[int], past: Any, generator: torch.Generator | None
-              ) -> tuple[int, float, dict[int, float], Any]:
+              ) -> tuple[int, float, dict[int, float], Any, torch.Tensor]:
         self._active_adapter = spec.adapter.lora_int_id if spec.adapter is not None else None
         try:
             device = next(self.model.parameters()).device
@@ -170,8 +192,9 @@ class HfEngine:
         finally:
             self._active_adapter = None
         processed = self.settings.logprobs_mode == "processed_logprobs"
-        token, logprob, top = choose_token(out.logits[0, -1].cpu(), spec.sampling, generator, processed)
-        return token, logprob, top, out.past_key_values
+        logits = out.logits[0].cpu()
+        token, logprob, top = choose_token(logits[-1], spec.sampling, generator, processed)
+        return token, logprob, top, out.past_key_values, logits
 
     def _finish(self, sampling: Sampling, produced: list[int]) -> Finish | None:
         token = produced[-1]

@@ -61,12 +61,16 @@ class PolicyRef:
 
     job_id: str = BASE_JOB
     version: int = LATEST
+    #: a teacher on an engine of its own (its name in rollout.teacher_engines): that engine's model; "": this one
+    engine: str = ""
 
     @property
     def is_base(self) -> bool:
         return self.job_id == BASE_JOB
 
     def __str__(self) -> str:
+        if self.engine:
+            return f"teacher engine {self.engine!r}"
         if self.is_base:
             return "base model"
         return f"{self.job_id} {'latest' if self.version == LATEST else f'v{self.version}'}"

@@ -108,9 +108,25 @@ def registration(servicer: RolloutServicer) -> Register:
     return register
 
 
+def attach_teacher_engines(core: RolloutCore, config: RolloutServiceConfig) -> None:
+    """The full-model teachers' engines (rollout.teacher_engines) reachable from ``core``, called with the token
+    this replica itself accepts (the stack's) and the stack's peer TLS."""
+    if not config.rollout.teacher_engines:
+        return
+    from lorarl.common.auth import server_token
+    from lorarl.rollout.teacher_engines import TeacherEngines
+
+    core.teacher_engines = TeacherEngines(config.rollout.teacher_engines,
+                                          token=server_token(config.server.auth, host=config.server.host),
+                                          tls=peer_tls(config.server.peer_tls))
+
+
 async def start_rollout(config: RolloutServiceConfig, core: RolloutCore | None
                         ) -> tuple[RunningServer, RolloutServicer]:
-    """Serves an already started core in this event loop (tests, benchmarks); stop() leaves the core open."""
+    """Serves an already started core in this event loop (tests, benchmarks); stop() leaves the core open (and its
+    teacher engines' channels: core.teacher_engines.close())."""
+    if core is not None:
+        attach_teacher_engines(core, config)
     servicer = RolloutServicer(config.rollout, core)
     running = await start_server(NAME, config.server, registration(servicer))
     return running, servicer
@@ -154,6 +170,8 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
                                      host=config.rollout.sync_host, device=config.rollout.device,
                                      tls=peer_tls(config.server.peer_tls), serve_address=address)
             await wait_connected(agent, 60.0)
+        if core is not None:
+            attach_teacher_engines(core, config)
         if core is not None and config.rollout.openai_port is not None:
             from lorarl.rollout.openai.http_server import start_openai_server
 
@@ -167,6 +185,8 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
         if agent is not None:
             agent.stop()
         if core is not None:
+            if core.teacher_engines is not None:
+                await core.teacher_engines.close()
             await core.close()
 
     # The engine's death ends the service (NOT_SERVING, exit 1): its supervisor restarts it whole.

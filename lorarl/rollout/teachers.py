@@ -23,6 +23,13 @@ SCORING = Sampling(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=True)
 
 Generate = Callable[[GenerateInput], Awaitable[list[PromptResult]]]
 
+#: Tokens of scoring rows (prompt + completion) the engine is given at once, all teachers together. A scoring row
+#: is a prefill whose every position's logits over the whole vocabulary are read: a step's batch of them is the
+#: largest transient the engine meets (activations of every row, the logits of each), far above a decode step's,
+#: so the rows go in waves of this size rather than all at once, to keep a distilling rollout's peak memory near a
+#: plain one's (bench/distill_memory.py).
+WAVE_TOKENS = 512
+
 
 def mixture(logprobs: Sequence[float], weights: Sequence[float]) -> float:
     """log sum_i w_i exp(lp_i) with the weights normalised (one teacher: its logprob exactly)."""
@@ -34,8 +41,29 @@ def mixture(logprobs: Sequence[float], weights: Sequence[float]) -> float:
     return top + math.log(sum(math.exp(t - top) for t in terms)) if top > -math.inf else -math.inf
 
 
-async def score(generate: Generate, request: GenerateInput, results: list[PromptResult]) -> float:
-    """Fills each scored completion's ``teacher_logprobs`` in place; returns the seconds it took."""
+def waves(rows: list[list[tuple[int, int]]], tokens: Callable[[int, int], int], budget: int
+          ) -> list[list[list[tuple[int, int]]]]:
+    """``rows`` (per teacher, its (prompt, completion) rows) cut into waves of at most ``budget`` tokens, every
+    teacher's rows together (a row longer than the budget is a wave of its own): each wave the teachers' batches
+    side by side, the waves one after the other."""
+    flat = sorted(((t, row) for t, teacher_rows in enumerate(rows) for row in teacher_rows),
+                  key=lambda pair: (pair[1], pair[0]))  # in row order: a mixture's rows share a wave
+    out: list[list[list[tuple[int, int]]]] = []
+    used = budget
+    for t, row in flat:
+        size = tokens(*row)
+        if used + size > budget:
+            out.append([[] for _ in rows])
+            used = 0
+        out[-1][t].append(row)
+        used += size
+    return out
+
+
+async def score(generate: Generate, request: GenerateInput, results: list[PromptResult],
+                wave_tokens: int = WAVE_TOKENS) -> float:
+    """Fills each scored completion's ``teacher_logprobs`` in place, the rows read in waves of at most
+    ``wave_tokens`` tokens; returns the seconds it took."""
     if not request.teachers:
         return 0.0
     start = time.perf_counter()
@@ -48,21 +76,23 @@ async def score(generate: Generate, request: GenerateInput, results: list[Prompt
                     if w > 0:
                         rows[t].append((p, c))
 
-    async def read(t: int) -> list[PromptResult]:
-        if not rows[t]:
+    async def read(t: int, teacher_rows: list[tuple[int, int]]) -> list[PromptResult]:
+        if not teacher_rows:
             return []
         prompts = tuple(tuple(results[p].prompt_token_ids) + tuple(results[p].completions[c].token_ids)
-                        for p, c in rows[t])
+                        for p, c in teacher_rows)
         return await generate(GenerateInput(request_id=f"{request.request_id}:teacher{t}", prompts=prompts,
                                             sampling=SCORING, policy=request.teachers[t]))
 
-    scored = await asyncio.gather(*(read(t) for t in range(len(request.teachers))))
     per_row: dict[tuple[int, int], dict[int, list[float]]] = {}
-    for t, (teacher_rows, teacher_results) in enumerate(zip(rows, scored, strict=True)):
-        for (p, c), result in zip(teacher_rows, teacher_results, strict=True):
-            start_at = len(results[p].prompt_token_ids)
-            logprobs = result.prompt_logprobs or []
-            per_row.setdefault((p, c), {})[t] = logprobs[start_at:]
+    for wave in waves(rows, lambda p, c: len(results[p].prompt_token_ids) + len(results[p].completions[c].token_ids),
+                      wave_tokens):
+        scored = await asyncio.gather(*(read(t, wave_rows) for t, wave_rows in enumerate(wave)))
+        for t, (teacher_rows, teacher_results) in enumerate(zip(wave, scored, strict=True)):
+            for (p, c), result in zip(teacher_rows, teacher_results, strict=True):
+                start_at = len(results[p].prompt_token_ids)
+                logprobs = result.prompt_logprobs or []
+                per_row.setdefault((p, c), {})[t] = logprobs[start_at:]
     for p, weights in enumerate(request.teacher_weights):
         for c, completion in enumerate(results[p].completions):
             if not weights:

@@ -32,11 +32,12 @@ class Limits:
     max_n: int
     max_logprobs: int
     default_max_tokens: int
+    teacher_engines: frozenset[str] = frozenset()  # rollout.teacher_engines' names
 
     @classmethod
     def of(cls, info: EngineInfo, settings: RolloutSettings) -> Limits:
         return cls(info.vocab_size, info.max_model_len, settings.max_n, settings.max_logprobs,
-                   settings.default_max_tokens)
+                   settings.default_max_tokens, frozenset(settings.teacher_engines))
 
 
 def generate_input(request: rollout_pb2.GenerateRequest, limits: Limits, renderer: PromptRenderer | None
@@ -44,7 +45,7 @@ def generate_input(request: rollout_pb2.GenerateRequest, limits: Limits, rendere
     if not request.prompts:
         raise InvalidArgumentError("prompts", "at least one prompt is required")
     prompts = tuple(prompt_ids(p, limits, renderer, f"prompts[{i}]") for i, p in enumerate(request.prompts))
-    teachers = tuple(policy_ref(t) for t in request.teachers)
+    teachers = tuple(teacher_ref(t, limits, f"teachers[{i}]") for i, t in enumerate(request.teachers))
     weights = teacher_weights(request, len(teachers))
     # a teacher re-reads prompt + completion as its prompt and samples one token: one position more
     params = sampling(request.sampling, max(map(len, prompts)), limits, reserve=1 if teachers else 0)
@@ -84,8 +85,27 @@ def stream_input(request: rollout_pb2.GenerateStreamRequest, limits: Limits, ren
                          sampling=sampling(request.sampling, len(prompt), limits), policy=policy_ref(request.policy))
 
 
-def policy_ref(selector: rollout_pb2.PolicySelector) -> PolicyRef:
+def policy_ref(selector: rollout_pb2.PolicySelector, field: str = "policy") -> PolicyRef:
+    """The policy a request samples from: this replica's (an engine of its own is a teacher's only)."""
+    if selector.engine:
+        raise InvalidArgumentError(f"{field}.engine", f"names engine {selector.engine!r}: only a teacher "
+                                                      "(GenerateRequest.teachers) may be served by another engine")
     return PolicyRef(job_id=selector.job_id, version=selector.version)
+
+
+def teacher_ref(selector: rollout_pb2.PolicySelector, limits: Limits, field: str) -> PolicyRef:
+    """A teacher: a policy this replica serves, or by ``engine`` one of its rollout.teacher_engines (that
+    engine's own model: no job_id or version)."""
+    if not selector.engine:
+        return PolicyRef(job_id=selector.job_id, version=selector.version)
+    if selector.engine not in limits.teacher_engines:
+        known = ", ".join(sorted(limits.teacher_engines)) or "none"
+        raise InvalidArgumentError(f"{field}.engine", f"no teacher engine {selector.engine!r} on this replica "
+                                                      f"(rollout.teacher_engines: {known})")
+    if selector.job_id or selector.version:
+        raise InvalidArgumentError(f"{field}.job_id", f"teacher engine {selector.engine!r} serves its own model: "
+                                                      "leave job_id and version empty")
+    return PolicyRef(engine=selector.engine)
 
 
 def prompt_ids(prompt: rollout_pb2.Prompt, limits: Limits, renderer: PromptRenderer | None, field: str

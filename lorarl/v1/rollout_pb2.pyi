@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PolicySelector(_message.Message):
-    __slots__ = ("job_id", "version")
+    __slots__ = ("job_id", "version", "engine")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     version: int
-    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    engine: str
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("token_ids", "text", "apply_chat_template", "teacher_weights")

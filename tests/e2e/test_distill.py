@@ -1,7 +1,9 @@
 """On-policy distillation end to end (#47): `lorarl run examples/distill/student.yaml` with its two teachers (the
-shipped RL experts on the demo's sort and add tasks, tests/e2e/distill_experts) loaded as adapters beside the
-student in its one rollout engine, each prompt scored by its task's teacher. The fresh student gains on each
-domain held out, the reverse KL to each teacher falls, and the per-teacher metrics are in metrics.jsonl."""
+shipped RL experts on the demo's sort and add tasks, tests/e2e/distill_experts), each prompt scored by its task's
+teacher. The sort expert is an adapter beside the student in its own rollout engine; the add expert is served as a
+full model (the base with its adapter merged in, as a teacher that is not an adapter of the job's base would be) by
+an engine of its own that the launcher starts beside the student's. The fresh student gains on each domain held
+out, the reverse KL to each teacher falls, and the per-teacher metrics are in metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -25,10 +27,25 @@ GAIN = 0.20
 STEPS = 12
 
 
-def test_a_student_distilled_from_two_adapter_teachers_learns_both_domains(tmp_path: Path) -> None:
+def merged_model(adapter: Path, out: Path) -> Path:
+    """The shipped tiny base with ``adapter`` merged in, as a full model directory (the trainer's own export)."""
+    from lorarl.contract.lora import LoraSpec
+    from lorarl.contract.peft import read_peft_config
+    from lorarl.contract.training import TrainingSpec
+    from lorarl.trainer.engines.torch.engine import TorchEngine
+
+    base = ROOT / "lorarl" / "assets" / "models" / "qwen3-tiny"
+    engine = TorchEngine(TrainingSpec(base_model_path=str(base), lora=LoraSpec.from_peft_config(
+        read_peft_config(adapter)), init_adapter_path=str(adapter)))
+    return engine.export_merged(out)
+
+
+def test_a_student_distilled_from_an_adapter_and_a_full_model_teacher_learns_both_domains(tmp_path: Path) -> None:
     raw = yaml.safe_load((ROOT / "examples" / "distill" / "student.yaml").read_text())
-    for teacher in raw["distill"]["teachers"]:
-        teacher["adapter"] = str(EXPERTS / teacher["name"])
+    sort, add = raw["distill"]["teachers"]
+    sort["adapter"] = str(EXPERTS / "sort")
+    del add["adapter"]
+    add["model"] = str(merged_model(EXPERTS / "add", tmp_path / "add-model"))
     raw["output"] = {"dir": str(tmp_path / "run"), "tensorboard": False, "progress": False}
     raw["loop"].update(steps=STEPS, eval_every=STEPS, checkpoint_every=0)
     job = tmp_path / "student.yaml"
@@ -37,8 +54,9 @@ def test_a_student_distilled_from_two_adapter_teachers_learns_both_domains(tmp_p
     done = subprocess.run([*lorarl_command(), "run", str(job)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for name in ("sort", "add"):
-        assert f"teacher {name} serves as student.teacher.{name} v1" in done.stdout
+    assert "teacher sort serves as student.teacher.sort v1" in done.stdout
+    assert f"teacher add serves on its own engine ({tmp_path / 'add-model'})" in done.stdout
+    assert (tmp_path / "run" / "services" / "teacher-add.log").is_file()  # its engine: a process of its own
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if "train/loss" in r]

@@ -261,6 +261,11 @@ SINGLE_DEFINITIONS = {
     "distillation advantage": (re.compile(r"distill_scale\s*\*"), "lorarl.trainer.rl.losses"),
     "teacher scoring": (re.compile(r"\bteachers\.score\("), "lorarl.rollout.core"),
     "teacher job id": (re.compile(r"\.teacher\.\{"), "lorarl.client.job.inputs"),
+    # full-model teachers (#47): whether two tokenizers read ids alike, the one client of a teacher's own engine
+    # (made where the replica's token is known), and the name of that engine's process
+    "token id mapping": (re.compile(r"\.get_vocab\("), "lorarl.contract.token_mapping"),
+    "teacher engine client": (re.compile(r"\bTeacherEngines\("), "lorarl.rollout.server"),
+    "teacher engine process": (re.compile(r"[\"']teacher-"), "lorarl.client.launch.local"),
 }
 
 

@@ -442,9 +442,10 @@ class PlacementSection:
 
 @dataclass
 class TeacherSection:
-    """One teacher of on-policy distillation: a LoRA adapter on the job's own base, served by the job's rollout
-    beside the student's versions (one more adapter slot, no weights beyond the adapter), that scores the sampled
-    tokens of every prompt routed to it (trainer.loss.type opd, or distill_weight)."""
+    """One teacher of on-policy distillation, that scores the sampled tokens of every prompt routed to it
+    (trainer.loss.type opd, or distill_weight): a LoRA adapter on the job's own base, served by the job's rollout
+    beside the student's versions (one more adapter slot, no weights beyond the adapter), or a full model with the
+    job's tokenizer on an engine of its own."""
 
     name: str = setting("", check=matches(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}", "1-32 letters, digits, '_', '.', '-'"),
                         doc="The teacher's name in metrics (distill/<name>/...) and on the trainer (<job_id>.teacher."
@@ -452,6 +453,11 @@ class TeacherSection:
     adapter: str = setting("", doc="A PEFT LoRA directory trained on the job's base model (adapter_config.json + "
                                    "adapter_model.safetensors: a lorarl export, a PEFT save); relative paths from the "
                                    "job file's folder first.")
+    model: str = setting("", doc="Instead of an adapter: a full model directory (Hugging Face config, safetensors "
+                                 "weights and the job's own tokenizer) served by an engine of its own beside the "
+                                 "student's (`lorarl run`'s local launcher, a CPU job; its own copy of the weights: "
+                                 "for a teacher that is not an adapter of the job's base). Relative paths from the "
+                                 "job file's folder first.")
     domain: str = setting("", doc="With distill.route 'domain': the value of each data row's distill.route_key that "
                                   "sends its prompt to this teacher.")
     weight: float = setting(1.0, check=in_range(0.0), doc="With distill.route 'mixture': this teacher's weight "
@@ -566,9 +572,9 @@ class JobFileConfig:
     @property
     def serving_max_loras(self) -> int:
         """Adapters each replica holds: as set, but never fewer than the job's window of versions in flight + 1,
-        plus a slot for each teacher."""
+        plus a slot for each adapter teacher."""
         own = max(self.rollout.max_loras, staleness.adapter_window(self.loop.max_staleness) + 1)
-        return own + len(self.distill.teachers)
+        return own + sum(1 for t in self.distill.teachers if not t.model)
 
     @property
     def serving_lora_rank(self) -> int:
@@ -591,6 +597,8 @@ class JobFileConfig:
 
         ranks = []
         for teacher in self.distill.teachers:
+            if teacher.model:  # served by an engine of its own, not in a slot here
+                continue
             try:
                 ranks.append(int(read_peft_config(job_path(self, teacher.adapter))["r"]))
             except (ValueError, KeyError, TypeError):
@@ -618,8 +626,12 @@ class JobFileConfig:
             if teacher.name in seen:
                 raise ConfigError(f"{key}.name", f"{teacher.name!r} names teacher {seen[teacher.name]} too")
             seen[teacher.name] = i
-            if not teacher.adapter:
-                raise ConfigError(f"{key}.adapter", "is empty: a teacher is a PEFT LoRA adapter directory")
+            if bool(teacher.adapter) == bool(teacher.model):
+                raise ConfigError(f"{key}.adapter", "and .model: set exactly one — a PEFT LoRA adapter on the job's "
+                                                    "base (scored in the student's engine), or a full model directory "
+                                                    "(served by an engine of its own)")
+            if teacher.model:
+                self._check_model_teacher(f"{key}.model")
             if d.route == "domain" and not teacher.domain:
                 raise ConfigError(f"{key}.domain", f"is empty: with distill.route 'domain' each teacher names the "
                                                    f"value of the data's {d.route_key!r} column it scores")
@@ -632,10 +644,27 @@ class JobFileConfig:
             raise ConfigError("rollout.openai", "teachers score what episodes sample through ctx.sample; the turns of "
                                                 "agents on the OpenAI-compatible endpoint are not scored by teachers "
                                                 "yet (issue #47): run the agent's workflow with ctx.sample")
-        if self.sync.mode == "merged" or self.rollout.enable_lora is False:
+        if any(t.adapter for t in d.teachers) and (self.sync.mode == "merged" or self.rollout.enable_lora is False):
             raise ConfigError("sync.mode" if self.sync.mode == "merged" else "rollout.enable_lora",
                               "teachers are adapters on the pristine base, served beside the student's versions: "
                               "they need sync.mode adapter (or auto) and rollout.enable_lora")
+
+    def model_teacher_key(self) -> str:
+        """The key of the first full-model teacher (distill.teachers[i].model), '' when none: for the launchers that
+        do not start such a teacher's engine (Slurm's script, several jobs on one stack) to refuse the job by it."""
+        return next((f"distill.teachers[{i}].model" for i, t in enumerate(self.distill.teachers) if t.model), "")
+
+    def _check_model_teacher(self, key: str) -> None:
+        """Where a full-model teacher's engine can be started: by the local launcher, on a CPU host (its device
+        on an accelerator is not planned yet), with the student's rollout engine kind."""
+        if self.launcher.kind != "local":
+            raise ConfigError(key, f"a full-model teacher's engine is started by the local launcher only "
+                                   f"(launcher.kind is {self.launcher.kind!r}): make the teacher an adapter of the "
+                                   "job's base, or run the job with launcher.kind local")
+        if device_kind(self.trainer.device) != "cpu":
+            raise ConfigError(key, f"a full-model teacher's engine runs on CPU hosts only for now (trainer.device is "
+                                   f"{self.trainer.device!r}: its place on the devices is not planned yet); make "
+                                   "the teacher an adapter of the job's base")
 
     def _check_colocate(self) -> None:
         """What placement.colocate cannot do, all at once: anything that would write the shared base, or a second

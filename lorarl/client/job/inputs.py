@@ -21,21 +21,34 @@ from lorarl.common.config import ConfigError
 from lorarl.contract.chat import ChatRenderer
 from lorarl.contract.lora import LoraSpec
 from lorarl.contract.peft import fit_problems, read_peft_config
+from lorarl.v1 import rollout_pb2
 
 
 @dataclass(frozen=True)
 class Teacher:
-    """One distillation teacher as the loop serves it: its adapter directory, LoRA spec, and what routes to it."""
+    """One distillation teacher as the loop serves it: its adapter directory and LoRA spec (or, ``lora`` None, its
+    full model's directory, on an engine of its own), and what routes to it."""
 
     name: str
     path: str
-    lora: LoraSpec
+    lora: LoraSpec | None
     domain: str
     weight: float
+
+    @property
+    def own_engine(self) -> bool:
+        """A full model, scored by an engine of its own (rollout.teacher_engines), not an adapter slot."""
+        return self.lora is None
 
     def job_id(self, student: str) -> str:
         """The trainer job (and weight-sync job) that holds and publishes this teacher's adapter."""
         return f"{student}.teacher.{self.name}"
+
+    def policy(self, student: str) -> rollout_pb2.PolicySelector:
+        """How the student's rollout finds this teacher: its adapter job's latest version, or its engine."""
+        if self.own_engine:
+            return rollout_pb2.PolicySelector(engine=self.name)
+        return rollout_pb2.PolicySelector(job_id=self.job_id(student))
 
 
 def job_teachers(cfg: JobFileConfig) -> list[Teacher]:
@@ -44,6 +57,9 @@ def job_teachers(cfg: JobFileConfig) -> list[Teacher]:
     what makes it, any other problem a ConfigError naming the teacher's key."""
     teachers = []
     for i, t in enumerate(cfg.distill.teachers):
+        if t.model:
+            teachers.append(model_teacher(cfg, i))
+            continue
         key = f"distill.teachers[{i}].adapter"
         path = str(Path(job_path(cfg, t.adapter)).resolve())
         if not Path(path).exists():
@@ -67,6 +83,32 @@ def job_teachers(cfg: JobFileConfig) -> list[Teacher]:
                                                        f"rank {lora.rank} (0: sized for every adapter)")
         teachers.append(Teacher(t.name, path, lora, t.domain, t.weight))
     return teachers
+
+
+def model_teacher(cfg: JobFileConfig, i: int) -> Teacher:
+    """distill.teachers[i], a full model: there (else a MissingDataError naming what makes it), a Hugging Face model
+    directory, and reading token ids as the job's model does (else a ConfigError naming both models)."""
+    from lorarl.contract.token_mapping import token_mapping_mismatch
+
+    t, key = cfg.distill.teachers[i], f"distill.teachers[{i}].model"
+    path = Path(job_path(cfg, t.model)).resolve()
+    if not path.exists():
+        raise MissingDataError(key, f"no model at {t.model!r} (teacher {t.name!r})",
+                               f"make it with: {t.make}" if t.make else "point this at the teacher model's directory")
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise ConfigError(key, f"teacher {t.name!r}: {path} is not a Hugging Face model directory (config.json and "
+                               "*.safetensors weights)")
+    student = job_path(cfg, cfg.model.path)
+    try:
+        mismatch = token_mapping_mismatch(student, path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(key, f"teacher {t.name!r}: could not read the tokenizer of {path} or of the job's model "
+                               f"{cfg.model.path!r}: {e}") from None
+    if mismatch:
+        raise ConfigError(key, f"teacher {t.name!r} ({path}) and this job's model {cfg.model.path!r} do not read "
+                               f"token ids alike: {mismatch}. A teacher scores the student's sampled token ids as "
+                               "they are: it needs the student's tokenizer")
+    return Teacher(t.name, str(path), None, t.domain, t.weight)
 
 
 def domain_teacher(cfg: JobFileConfig, example: Example) -> int | None:
@@ -222,8 +264,8 @@ def check_inputs(cfg: JobFileConfig, missing_ok: bool = False) -> list[str]:
 
 
 def distill_lines(cfg: JobFileConfig, train_rows: list[Example], missing_ok: bool) -> list[str]:
-    """The plan's lines for distill.teachers: each teacher's adapter and rank, and the share of the train rows it
-    scores; a teacher not there yet is a WARNING (with what makes it) when ``missing_ok``."""
+    """The plan's lines for distill.teachers: each teacher's adapter and rank (or full model), and the share of the
+    train rows it scores; a teacher not there yet is a WARNING (with what makes it) when ``missing_ok``."""
     if not cfg.distill.teachers:
         return []
     lines = []
@@ -237,7 +279,12 @@ def distill_lines(cfg: JobFileConfig, train_rows: list[Example], missing_ok: boo
     counts = teacher_routes(cfg, train_rows) if train_rows else {}
     for t in cfg.distill.teachers:
         have = teachers.get(t.name)
-        adapter = f"{have.path} (rank {have.lora.rank})" if have else f"{t.adapter} (not there yet)"
+        if have is None:
+            adapter = f"{t.adapter or t.model} (not there yet)"
+        elif have.lora is None:
+            adapter = f"{have.path} (a full model on an engine of its own; the job's tokenizer)"
+        else:
+            adapter = f"{have.path} (rank {have.lora.rank})"
         share = f", {counts[t.name]} of {len(train_rows)} train rows" if t.name in counts else ""
         lines.append(f"teacher {t.name}: {adapter}, route {cfg.distill.route}"
                      f"{f' {cfg.distill.route_key}={t.domain}' if cfg.distill.route == 'domain' else ''}{share}")

@@ -62,6 +62,15 @@ class ServiceProcess:
     started_at: float = field(default_factory=time.monotonic)
 
 
+def teacher_engine_process(teacher: str) -> str:
+    """The process name of a full-model teacher's engine (a rollout service of its own)."""
+    return f"teacher-{teacher}"
+
+
+def is_teacher_engine(process: str) -> bool:
+    return process.startswith("teacher-")
+
+
 class ServiceFailedError(RuntimeError):
     """A supervised service kept exiting: restarts used up, or it did not come back."""
 
@@ -130,6 +139,9 @@ class LocalStack(Stack):
     #: placement.colocate: the model directory whose base trainer and rollout share (one copy the launcher holds in
     #: an anonymous memory file; lorarl.platform.shared_memory); "": each service loads its own.
     shared_base_model: str = ""
+    #: On-policy distillation's full-model teachers: name -> the rollout section of the engine that serves it (a
+    #: process "teacher-<name>" beside the student's replicas, reached by them only: rollout.teacher_engines).
+    teacher_engines: dict[str, dict[str, Any]] = field(default_factory=dict)
     _shared_fd: int | None = None
     _watcher: threading.Thread | None = None
     _restarting: dict[str, threading.Thread] = field(default_factory=dict)  # per service: its restart under way
@@ -148,8 +160,8 @@ class LocalStack(Stack):
         return self.processes[name].address
 
     def addresses(self, service: str) -> list[str]:
-        """Every process of ``service`` (all rollout replicas), in start order."""
-        return [p.address for p in self.processes.values() if p.service == service]
+        """Every process of ``service`` (all rollout replicas; not the teachers' engines), in start order."""
+        return [p.address for p in self.processes.values() if p.service == service and not is_teacher_engine(p.name)]
 
     def metrics_urls(self) -> dict[str, str]:
         """Each process's Prometheus endpoint, as its ready file says (empty when output.prometheus is off)."""
@@ -160,7 +172,8 @@ class LocalStack(Stack):
         """Each rollout replica's OpenAI-compatible endpoint (rollout.openai_port), as now: a restarted
         replica may listen on another port."""
         return [f"{p.info.get('openai_scheme', 'http')}://{p.address.rsplit(':', 1)[0]}:{p.info['openai_port']}/v1"
-                for p in self.processes.values() if p.service == "rollout" and p.info.get("openai_port")]
+                for p in self.processes.values()
+                if p.service == "rollout" and p.info.get("openai_port") and not is_teacher_engine(p.name)]
 
     def env(self) -> dict[str, str]:
         # The token goes to the services as a file (token_file), never in their environment.
@@ -199,8 +212,13 @@ class LocalStack(Stack):
         launches: list[tuple[str, dict[str, Any], str, int]] = []  # (process name, section, service, port)
         if self.shared_base_model:
             self._build_shared_base()
+        teacher_ports = {name: free_port(self.host) for name in self.teacher_engines}
+        launches += [(teacher_engine_process(name), section, "rollout", teacher_ports[name])
+                     for name, section in self.teacher_engines.items()]
         for name in self.services:
             section = dict(self.sections.get(name, {}))
+            if name == "rollout" and teacher_ports:
+                section["teacher_engines"] = {n: f"{self.host}:{port}" for n, port in teacher_ports.items()}
             if name in SHARES_BASE and self._shared_fd is not None:
                 section["shared_base"] = shared_memory.path_of(self._shared_fd)
             if name in ("trainer", "rollout") and "weightsync" in ports:
@@ -246,8 +264,9 @@ class LocalStack(Stack):
                      # what a job that attaches must fit in: the rollout's LoRA rank and adapter slots, and what
                      # its engine serves as adapters (its ready file's word: lorarl.contract.sharing.EngineLora)
                      **{key: self.sections.get("rollout", {}).get(key) for key in ("max_lora_rank", "max_loras")},
-                     "lora": next((p.info["lora"] for p in self.processes.values()
-                                   if p.service == "rollout" and "lora" in p.info), None),
+                     "lora": next((p.info["lora"] for n, p in self.processes.items()
+                                   if p.service == "rollout" and "lora" in p.info and not is_teacher_engine(n)),
+                                  None),
                      "metrics": self.metrics_urls()}
         (self.workdir / "stack.json").write_text(json.dumps(addresses, indent=1) + "\n")
 

@@ -41,6 +41,10 @@ def check_shareable(cfgs: Sequence[Any]) -> None:
         if cfg.launcher.kind != "local" or cfg.placement.nodes > 1:
             raise ConfigError("launcher.kind", f"job {cfg.job_id}: several jobs share a stack on this host only "
                                                "(launcher.kind=local, placement.nodes=1)")
+        if key := cfg.model_teacher_key():
+            raise ConfigError(key, f"job {cfg.job_id}: a full-model teacher's engine is started for a job of its own "
+                                   "only, not on a stack several jobs share (not built): make the teacher an adapter "
+                                   "of the job's base, or run the job alone")
     if problem := sharing.disagreement([(cfg.job_id, to_dict(cfg)) for cfg in cfgs]):
         raise ConfigError(*problem)
     for cfg in cfgs:  # a rollout without LoRA would merge each job's adapter over the base they all sample from

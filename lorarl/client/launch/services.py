@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorarl.client.job.config import records_routes, serving_length
+from lorarl.client.job.config import job_path, records_routes, serving_length
+from lorarl.client.launch.local import teacher_engine_process
 from lorarl.client.launch.log_files import LogRetention
 from lorarl.common.config import ConfigError
 from lorarl.contract import staleness
@@ -67,6 +68,21 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     "max_num_seqs": decode_wave(cfg),
                     "collective_backends": sorted({backend, "gloo"})},
     }
+
+
+#: A student rollout's settings a full-model teacher's engine leaves out: it serves its own model, no adapters, no
+#: versions, no endpoint, no pins (lorarl.client.launch.local starts it as process "teacher-<name>").
+NOT_FOR_TEACHER_ENGINES = ("max_lora_rank", "max_loras", "adapter_window", "openai_port", "record_routes",
+                           "engine_cpus", "shared_base", "weightsync_address", "receive_in_worker")
+
+
+def teacher_engine_sections(cfg, rollout: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each full-model teacher's engine (distill.teachers[].model): the student's rollout section (``rollout``)
+    for another model, without LoRA — the teacher's weights are a copy of their own, by the job's choice."""
+    return {t.name: {**{k: v for k, v in rollout.items() if k not in NOT_FOR_TEACHER_ENGINES},
+                     "model_path": str(Path(job_path(cfg, t.model)).resolve()), "enable_lora": False,
+                     "replica_id": teacher_engine_process(t.name)}
+            for t in cfg.distill.teachers if t.model}
 
 
 def cpu_pins(cfg) -> dict[str, str]:
@@ -136,7 +152,8 @@ def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = Non
                       process_env={**visible_devices(cfg), **pinned_threads(pins)},
                       server_sections={"trainer": {"cpus": pins["trainer"]}} if pins else {},
                       log_retention=log_retention(cfg), metrics=cfg.output.prometheus,
-                      metrics_host=cfg.output.prometheus_host)
+                      metrics_host=cfg.output.prometheus_host,
+                      teacher_engines=teacher_engine_sections(cfg, sections.get("rollout", {})))
 
 
 def log_retention(cfg) -> LogRetention:

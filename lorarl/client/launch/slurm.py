@@ -222,6 +222,9 @@ def _quote(word: str) -> str:
 
 
 def write(cfg, config_path: str, overrides: list[str], script: Path, **kwargs: str) -> list[Path]:
+    if key := cfg.model_teacher_key():
+        raise ConfigError(key, "the Slurm script does not start a full-model teacher's engine (not built): make the "
+                               "teacher an adapter of the job's base, or run the job with `lorarl run` on one host")
     run_dir = Path(cfg.output.dir).resolve()
     text, configs = sbatch_script(cfg, str(Path(config_path).resolve()), overrides, run_dir, **kwargs)
     folder = run_dir / "slurm"

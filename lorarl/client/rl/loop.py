@@ -40,7 +40,7 @@ from lorarl.client.workflow.context import RolloutContext, SamplingDefaults
 from lorarl.contract import staleness, versions
 from lorarl.contract.chat import ChatRenderer
 from lorarl.contract.enums import SYNC_MODES
-from lorarl.v1 import common_pb2, rollout_pb2, trainer_pb2, weightsync_pb2
+from lorarl.v1 import common_pb2, trainer_pb2, weightsync_pb2
 from lorarl.weightsync.client.activation import await_outcome
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class RLLoop:
         on-policy distillation's (lorarl.client.job.inputs.job_teachers), served as their own jobs' latest version."""
         self.cfg, self.trainer, self.rollout = cfg, trainer, rollout
         self.teachers = list(teachers)
-        self._teacher_policies = [rollout_pb2.PolicySelector(job_id=t.job_id(cfg.job_id)) for t in self.teachers]
+        self._teacher_policies = [t.policy(cfg.job_id) for t in self.teachers]
         self.on_samples = on_samples
         self.sampler = CoalescingRollout(rollout)  # what episodes sample through
         self.openai_urls, self.token = openai_urls or (lambda: []), token

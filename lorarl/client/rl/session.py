@@ -104,9 +104,13 @@ class JobSession:
         """Each distillation teacher as a job of its own on the trainer (its adapter loaded as a warm start, never
         trained: the base is the student's, so it costs the adapter only), published to every rollout replica as
         an adapter and awaited: the replicas then score the student's samples with it. Attaches to the ones a
-        previous run (or a restart) left, and publishes them again."""
+        previous run (or a restart) left, and publishes them again. A full-model teacher's engine is the
+        launcher's (nothing to load here)."""
         model_path = str(Path(self.cfg.model.path).resolve())
         for teacher in teachers:
+            if teacher.lora is None:  # a full model on an engine of its own (lorarl.client.launch.local)
+                print(f"lorarl: teacher {teacher.name} serves on its own engine ({teacher.path})", flush=True)
+                continue
             job_id = teacher.job_id(self.cfg.job_id)
             spec = dataclasses.replace(training_spec(self.cfg, model_path), lora=teacher.lora,
                                        init_adapter_path=teacher.path)

@@ -16,7 +16,7 @@ import yaml
 
 from lorarl.client.job.config import load_job_config
 from lorarl.client.job.datasets import Example
-from lorarl.client.job.inputs import check_inputs, job_teachers, teacher_routes
+from lorarl.client.job.inputs import check_inputs, distill_lines, job_teachers, teacher_routes
 from lorarl.client.launch.services import stack_sections
 from lorarl.client.rl.loop import distill_stats
 from lorarl.client.workflow.api import Episode, Sampled
@@ -167,3 +167,98 @@ def test_a_teacher_trained_on_another_base_is_refused_naming_both(tmp_path: Path
     moe = adapter_of(tmp_path / "moe", "model.layers.0.mlp.experts.0.up_proj", (8, 128), (128, 8), "moe")
     with pytest.raises(ConfigError, match=r"experts\.0\.up_proj is not a linear layer of the base"):
         job_teachers(load_job_config(str(student(tmp_path, str(moe), add)), []))
+
+
+def model_copy(folder: Path, extra_token: str = "") -> Path:
+    """The shipped tiny model's files in ``folder`` (weights linked); with ``extra_token``, its tokenizer gains that
+    token: another id mapping."""
+    source = ROOT / "lorarl" / "assets" / "models" / "qwen3-tiny"
+    folder.mkdir(parents=True)
+    for file in source.iterdir():
+        (folder / file.name).symlink_to(file)
+    if extra_token:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        tokenizer.add_tokens([extra_token])
+        for file in folder.glob("*token*"):
+            file.unlink()
+        tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def test_a_full_model_teacher_runs_on_an_engine_of_its_own(tmp_path: Path) -> None:
+    """distill.teachers[].model: a full model with the job's tokenizer, no adapter slot on the student's rollout, its
+    own engine section (the student's rollout settings for its model, without LoRA), the plan saying so."""
+    from lorarl.client.launch.services import teacher_engine_sections
+
+    sort, add = teacher_dir(tmp_path / "sort"), model_copy(tmp_path / "add-model")
+    job = student(tmp_path, str(sort), "")
+    raw = yaml.safe_load(job.read_text())
+    raw["distill"]["teachers"][1] = {"name": "add", "model": str(add), "domain": "add"}
+    job.write_text(yaml.safe_dump(raw))
+    cfg = load_job_config(str(job), [])
+    sort_teacher, add_teacher = job_teachers(cfg)
+    assert not sort_teacher.own_engine and add_teacher.own_engine and add_teacher.path == str(add.resolve())
+    assert add_teacher.policy("student").engine == "add" and not add_teacher.policy("student").job_id
+    assert sort_teacher.policy("student").job_id == "student.teacher.sort"
+    assert cfg.serving_max_loras == max(cfg.rollout.max_loras, adapter_window(cfg.loop.max_staleness) + 1) + 1
+    rollout = stack_sections(cfg, tmp_path)["rollout"]
+    (engine,) = teacher_engine_sections(cfg, rollout).values()
+    assert engine["model_path"] == str(add.resolve()) and engine["enable_lora"] is False
+    assert engine["replica_id"] == "teacher-add" and "max_loras" not in engine and "openai_port" not in engine
+    assert engine["max_num_seqs"] == rollout["max_num_seqs"] and engine["dtype"] == rollout["dtype"]
+    lines = distill_lines(cfg, [], missing_ok=False)
+    assert lines[1].startswith(f"teacher add: {add.resolve()} (a full model on an engine of its own"), lines
+
+
+def test_a_full_model_teacher_with_another_tokenizer_is_refused_at_the_dry_run_naming_both(tmp_path: Path) -> None:
+    from lorarl.client.cli import main
+
+    other = model_copy(tmp_path / "other-model", extra_token="<|teacher-only|>")
+    job = student(tmp_path, str(teacher_dir(tmp_path / "sort")), "")
+    raw = yaml.safe_load(job.read_text())
+    raw["distill"]["teachers"][1] = {"name": "add", "model": str(other), "domain": "add"}
+    job.write_text(yaml.safe_dump(raw))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["run", str(job), "--dry-run"])
+    text = out.getvalue() + err.getvalue()
+    assert code != 0 and "distill.teachers[1].model" in text, text
+    assert str(other.resolve()) in text and "qwen3-tiny" in text and "do not read token ids alike" in text, text
+    assert "'<|teacher-only|>'" in text, text  # the first id that maps differently, by name
+
+
+@pytest.mark.parametrize(("teacher", "changes", "words"), [
+    ({"name": "add", "adapter": "x", "model": "y", "domain": "add"}, {}, "set exactly one"),
+    ({"name": "add", "domain": "add"}, {}, "set exactly one"),
+    ({"name": "add", "model": "y", "domain": "add"}, {"launcher__kind": "ray"}, "local launcher only"),
+    ({"name": "add", "model": "y", "domain": "add"}, {"trainer__device": "cuda"}, "CPU hosts only"),
+])
+def test_what_a_full_model_teacher_refuses(tmp_path: Path, teacher: dict, changes: dict, words: str) -> None:
+    job = student(tmp_path, "a", "b", **changes)
+    raw = yaml.safe_load(job.read_text())
+    raw["distill"]["teachers"][1] = teacher
+    job.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as refused:
+        load_job_config(str(job), [])
+    assert refused.value.key.startswith("distill.teachers[1]") and words in str(refused.value), refused.value
+
+
+def test_the_launchers_that_do_not_start_a_teachers_engine_refuse_a_full_model_teacher(tmp_path: Path) -> None:
+    """A Slurm script and a stack several jobs share would start no engine for it: refused by its key, not left
+    for the student's rollout to refuse mid-run."""
+    from lorarl.client.launch import slurm
+    from lorarl.client.launch.many_jobs import check_shareable
+
+    job = student(tmp_path, "a", "b")
+    raw = yaml.safe_load(job.read_text())
+    raw["distill"]["teachers"][1] = {"name": "add", "model": "y", "domain": "add"}
+    job.write_text(yaml.safe_dump(raw))
+    cfg = load_job_config(str(job), [])
+    with pytest.raises(ConfigError, match="Slurm script does not start") as refused:
+        slurm.write(cfg, str(job), [], tmp_path / "job.sbatch")
+    assert refused.value.key == "distill.teachers[1].model" and not (tmp_path / "job.sbatch").exists()
+    with pytest.raises(ConfigError, match="not on a stack several jobs share") as refused:
+        check_shareable([cfg])
+    assert refused.value.key == "distill.teachers[1].model"

@@ -71,6 +71,37 @@ def test_each_prompt_is_scored_by_its_teachers_in_one_batch_per_teacher() -> Non
     assert out[3].completions[0].teacher_logprobs is None  # not scored
 
 
+def test_rows_are_read_in_waves_of_a_token_budget_with_the_same_logprobs() -> None:
+    """Many rows: each wave's rows (every teacher's) stay within the budget, teachers side by side in a wave, and
+    the logprobs are those of one wave."""
+    prompts = [[p, p + 1] for p in range(1, 9)]
+    completions = [[[20 + p, 21 + p, 22 + p], [30 + p]] for p in range(8)]
+    weights = tuple((1.0, 0.0) if p % 2 else (0.5, 0.5) for p in range(8))
+    request = GenerateInput("req", tuple(map(tuple, prompts)), Sampling(), teachers=TEACHERS, teacher_weights=weights)
+
+    class Counting(Teachers):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = self.most_tokens = 0
+
+        async def generate(self, request: GenerateInput) -> list[PromptResult]:
+            size = sum(map(len, request.prompts))
+            self.tokens += size
+            self.most_tokens = max(self.most_tokens, self.tokens)
+            try:
+                return await super().generate(request)
+            finally:
+                self.tokens -= size
+
+    whole, waved = results(prompts, completions), results(prompts, completions)
+    asyncio.run(score(Teachers().generate, request, whole))
+    engine = Counting()
+    asyncio.run(score(engine.generate, request, waved, wave_tokens=12))
+    assert engine.most_tokens <= 12 and len(engine.requests) > 2 and engine.most_in_flight == 2
+    assert [[c.teacher_logprobs for c in r.completions] for r in waved] == \
+        [[c.teacher_logprobs for c in r.completions] for r in whole]
+
+
 def test_a_request_without_teachers_scores_nothing_and_an_empty_completion_reads_nothing() -> None:
     engine = Teachers()
     out = results([[1]], [[[]]])
