@@ -53,17 +53,18 @@ def adapter(model: Path, seed: int) -> dict:
 
 def job(model: Path, out: Path, teachers: list[Path]):
     """The distilling job (teachers) or the same job without them, as a launcher sizes its rollout."""
+    import yaml
+
     from lorarl.client.job.config import load_job_config
 
     overrides = [f"model.path={model}", f"output.dir={out}", "trainer.lora.rank=16", "trainer.lora.alpha=32",
                  f"rollout.max_tokens={TOKENS}", "rollout.kv_cache_gib=1", "data.max_prompt_tokens=32"]
-    if not teachers:
-        return load_job_config(str(ROOT / "examples/demo.yaml"), [*overrides, "loop.mode=sync"])
-    import yaml
-
     raw = yaml.safe_load((ROOT / "examples/distill/student.yaml").read_text())
-    for teacher, path in zip(raw["distill"]["teachers"], teachers, strict=True):
-        teacher["adapter"] = str(path)
+    if teachers:
+        for teacher, path in zip(raw["distill"]["teachers"], teachers, strict=True):
+            teacher["adapter"] = str(path)
+    else:  # the same student by RL: no teachers, a loss that reads none
+        raw["distill"]["teachers"], raw["trainer"]["loss"] = [], {"type": "grpo"}
     file = out.parent / f"{out.name}.yaml"
     file.write_text(yaml.safe_dump(raw))
     return load_job_config(str(file), overrides)

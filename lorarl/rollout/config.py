@@ -38,6 +38,12 @@ class RolloutSettings:
     tensor_parallel_size: int = setting(1, check=in_range(1, 64), doc="Devices one vLLM engine spans (TP).")
     max_num_batched_tokens: int | None = setting(
         None, check=in_range(16), doc="Tokens vLLM schedules per step (longer prefills are chunked); default: vLLM's.")
+    long_prefill_tokens: int | None = setting(
+        None, check=in_range(1), doc="vLLM: the most tokens of one request's prefill computed in one step when "
+        "others share it (long_prefill_token_threshold; the rest in later steps). A distilling job's teachers read "
+        "whole completions as prefills and ask every position's logprobs: `lorarl run` sets 32 for them, which "
+        "bounds each step's full-vocabulary logits and keeps the engine's peak memory near a plain job's. Default: "
+        "no cap.")
     max_num_seqs: int = setting(64, check=in_range(1), doc="Sequences vLLM runs in one step at most.")
     block_size: int | None = setting(
         None, check=all_of(in_range(16), multiple_of(16)),

@@ -32,6 +32,11 @@ def decode_wave(cfg) -> int:
                                                  // cfg.rollout.replicas))
 
 
+#: rollout.long_prefill_tokens of a distilling job: a teacher's row is prefilled this many tokens a step at most, so
+#: a step's logits over the vocabulary stay a decode step's size (bench/distill_memory.py).
+TEACHER_PREFILL_TOKENS = 32
+
+
 def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
     """Service config sections for a local stack serving this job."""
     window = staleness.adapter_window(cfg.loop.max_staleness)
@@ -66,6 +71,8 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     **({"enable_lora": lora} if (lora := rollout_lora(cfg)) is not None else {}),
                     "receive_in_worker": cfg.rollout.receive_in_worker,
                     "max_num_seqs": decode_wave(cfg),
+                    # teachers read whole completions as prefills with every position's logprobs: in pieces
+                    **({"long_prefill_tokens": TEACHER_PREFILL_TOKENS} if cfg.distill.teachers else {}),
                     "collective_backends": sorted({backend, "gloo"})},
     }
 

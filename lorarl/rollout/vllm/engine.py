@@ -235,6 +235,7 @@ class VllmEngine:
             block_size=s.block_size,
             tensor_parallel_size=s.tensor_parallel_size,
             max_num_batched_tokens=s.max_num_batched_tokens,
+            **({"long_prefill_token_threshold": s.long_prefill_tokens} if s.long_prefill_tokens else {}),
             max_logprobs=max(s.max_logprobs, 1),
             logprobs_mode=s.logprobs_mode,
             enable_lora=enable_lora,

@@ -49,7 +49,7 @@ def _s(ref: str, *params: str, platforms: frozenset[str] = ALL, fallback: str = 
 _ENGINE_ARGS = ("model", "dtype", "max_model_len", "enforce_eager", "kv_cache_memory_bytes", "gpu_memory_utilization",
                 "seed", "max_num_seqs", "block_size", "tensor_parallel_size", "max_num_batched_tokens",
                 "max_logprobs", "logprobs_mode", "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras",
-                "worker_extension_cls", "disable_log_stats", "enable_prefix_caching")
+                "worker_extension_cls", "disable_log_stats", "enable_prefix_caching", "long_prefill_token_threshold")
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "logprobs",
              "ignore_eos", "detokenize", "output_kind", "skip_clone", "prompt_logprobs")
 

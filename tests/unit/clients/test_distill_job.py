@@ -65,6 +65,9 @@ def test_teachers_are_read_routed_by_the_task_column_and_size_the_rollout(tmp_pa
     assert rollout["max_lora_rank"] == 16 and rollout["max_loras"] == cfg.serving_max_loras
     assert cfg.serving_max_loras == max(cfg.rollout.max_loras, adapter_window(cfg.loop.max_staleness) + 1) + 2
     assert stack_sections(cfg, tmp_path)["trainer"]["max_jobs"] == 6
+    assert rollout["long_prefill_tokens"] == 32  # teachers' rows prefilled in pieces (bench/distill_memory.py)
+    plain = load_job_config(str(ROOT / "examples" / "demo.yaml"), [])
+    assert "long_prefill_tokens" not in stack_sections(plain, tmp_path)["rollout"]
     lines = check_inputs(cfg)
     assert any(line.startswith(f"teacher sort: {sort} (rank 16), route domain task=sort, 7500 of 15000")
                for line in lines), lines
