@@ -27,6 +27,8 @@ def token_mapping_mismatch(model_dir: str | Path, other_dir: str | Path) -> str:
         by_id = {i: t for t, i in vocab.items()}
         other_by_id = {i: t for t, i in other_vocab.items()}
         differing = sorted(i for i in set(by_id) | set(other_by_id) if by_id.get(i) != other_by_id.get(i))
+        if not differing:  # the same ids, one of them named twice in a vocabulary
+            return f"their vocabularies differ ({len(vocab):,} and {len(other_vocab):,} entries over the same ids)"
         first = differing[0]
         return (f"their vocabularies differ ({len(vocab):,} and {len(other_vocab):,} tokens; {len(differing):,} ids "
                 f"map differently, the first {first}: {by_id.get(first)!r} and {other_by_id.get(first)!r})")

@@ -192,7 +192,8 @@ class HfEngine:
         finally:
             self._active_adapter = None
         processed = self.settings.logprobs_mode == "processed_logprobs"
-        logits = out.logits[0].cpu()
+        wants_prompt = past is None and spec.sampling.prompt_logprobs  # every position's logits, this once
+        logits = out.logits[0].cpu() if wants_prompt else out.logits[0, -1:].cpu()
         token, logprob, top = choose_token(logits[-1], spec.sampling, generator, processed)
         return token, logprob, top, out.past_key_values, logits
 

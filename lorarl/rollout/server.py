@@ -160,6 +160,8 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
         from lorarl.common.auth import server_token
 
         token = server_token(config.server.auth, host=config.server.host)
+        if core is not None:  # before weight sync lists this replica: its first Generate may name them
+            attach_teacher_engines(core, config)
         if core is not None and config.rollout.weightsync_address:
             from lorarl.rollout.sync import advertised_address, start_sync_agent, wait_connected
 
@@ -170,8 +172,6 @@ async def serve_forever(config: RolloutServiceConfig) -> None:
                                      host=config.rollout.sync_host, device=config.rollout.device,
                                      tls=peer_tls(config.server.peer_tls), serve_address=address)
             await wait_connected(agent, 60.0)
-        if core is not None:
-            attach_teacher_engines(core, config)
         if core is not None and config.rollout.openai_port is not None:
             from lorarl.rollout.openai.http_server import start_openai_server
 

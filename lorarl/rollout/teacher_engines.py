@@ -15,9 +15,32 @@ from collections.abc import Mapping
 import grpc
 
 from lorarl.common.channel import ClientTls, aio_channel
-from lorarl.common.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from lorarl.common.errors import (
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from lorarl.rollout.schema import Completion, Finish, GenerateInput, PromptResult
 from lorarl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+
+def engine_error(where: str, e: grpc.aio.AioRpcError) -> Exception:
+    """What the student's caller is told of a teacher engine's failure, by what the caller can do about it: wait
+    (busy: RESOURCE_EXHAUSTED), retry elsewhere or later (the engine down: UNAVAILABLE), or nothing — a refusal, a
+    token or TLS mismatch or the engine's own fault is permanent (FAILED_PRECONDITION / INTERNAL, never retried
+    as if the student's replica were gone)."""
+    code, message = e.code(), f"{where}: {e.code().name}: {e.details()}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhaustedError(message)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return UnavailableError(message)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+                grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND):
+        return FailedPreconditionError(f"{message} (the teacher's engine refused the student's rows, or this "
+                                       "replica's token or TLS: fix its settings)")
+    return InternalError(message)
 
 
 class TeacherEngines:
@@ -50,10 +73,7 @@ class TeacherEngines:
         try:
             response = await self._stub(name).Generate(proto)
         except grpc.aio.AioRpcError as e:
-            where = f"teacher engine {name!r} at {self.addresses[name]}"
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise FailedPreconditionError(f"{where} refused the student's completions: {e.details()}") from None
-            raise UnavailableError(f"{where}: {e.code().name}: {e.details()}") from None
+            raise engine_error(f"teacher engine {name!r} at {self.addresses[name]}", e) from None
         return [PromptResult(prompt_token_ids=list(r.prompt_token_ids),
                              completions=[Completion(token_ids=list(c.token_ids), finish=Finish.LENGTH)
                                           for c in r.completions],

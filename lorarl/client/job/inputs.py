@@ -99,6 +99,8 @@ def model_teacher(cfg: JobFileConfig, i: int) -> Teacher:
         raise ConfigError(key, f"teacher {t.name!r}: {path} is not a Hugging Face model directory (config.json and "
                                "*.safetensors weights)")
     student = job_path(cfg, cfg.model.path)
+    if not Path(student).is_dir():  # a Hub model not fetched yet: `lorarl run` fetches it, then checks here again
+        return Teacher(t.name, str(path), None, t.domain, t.weight)
     try:
         mismatch = token_mapping_mismatch(student, path)
     except (OSError, ValueError) as e:

@@ -55,6 +55,10 @@ def check_attachable(cfg: Any, run_dir: str | Path) -> None:
     owner = json.loads(owner_file.read_text())
     if cfg.job_id == owner["job_id"]:
         raise ConfigError("job_id", f"{cfg.job_id!r} is the owner's job: give this one a job id of its own")
+    if key := cfg.model_teacher_key():  # the owner's stack started no engine for it (or one for another model)
+        raise ConfigError(key, f"the stack in {run_dir!s}: a full-model teacher's engine is started for a job of its "
+                               "own only, not for a job that attaches (not built): make the teacher an adapter of "
+                               "the job's base, or run the job alone")
     if problem := sharing.disagreement([(owner["job_id"], owner), (cfg.job_id, to_dict(cfg))]):
         key, why = problem
         raise ConfigError(key, f"the stack in {run_dir!s}: {why}")

@@ -32,8 +32,9 @@ def decode_wave(cfg) -> int:
                                                  // cfg.rollout.replicas))
 
 
-#: rollout.long_prefill_tokens of a distilling job: a teacher's row is prefilled this many tokens a step at most, so
-#: a step's logits over the vocabulary stay a decode step's size (bench/distill_memory.py).
+#: rollout.long_prefill_tokens of a distilling CPU job: a teacher's row is prefilled this many tokens a step at most,
+#: so a step's logits over the vocabulary stay small (bench/distill_memory.py; measured on CPU only, so not set on
+#: accelerators, where it would also chunk long prompts for a memory figure nobody has taken).
 TEACHER_PREFILL_TOKENS = 32
 
 
@@ -72,7 +73,8 @@ def stack_sections(cfg, out: Path) -> dict[str, dict[str, Any]]:
                     "receive_in_worker": cfg.rollout.receive_in_worker,
                     "max_num_seqs": decode_wave(cfg),
                     # teachers read whole completions as prefills with every position's logprobs: in pieces
-                    **({"long_prefill_tokens": TEACHER_PREFILL_TOKENS} if cfg.distill.teachers else {}),
+                    **({"long_prefill_tokens": TEACHER_PREFILL_TOKENS}
+                       if cfg.distill.teachers and device_kind(cfg.trainer.device) == "cpu" else {}),
                     "collective_backends": sorted({backend, "gloo"})},
     }
 

@@ -34,6 +34,7 @@ def student() -> Iterator[RolloutHarness]:
                                              teacher_engines={"merged": teacher.running.address})).start()
     student.stub.LoadWeights(load_requests("expert", 1, adapter, common_pb2.SYNC_MODE_ADAPTER,
                                            base_model_fingerprint(model_dir), LORA))
+    student.teacher = teacher  # type: ignore[attr-defined]
     yield student
     student.call(student.core.teacher_engines.close())
     student.close()
@@ -92,3 +93,27 @@ def test_an_engine_the_replica_does_not_know_and_an_engine_to_sample_from_are_re
                                                           sampling=common_pb2.SamplingParams(max_tokens=2)))
     assert sampling.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "only a teacher" in sampling.value.details()
+
+
+def test_a_teacher_engine_that_refuses_or_is_gone_is_told_apart(student: RolloutHarness) -> None:
+    """A token the teacher's engine refuses is permanent (FAILED_PRECONDITION, naming the engine): retrying or
+    setting the student's replica aside would not help; an engine that is not there is UNAVAILABLE (retried)."""
+    from lorarl.common.errors import FailedPreconditionError, UnavailableError
+    from lorarl.common.ports import free_port
+    from lorarl.rollout.schema import GenerateInput, PolicyRef
+    from lorarl.rollout.teacher_engines import TeacherEngines
+    from lorarl.rollout.teachers import SCORING
+
+    rows = GenerateInput("r", (tuple(PROMPT),), SCORING, policy=PolicyRef(engine="merged"))
+
+    async def call(address: str, token: str) -> None:
+        engines = TeacherEngines({"merged": address}, token=token)
+        try:
+            await engines.generate(rows)
+        finally:
+            await engines.close()
+
+    with pytest.raises(FailedPreconditionError, match=r"teacher engine 'merged' at .*UNAUTHENTICATED"):
+        student.call(call(student.teacher.running.address, "not-the-token"))
+    with pytest.raises(UnavailableError, match=r"teacher engine 'merged' at .*UNAVAILABLE"):
+        student.call(call(f"127.0.0.1:{free_port('127.0.0.1')}", "rollout-test-token"))

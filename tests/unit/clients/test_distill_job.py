@@ -265,3 +265,11 @@ def test_the_launchers_that_do_not_start_a_teachers_engine_refuse_a_full_model_t
     with pytest.raises(ConfigError, match="not on a stack several jobs share") as refused:
         check_shareable([cfg])
     assert refused.value.key == "distill.teachers[1].model"
+    from lorarl.client.launch.attach import check_attachable
+
+    owner = tmp_path / "owner-run"
+    owner.mkdir()
+    (owner / "config.json").write_text(json.dumps({"job_id": "owner"}))
+    with pytest.raises(ConfigError, match="not for a job that attaches") as refused:
+        check_attachable(cfg, owner)
+    assert refused.value.key == "distill.teachers[1].model"
