@@ -99,17 +99,16 @@ def model_teacher(cfg: JobFileConfig, i: int) -> Teacher:
         raise ConfigError(key, f"teacher {t.name!r}: {path} is not a Hugging Face model directory (config.json and "
                                "*.safetensors weights)")
     student = job_path(cfg, cfg.model.path)
-    if not Path(student).is_dir():  # a Hub model not fetched yet: `lorarl run` fetches it, then checks here again
-        return Teacher(t.name, str(path), None, t.domain, t.weight)
-    try:
-        mismatch = token_mapping_mismatch(student, path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(key, f"teacher {t.name!r}: could not read the tokenizer of {path} or of the job's model "
-                               f"{cfg.model.path!r}: {e}") from None
-    if mismatch:
-        raise ConfigError(key, f"teacher {t.name!r} ({path}) and this job's model {cfg.model.path!r} do not read "
-                               f"token ids alike: {mismatch}. A teacher scores the student's sampled token ids as "
-                               "they are: it needs the student's tokenizer")
+    if Path(student).is_dir():  # a Hub model not fetched yet: `lorarl run` fetches it, then checks here again
+        try:
+            mismatch = token_mapping_mismatch(student, path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(key, f"teacher {t.name!r}: could not read the tokenizer of {path} or of the job's model "
+                                   f"{cfg.model.path!r}: {e}") from None
+        if mismatch:
+            raise ConfigError(key, f"teacher {t.name!r} ({path}) and this job's model {cfg.model.path!r} do not read "
+                                   f"token ids alike: {mismatch}. A teacher scores the student's sampled token ids as "
+                                   "they are: it needs the student's tokenizer")
     return Teacher(t.name, str(path), None, t.domain, t.weight)
 
 

@@ -161,7 +161,12 @@ class LocalStack(Stack):
 
     def addresses(self, service: str) -> list[str]:
         """Every process of ``service`` (all rollout replicas; not the teachers' engines), in start order."""
-        return [p.address for p in self.processes.values() if p.service == service and not is_teacher_engine(p.name)]
+        return [p.address for p in self._processes_of(service)]
+
+    def _processes_of(self, service: str) -> list[ServiceProcess]:
+        """``service``'s processes, in start order; a full-model teacher's engine is a rollout service only the
+        student's replicas reach, never one of the job's replicas."""
+        return [p for n, p in self.processes.items() if p.service == service and not is_teacher_engine(n)]
 
     def metrics_urls(self) -> dict[str, str]:
         """Each process's Prometheus endpoint, as its ready file says (empty when output.prometheus is off)."""
@@ -172,8 +177,7 @@ class LocalStack(Stack):
         """Each rollout replica's OpenAI-compatible endpoint (rollout.openai_port), as now: a restarted
         replica may listen on another port."""
         return [f"{p.info.get('openai_scheme', 'http')}://{p.address.rsplit(':', 1)[0]}:{p.info['openai_port']}/v1"
-                for p in self.processes.values()
-                if p.service == "rollout" and p.info.get("openai_port") and not is_teacher_engine(p.name)]
+                for p in self._processes_of("rollout") if p.info.get("openai_port")]
 
     def env(self) -> dict[str, str]:
         # The token goes to the services as a file (token_file), never in their environment.
@@ -264,9 +268,7 @@ class LocalStack(Stack):
                      # what a job that attaches must fit in: the rollout's LoRA rank and adapter slots, and what
                      # its engine serves as adapters (its ready file's word: lorarl.contract.sharing.EngineLora)
                      **{key: self.sections.get("rollout", {}).get(key) for key in ("max_lora_rank", "max_loras")},
-                     "lora": next((p.info["lora"] for n, p in self.processes.items()
-                                   if p.service == "rollout" and "lora" in p.info and not is_teacher_engine(n)),
-                                  None),
+                     "lora": next((p.info["lora"] for p in self._processes_of("rollout") if "lora" in p.info), None),
                      "metrics": self.metrics_urls()}
         (self.workdir / "stack.json").write_text(json.dumps(addresses, indent=1) + "\n")
 
