@@ -91,7 +91,13 @@ class RolloutCore:
         """Generate, then the request's teachers score its completions in this engine (lorarl.rollout.teachers);
         the results and the seconds scoring took."""
         results = await self.runner.generate(request)
-        return results, await teachers.score(self._score_rows, request, results)
+        return results, await self.score(request, results)
+
+    async def score(self, request: GenerateInput, results: list[PromptResult]) -> float:
+        """The request's teachers score ``results``' completions (each completion's ``teacher_logprobs`` set in
+        place): after Generate, or after a streamed turn of a scored session (lorarl.rollout.openai); the seconds
+        it took."""
+        return await teachers.score(self._score_rows, request, results)
 
     async def _score_rows(self, rows: GenerateInput) -> list[PromptResult]:
         """One teacher's scoring rows: in this engine, or on the teacher's own engine (a full-model teacher)."""

@@ -18,6 +18,7 @@ from lorarl.assets.paths import DENSE_MODEL_DIR
 from lorarl.assets.tasks import load_split
 from lorarl.client.launch.local import lorarl_command
 
+EXPERTS = Path(__file__).resolve().parent / "distill_experts"  # RL experts on the shipped base (test_distill.py)
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 REWARD = '''
@@ -141,10 +142,14 @@ class Agent(Workflow):
 
 
 def test_an_agent_on_the_openai_endpoint_trains_from_its_sessions_exact_tokens(tmp_path: Path) -> None:
+    """...and, distilling beside its reward (distill_weight), every turn it samples on the endpoint is scored by
+    its teacher (an adapter on the same base, in the same engine) and trained toward it."""
     job = write_job(tmp_path / "agentjob")
     (tmp_path / "agentjob" / "myagent.py").write_text(AGENT)
     settings = json.loads(job.read_text())
-    job.write_text(json.dumps({**settings, "workflow": {"name": "myagent:Agent"}}))
+    settings["trainer"]["loss"] = {"type": "grpo", "distill_weight": 0.5}
+    job.write_text(json.dumps({**settings, "workflow": {"name": "myagent:Agent"}, "distill": {
+        "route": "mixture", "teachers": [{"name": "adder", "adapter": str(EXPERTS / "add")}]}}))
     out = tmp_path / "out"
     done = run(job, tmp_path, f"output.dir={out}", "rollout.openai=true",
                "sync.mode=adapter", "loop.mode=async", "loop.max_staleness=1", "loop.steps=3")
@@ -157,3 +162,8 @@ def test_an_agent_on_the_openai_endpoint_trains_from_its_sessions_exact_tokens(t
         assert r["rollout/reward_errors"] == 0
     # versions stayed pinned per episode: what the agent sampled came from the version its batch started on
     assert all(r["rollout/unpinned_samples"] == 0 for r in steps)
+    assert "teacher adder serves as" in done.stdout
+    for r in steps:  # the sessions' turns came back scored: the trainer refuses a distilling batch without them
+        assert r["distill/mixture/prompt_share"] == 1.0 and r["distill/teacher_seconds"] > 0  # route: mixture
+        # near 0 here: on these tool-chat prompts the add expert reads the tokens almost as the base does
+        assert abs(r["distill/mixture/reverse_kl"]) < 5 and abs(r["train/distill_reverse_kl"]) < 5

@@ -266,6 +266,10 @@ SINGLE_DEFINITIONS = {
     "token id mapping": (re.compile(r"\.get_vocab\("), "lorarl.contract.token_mapping"),
     "teacher engine client": (re.compile(r"\bTeacherEngines\("), "lorarl.rollout.server"),
     "teacher engine process": (re.compile(r"[\"']teacher-"), "lorarl.client.launch.local"),
+    # agents distilled on the OpenAI endpoint (#47): the session and teacher headers the loop writes and the
+    # endpoint reads, named once
+    "agent session headers": (re.compile(r"[\"'](?i:x-session-id|x-lorarl-teachers)[\"']"),
+                              "lorarl.contract.agent_sessions"),
 }
 
 

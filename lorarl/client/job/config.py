@@ -640,10 +640,6 @@ class JobFileConfig:
             raise ConfigError("distill.teachers", f"two teachers share a domain ({domains}): each domain has one")
         if d.route == "mixture" and not sum(t.weight for t in d.teachers) > 0:
             raise ConfigError("distill.teachers", "every weight is 0: a mixture needs one above 0")
-        if self.rollout.openai:
-            raise ConfigError("rollout.openai", "teachers score what episodes sample through ctx.sample; the turns of "
-                                                "agents on the OpenAI-compatible endpoint are not scored by teachers "
-                                                "yet (issue #47): run the agent's workflow with ctx.sample")
         if any(t.adapter for t in d.teachers) and (self.sync.mode == "merged" or self.rollout.enable_lora is False):
             raise ConfigError("sync.mode" if self.sync.mode == "merged" else "rollout.enable_lora",
                               "teachers are adapters on the pristine base, served beside the student's versions: "

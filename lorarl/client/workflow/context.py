@@ -26,6 +26,7 @@ from lorarl.client.workflow.agent_http import AgentHttp
 from lorarl.client.workflow.api import Episode, EpisodeContext, Sampled
 from lorarl.client.workflow.coalesce import CoalescingRollout
 from lorarl.client.workflow.sessions import session_episodes
+from lorarl.contract.agent_sessions import SESSION_HEADER, TEACHERS_HEADER, teachers_header
 from lorarl.contract.chat import ChatRenderer
 from lorarl.v1 import common_pb2, rollout_pb2
 
@@ -132,10 +133,15 @@ class RolloutContext(EpisodeContext):
                                "pass --openai to lorarl train")
         import openai
 
-        headers = {"X-Session-Id": self.session_id, **kwargs.pop("default_headers", {})}
+        headers = {SESSION_HEADER: self.session_id, **self._teacher_header(), **kwargs.pop("default_headers", {})}
         kwargs.setdefault("http_client", self.http.client())
         return openai.AsyncOpenAI(base_url=self.openai_url, api_key=self.token or "none", default_headers=headers,
                                   **kwargs)
+
+    def _teacher_header(self) -> dict[str, str]:
+        """On-policy distillation: the endpoint scores each of this episode's turns by its teachers, in the
+        replica's engine, and keeps the scores with the turn (X-Lorarl-Teachers, lorarl.rollout.openai.app)."""
+        return {TEACHERS_HEADER: teachers_header(self.teachers, self.teacher_weights)} if self.teachers else {}
 
     async def session_episodes(self, forget: bool = True) -> list[Episode]:
         """What the agent sampled in this episode's session, as trajectories (the environment's tokens masked);
@@ -150,6 +156,7 @@ class RolloutContext(EpisodeContext):
         turns = reply.json()["turns"]
         if forget:
             await http.delete(url, headers=headers, timeout=60)
+        self.teacher_seconds += sum(float(t.get("teacher_seconds", 0.0)) for t in turns)
         return session_episodes(turns)
 
     def render(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,

@@ -5,7 +5,8 @@ that continues an earlier one has that turn's prompt and completion as the start
 what comes after them is what the environment added (a tool's result, a user's reply). Chained turns are
 one trajectory: the policy's completions trained, the environment's tokens masked. A turn that does not
 continue the one before (the agent rewrote its history, or ran a side conversation) starts a trajectory of
-its own.
+its own. A session the loop asked teachers to score (on-policy distillation) carries each turn's teacher
+logprobs, which become the trajectory's.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ def session_episodes(turns: Sequence[Mapping[str, Any]]) -> list[Episode]:
     episodes: list[Episode] = []
     for turn in turns:
         prompt, tokens = list(turn["prompt_token_ids"]), list(turn["token_ids"])
+        scored = turn.get("teacher_logprobs")  # a scored session's (on-policy distillation)
         sampled = Sampled(tokens, list(turn["logprobs"]), list(turn["versions"]),
-                          finish_reason=FINISH.get(turn.get("finish_reason", "stop"), common_pb2.FINISH_REASON_STOP))
+                          finish_reason=FINISH.get(turn.get("finish_reason", "stop"), common_pb2.FINISH_REASON_STOP),
+                          teacher_logprobs=list(scored) if scored is not None else None)
         current = _continued(episodes, prompt)
         if current is None:
             current = Episode(prompt)

@@ -8,7 +8,12 @@ their policy versions like every other completion. What differs from OpenAI, on 
   or ``job:vN`` (that version, while the replica holds it);
 - the session (an episode) is the ``X-Session-Id`` header, else the ``user`` field; its turns, with their
   exact token ids, logprobs and versions, are at ``GET /v1/sessions/{id}`` (``DELETE`` forgets them);
-- each choice carries ``lorarl: {token_ids, versions}`` beside the OpenAI fields.
+- each choice carries ``lorarl: {token_ids, versions}`` beside the OpenAI fields;
+- a session's chat turns are scored by teachers when the request carries ``X-Lorarl-Teachers`` (a JSON list of
+  ``{job_id, version, engine, weight}``: on-policy distillation of an agent, set by the loop's
+  ``ctx.openai_client``): once a turn is sampled, each teacher re-reads it in this engine (one prefill, as
+  Generate's teachers do) and the turn's record carries ``teacher_logprobs``, its tokens' log of the teachers'
+  weighted probability, for the trainer.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad field (named
 in ``param``), 401 without the bearer token, 404 for a policy or session this replica does not have.
@@ -22,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,17 +41,23 @@ from lorarl.common.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from lorarl.contract.agent_sessions import SESSION_HEADER, TEACHERS_HEADER
 from lorarl.contract.chat import ChatRenderer
 from lorarl.contract.tool_calls import OPEN, parse_tool_calls
 from lorarl.rollout import validation
 from lorarl.rollout.core import RolloutCore
-from lorarl.rollout.openai.requests import ChatBody, CompletionBody, RequestError, parse
+from lorarl.rollout.openai.requests import (
+    ChatBody,
+    CompletionBody,
+    RequestError,
+    parse,
+    teacher_entries,
+)
 from lorarl.rollout.openai.sessions import SessionStore, Turn, normalized
-from lorarl.rollout.schema import Finish
+from lorarl.rollout.schema import Completion, Finish, PromptResult
 from lorarl.v1 import common_pb2, rollout_pb2
 
 logger = logging.getLogger(__name__)
-SESSION_HEADER = "x-session-id"
 MAX_BODY_BYTES = 8 << 20
 STATUS = {InvalidArgumentError: 400, NotFoundError: 404, FailedPreconditionError: 409,
           ResourceExhaustedError: 429, UnavailableError: 503}
@@ -253,6 +264,19 @@ def create_app(endpoint: Endpoint) -> FastAPI:
                             "user")
         return session
 
+    def teachers_of(request: Request, session_id: str) -> tuple[list[rollout_pb2.PolicySelector], list[float]]:
+        """The teachers that score this turn (``X-Lorarl-Teachers``) and their weights; none without the header."""
+        raw = request.headers.get(TEACHERS_HEADER)
+        if raw is None:
+            return [], []
+        if not session_id:
+            raise HttpError(400, f"{TEACHERS_HEADER} scores the turns of a session: send X-Session-Id (or user) "
+                                 "too, and read the scores at GET /v1/sessions/{id}", TEACHERS_HEADER)
+        entries = teacher_entries(raw)
+        selectors = [rollout_pb2.PolicySelector(job_id=e.job_id, version=e.version, engine=e.engine)
+                     for e in entries]
+        return selectors, [e.weight for e in entries]
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
@@ -303,23 +327,44 @@ def create_app(endpoint: Endpoint) -> FastAPI:
         stops = parsed.stops()
         model = parsed.model
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generate = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=prompt)], sampling=params,
-                                               policy=endpoint.policy(model), request_id=request_id)
+        teachers, weights = teachers_of(request, session_id)
+        generate = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=prompt, teacher_weights=weights)], sampling=params,
+            policy=endpoint.policy(model), request_id=request_id, teachers=teachers)
+        # with teachers: their refs and weights checked, and one position kept free for the scoring prefill
+        try:
+            request_input = validation.generate_input(generate, endpoint.limits(), None)
+        except InvalidArgumentError as e:
+            if teachers and (e.field.startswith("teachers") or e.field.endswith("teacher_weights")):
+                raise HttpError(400, f"{TEACHERS_HEADER}: {e.field}: {e}", TEACHERS_HEADER) from None
+            raise
+        served = endpoint.core.active_versions()
+        for t in teachers:  # known before sampling: a stream's 200 is sent before its turn is scored
+            if t.job_id and t.job_id not in served:
+                raise HttpError(404, f"{TEACHERS_HEADER}: no teacher {t.job_id!r} on this replica (it serves "
+                                     f"{sorted(served) or 'no job'})", TEACHERS_HEADER, kind="not_found_error")
 
-        def remember(index: int, token_ids: list[int], logprobs: list[float], versions: list[int], reply: dict,
-                     reason: str) -> None:
-            if session_id:
-                endpoint.sessions.record(session_id, Turn(keys, tools_key, normalized(reply), list(prompt),
-                                                          token_ids, logprobs, versions, reason, str(model)))
+        async def remember(completion: Completion, reply: dict, reason: str, seconds: float | None = None) -> None:
+            """Records the turn in its session; ``seconds`` None: not scored yet (a streamed turn), so a scored
+            session's turn is scored here, once whole."""
+            if not session_id:
+                return
+            if seconds is None:
+                seconds = await endpoint.core.score(request_input, [PromptResult(list(prompt), [completion])]) \
+                    if teachers else 0.0
+            endpoint.sessions.record(session_id, Turn(
+                keys, tools_key, normalized(reply), list(prompt), completion.token_ids, completion.logprobs,
+                completion.versions, reason, str(model), completion.teacher_logprobs, seconds))
 
         if parsed.stream:
             include_usage = bool((parsed.stream_options or {}).get("include_usage"))
             stream_input = validation.stream_input(_stream_request(generate), endpoint.limits(), None)  # before 200
+            if teachers:
+                stream_input = replace(stream_input, sampling=request_input.sampling)
             return StreamingResponse(stream_chat(endpoint, stream_input, request_id, str(model), bool(tools),
                                                  with_logprobs, include_usage, remember, stops),
                                      media_type="text/event-stream")
-        request_input = validation.generate_input(generate, endpoint.limits(), None)
-        (result,) = await endpoint.core.generate(request_input)
+        (result,), teacher_seconds = await endpoint.core.generate_scored(request_input)
         choices = []
         for index, c in enumerate(result.completions):
             text, _ = cut_at_stop(endpoint.renderer.decode(c.token_ids), stops)
@@ -327,7 +372,7 @@ def create_app(endpoint: Endpoint) -> FastAPI:
             reason = finish_reason(c.finish, calls)
             reply = {"role": "assistant", "content": content if (content or not calls) else None,
                      **({"tool_calls": calls} if calls else {})}
-            remember(index, c.token_ids, c.logprobs, c.versions, reply, reason)
+            await remember(c, reply, reason, teacher_seconds if index == 0 else 0.0)  # the batch's time, once
             choices.append({"index": index, "message": reply, "finish_reason": reason,
                             "logprobs": chat_logprobs(endpoint.renderer, c.token_ids, c.logprobs, c.top_logprobs)
                             if with_logprobs else None,
@@ -454,7 +499,7 @@ async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, m
             reason = finish_reason(chunk.finish, calls)
             reply = {"role": "assistant", "content": content if (content or not calls) else None,
                      **({"tool_calls": calls} if calls else {})}
-            remember(i, tokens[i], logprobs[i], versions[i], reply, reason)
+            await remember(Completion(tokens[i], logprobs[i], versions[i]), reply, reason)
             yield _sse({**base, "choices": [{"index": i, "delta": {}, "finish_reason": reason,
                                              "lorarl": {"token_ids": tokens[i], "versions": versions[i]}}]})
     if include_usage:

@@ -12,9 +12,12 @@ Messages and tools are checked field by field in app.py, where the errors can na
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lorarl.contract.agent_sessions import TEACHERS_HEADER
 
 #: The most top logprobs OpenAI returns per token.
 MAX_TOP_LOGPROBS = 20
@@ -145,3 +148,36 @@ class RequestError(ValueError):
     def __init__(self, param: str | None, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class TeacherEntry(BaseModel):
+    """One teacher of a scored session (the ``X-Lorarl-Teachers`` header, a JSON list of these): a policy this
+    replica serves (``job_id``, ``version`` 0 its latest) or a full-model teacher's engine (``engine``), and its
+    weight in the mixture of teachers that scores the turn (a route: 1 for the prompt's teacher, 0 the others)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    job_id: str = ""
+    version: int = Field(0, ge=0)
+    engine: str = ""
+    weight: float = Field(ge=0.0, allow_inf_nan=False)
+
+
+def teacher_entries(raw: str) -> list[TeacherEntry]:
+    """The ``X-Lorarl-Teachers`` header's value; RequestError naming the entry and field at fault."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestError(TEACHERS_HEADER, f"{TEACHERS_HEADER} is not JSON: {e}") from None
+    if not isinstance(value, list) or not value:
+        raise RequestError(TEACHERS_HEADER, f"{TEACHERS_HEADER} must be a non-empty JSON list of "
+                                            "{job_id, version, engine, weight} objects")
+    out = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise RequestError(f"{TEACHERS_HEADER}[{i}]", f"{TEACHERS_HEADER}[{i}] must be a JSON object")
+        try:
+            out.append(parse(TeacherEntry, entry))
+        except RequestError as e:
+            raise RequestError(f"{TEACHERS_HEADER}[{i}].{e.param}", f"{TEACHERS_HEADER}[{i}]: {e}") from None
+    return out

@@ -48,10 +48,16 @@ class Turn:
     versions: list[int]
     finish_reason: str
     model: str
+    #: per token, the log of its teachers' weighted probability (a scored session: X-Lorarl-Teachers), else None
+    teacher_logprobs: list[float] | None = None
+    teacher_seconds: float = 0.0  # this replica's time scoring it
 
     def as_json(self) -> dict[str, Any]:
-        return {"prompt_token_ids": self.prompt_ids, "token_ids": self.token_ids, "logprobs": self.logprobs,
-                "versions": self.versions, "finish_reason": self.finish_reason, "model": self.model}
+        out = {"prompt_token_ids": self.prompt_ids, "token_ids": self.token_ids, "logprobs": self.logprobs,
+               "versions": self.versions, "finish_reason": self.finish_reason, "model": self.model}
+        if self.teacher_logprobs is not None:
+            out.update(teacher_logprobs=self.teacher_logprobs, teacher_seconds=self.teacher_seconds)
+        return out
 
 
 @dataclass

@@ -283,3 +283,101 @@ def test_echo_returns_the_prompts_logprobs_as_the_engine_computes_them(served, c
     assert choice.logprobs.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     plain = client.completions.create(model="base", prompt=text, echo=True, max_tokens=2, temperature=0)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+
+
+# ------------------------------------------------------------------ a scored session (on-policy distillation)
+
+TEACHER = "expert"
+
+
+@pytest.fixture(scope="module")
+def teacher(served) -> str:
+    """A random adapter served as job ``expert``: the teacher that scores a distilled agent's turns."""
+    from lorarl.contract.fingerprint import base_model_fingerprint
+    from tests.integration.rollout.harness import load_requests
+    from tests.unit.rollout.models import LORA, random_adapter
+
+    harness, _ = served
+    harness.stub.LoadWeights(load_requests(TEACHER, 1, random_adapter(dense_model_dir(), seed=5),
+                                           common_pb2.SYNC_MODE_ADAPTER, base_model_fingerprint(dense_model_dir()),
+                                           LORA))
+    return TEACHER
+
+
+def teacher_header(*entries: dict) -> dict[str, str]:
+    import json
+
+    from lorarl.contract.agent_sessions import TEACHERS_HEADER
+
+    return {TEACHERS_HEADER: json.dumps(list(entries))}
+
+
+def read_logprobs(harness: RolloutHarness, prompt: list[int], tokens: list[int], job_id: str) -> list[float]:
+    """``job_id``'s logprobs of ``tokens`` after ``prompt`` (the base's with ""), read over gRPC: the reference."""
+    response = harness.stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=[*prompt, *tokens])], policy=rollout_pb2.PolicySelector(job_id=job_id),
+        sampling=common_pb2.SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=True)))
+    return list(response.results[0].prompt_logprobs)[len(prompt):]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_scored_sessions_turns_carry_their_teachers_logprobs_into_the_trajectory(served, client, teacher,
+                                                                                   stream: bool) -> None:
+    """An agent's two turns (the student is the base here) with X-Lorarl-Teachers: each turn's record carries the
+    teacher's logprob of every sampled token, equal to the teacher adapter's own reading of those tokens (within
+    1e-3) and not the student's; the session's trajectory has them on the policy's tokens, 0 on the context."""
+    harness, _ = served
+    sid = f"scored-{stream}"
+    headers = {"X-Session-Id": sid, **teacher_header({"job_id": teacher, "weight": 1.0})}
+
+    def turn(messages: list[dict]) -> dict:
+        if not stream:
+            reply = client.chat.completions.create(model="base", messages=messages, max_tokens=6, temperature=1.0,
+                                                   seed=3, extra_headers=headers)
+            return reply.choices[0].message.model_dump(exclude_none=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="base", messages=messages, max_tokens=6, temperature=1.0, seed=3, stream=True,
+            extra_headers=headers) if chunk.choices)
+        return {"role": "assistant", "content": text}
+
+    first = turn(QUESTION)
+    turn([*QUESTION, first, {"role": "user", "content": "Check it."}])
+    turns = session(served, sid)
+    assert len(turns) == 2
+    for record in turns:
+        want = read_logprobs(harness, record["prompt_token_ids"], record["token_ids"], teacher)
+        assert record["teacher_logprobs"] == pytest.approx(want, abs=1e-3)
+        assert record["teacher_seconds"] > 0
+        student = read_logprobs(harness, record["prompt_token_ids"], record["token_ids"], "")
+        assert max(abs(a - b) for a, b in zip(record["teacher_logprobs"], student, strict=True)) > 0.05
+    (episode,) = session_episodes(turns)
+    assert episode.teacher_logprobs is not None and len(episode.teacher_logprobs) == len(episode.completion_ids)
+    trained = [lp for lp, m in zip(episode.teacher_logprobs, episode.loss_mask, strict=True) if m]
+    assert trained == turns[0]["teacher_logprobs"] + turns[1]["teacher_logprobs"]
+    assert all(lp == 0.0 for lp, m in zip(episode.teacher_logprobs, episode.loss_mask, strict=True) if not m)
+    proto = episode.to_proto("student", "t", "g")
+    assert list(proto.teacher_logprobs) == pytest.approx(episode.teacher_logprobs)
+
+
+def test_a_scored_turn_without_a_session_or_with_a_bad_teacher_is_refused_by_its_header(served, client,
+                                                                                        teacher) -> None:
+    """Refused before sampling, 400 (404 for a teacher the replica does not serve) naming X-Lorarl-Teachers, and
+    nothing recorded in the session."""
+    cases = [
+        ({}, teacher_header({"job_id": teacher, "weight": 1.0}), 400, "send X-Session-Id"),
+        ({"X-Session-Id": "bad"}, {"X-Lorarl-Teachers": "[{"}, 400, "is not JSON"),
+        ({"X-Session-Id": "bad"}, teacher_header({"job_id": teacher, "weight": -1.0}), 400, "weight"),
+        ({"X-Session-Id": "bad"}, teacher_header({"job_id": teacher, "weight": 1, "rank": 8}), 400, "rank"),
+        ({"X-Session-Id": "bad"}, teacher_header({"job_id": teacher, "weight": 0.0}), 400, "are all 0"),
+        ({"X-Session-Id": "bad"}, teacher_header({"engine": "add", "weight": 1.0}), 400, "no teacher engine 'add'"),
+        ({"X-Session-Id": "bad"}, teacher_header({"job_id": "nobody", "weight": 1.0}), 404, "no teacher 'nobody'"),
+    ]
+    for session_headers, header, status, words in cases:
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model="base", messages=QUESTION, max_tokens=2,
+                                           extra_headers={**session_headers, **header})
+        assert refused.value.status_code == status, (header, refused.value.message)
+        assert words in refused.value.message and "X-Lorarl-Teachers" in refused.value.message, refused.value.message
+    _, server = served
+    gone = httpx.get(f"http://127.0.0.1:{server.port}/v1/sessions/bad", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert gone.status_code == 404

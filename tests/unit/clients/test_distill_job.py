@@ -85,7 +85,6 @@ def test_a_teacher_not_trained_yet_is_a_warning_naming_its_command_and_lorarl_ru
 @pytest.mark.parametrize(("changes", "key", "words"), [
     ({"trainer__loss": {"type": "grpo"}}, "trainer.loss.type", "does not read the 2 teacher"),
     ({"sync__mode": "merged"}, "sync.mode", "need sync.mode adapter"),
-    ({"rollout__openai": True}, "rollout.openai", "not scored by teachers yet"),
     ({"distill__route_key": "task", "distill__route": "domain", "distill__teachers": [
         {"name": "a", "adapter": "x", "domain": "sort"}, {"name": "a", "adapter": "y", "domain": "add"}]},
      "distill.teachers[1].name", "names teacher 0 too"),
