@@ -7,7 +7,8 @@ is examples/calc_agent.py, the code examples/agent-tools.yaml trains on its own 
 tests/unit/test_docs_commands.py; its 40-step learning is in bench/RESULTS.md): its own stack cost the suite
 3 minutes, so its checks (tool replies masked, the guard probing every version, no alarm) run here. While they
 run, a third job attaches to their stack (`--attach`) and trains on it, and the owner keeps the services up until it
-ends. One stack for both checks: starting a second one would cost the suite a minute (#29's budget). The jobs
+ends; then, the stack still up, a fourth job attaches and distils from the sort job's last version (`sort@v20`, read
+from the stack's weight sync: on-policy distillation from another job's published version, #47). One stack for both checks: starting a second one would cost the suite a minute (#29's budget). The jobs
 run the first 20 (sorting) and 12 (the agent) of their 40 steps here: sorting was past +50 at step 10 in every
 run, the agent at +40 and +45 (their 40 steps cost the suite two more minutes)."""
 
@@ -28,7 +29,7 @@ from lorarl.client.launch.local import lorarl_command
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multitenant"
-SORT_STEPS, AGENT_STEPS = 20, 12
+SORT_STEPS, AGENT_STEPS, PUPIL_STEPS = 20, 12, 3
 #: Each job's held-out gain, within ~10 points of what healthy runs reach at these steps (issue "the first hour"):
 #: sorting +52 at step 10 in both runs measured (2026-12-05; +58.0 at 40 steps), the agent +40 and +45 at step 10
 #: (+53.0 at 40). The jobs are async and share one engine: not reproducible run to run.
@@ -52,6 +53,27 @@ def job_file(tmp: Path, name: str, job_id: str | None = None, steps: int | None 
     return path
 
 
+def pupil_file(tmp: Path, teacher: str) -> Path:
+    """A student of sort's: the sort job's file distilling (opd) from ``teacher``, another job's version."""
+    path = job_file(tmp, "sort", job_id="pupil", steps=PUPIL_STEPS)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["loss"] = {"type": "opd"}
+    cfg["distill"] = {"route": "mixture", "teachers": [{"name": "sorter", "job": teacher}]}
+    cfg["loop"]["eval_every"] = 0
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def delete_job(services: Path, job_id: str) -> None:
+    """Deletes ``job_id`` from the stack's trainer (its address and token as the owner wrote them)."""
+    from lorarl.common.channel import sync_channel
+    from lorarl.v1 import trainer_pb2, trainer_pb2_grpc
+
+    address = json.loads((services / "stack.json").read_text())["trainer"]
+    with sync_channel(address, token=(services / "token").read_text().strip()) as channel:
+        trainer_pb2_grpc.TrainerServiceStub(channel).DeleteJob(trainer_pb2.DeleteJobRequest(job_id=job_id), timeout=60)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -62,10 +84,10 @@ def test_two_jobs_on_one_base_both_learn_and_a_third_attaches(tmp_path: Path) ->
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH")]))}
     quiet = ["output.tensorboard=false", "output.progress=false"]
     # adapter slots for a third staleness window (3 stale versions and the current one): room for the job
-    # that attaches
+    # that attaches (and for the pupil's window and teacher after it)
     out_file, err_file = tmp_path / "owner.out", tmp_path / "owner.err"
     with out_file.open("w") as out_sink, err_file.open("w") as err_sink:
-        owner = subprocess.Popen([*lorarl_command(), "run", *map(str, files), "rollout.max_loras=12", *quiet,
+        owner = subprocess.Popen([*lorarl_command(), "run", *map(str, files), "rollout.max_loras=16", *quiet,
                                   "--fresh"], cwd=ROOT, stdout=out_sink, stderr=err_sink, text=True, env=env)
     try:
         deadline = time.monotonic() + 300
@@ -90,6 +112,13 @@ def test_two_jobs_on_one_base_both_learn_and_a_third_attaches(tmp_path: Path) ->
             time.sleep(0.5)
         time.sleep(3)
         assert owner.poll() is None, "the owner stopped its services while a lease was held"
+        # while the stack stays up, a fourth job attaches and distils from sort's last version (sort@v20), which it
+        # reads from this stack's weight sync; `late` is deleted first: the trainer holds 4 jobs, and the pupil
+        # brings its teacher's
+        delete_job(tmp_path / "sort" / "services", "late")
+        pupil = subprocess.run([*lorarl_command(), "run", str(pupil_file(tmp_path, f"sort@v{SORT_STEPS}")), "--attach",
+                                str(tmp_path / "sort"), "recovery.wait_s=30", *quiet, "--fresh"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=600)
         (leases / "holder").unlink()
         owner.wait(timeout=300)
         out, err = out_file.read_text(), err_file.read_text()
@@ -101,13 +130,23 @@ def test_two_jobs_on_one_base_both_learn_and_a_third_attaches(tmp_path: Path) ->
     assert "services up for 2 jobs" in out and "sort exited 0, tools exited 0" in out
     assert re.search(r"^\[sort\] ", out, re.M) and re.search(r"^\[tools\] ", out, re.M)
     assert "attached to the services of" in attached.stdout
+    assert pupil.returncode == 0, pupil.stdout[-3000:] + pupil.stderr[-3000:]
+    assert f"teacher sorter is sort v{SORT_STEPS} from weight sync (rank 16)" in pupil.stdout, pupil.stdout[-2000:]
+    from lorarl.contract.peft import read_peft_tensors
+
+    read = read_peft_tensors(tmp_path / "pupil" / "teachers" / "sorter")  # sort's last version, as it exported it
+    final = read_peft_tensors(tmp_path / "sort" / "exports" / "sort" / "final-adapter")
+    assert read.keys() == final.keys() and all(read[k].equal(final[k]) for k in read)
+    distilled = [r for r in metrics(tmp_path / "pupil") if "rollout/reward_mean" in r]
+    assert len(distilled) == PUPIL_STEPS and all(r["distill/mixture/prompt_share"] == 1.0 for r in distilled)
+    assert all(r["train/distill_reverse_kl"] == r["train/distill_reverse_kl"] for r in distilled)  # not NaN
     assert re.search(r"the services stay up for the attached job\(s\) (late, )?holder", err), err[-2000:]
     assert max(r.get("train/version", 0) for r in metrics(tmp_path / "late")) == 12
 
     trainer_log = (tmp_path / "sort" / "services" / "trainer.log").read_text()
     created = re.findall(r"job (\w+): created on base .*qwen3-tiny-mixed, resident once for (\d) job", trainer_log)
-    # one base for all three: each job found the others' base resident (created together, two may count two)
-    assert sorted(job for job, _ in created) == ["late", "sort", "tools"], created
+    # one base for all four: each job found the others' base resident (created together, two may count two)
+    assert sorted(job for job, _ in created) == ["late", "pupil", "sort", "tools"], created
     assert max(int(n) for _, n in created) >= 2
     base = json.loads((ROOT / "lorarl/assets/models/qwen3-tiny-mixed/build_info.json").read_text())
     # evaluated on its own task only: the base's greedy success there (the agent's: its two-turn episodes)

@@ -200,7 +200,7 @@ def model_ready(cfg) -> bool:
     return True
 
 
-def dry_run(cfg) -> int:
+def dry_run(cfg, own_stack: bool = False) -> int:
     """--dry-run: the memory and placement plan, then the job's own inputs (every row of its data, its
     reward, its workflow); "config OK" only when both hold. A Hub model not in the cache is planned from
     model.shape, and said to be downloaded by `lorarl run`; data that is not there yet (a file to be made, a Hub
@@ -217,6 +217,11 @@ def dry_run(cfg) -> int:
     code = print_plan(cfg)
     if code:
         return code
+    if own_stack and (key := cfg.version_teacher_key()):  # `lorarl run` would refuse it: say so here
+        from lorarl.client.launch.services import version_teacher_refusal
+
+        print(f"lorarl: bad config: {key}: {version_teacher_refusal(cfg)}")
+        return 2
     try:
         lines = check_inputs(cfg, missing_ok=True)
     except ConfigError as e:
@@ -243,7 +248,7 @@ def run_command(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     if args.dry_run:
-        return dry_run(cfg)
+        return dry_run(cfg, own_stack=True)
     if cfg.placement.nodes > 1 and cfg.launcher.kind == "local":
         print("lorarl: bad config: placement.nodes: `lorarl run` starts every service on this host; for several "
               "nodes use launcher.kind=ray, or deploy/k8s or deploy/slurm (see examples/models/README.md)",

@@ -458,6 +458,12 @@ class TeacherSection:
                                  "student's (`lorarl run`'s local launcher, a CPU job; its own copy of the weights: "
                                  "for a teacher that is not an adapter of the job's base). Relative paths from the "
                                  "job file's folder first.")
+    job: str = setting("", check=matches(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,127}@v[1-9][0-9]{0,17})?",
+                                         "JOB@vN: a job id, '@v' and a version number from 1"),
+                       doc="Instead of an adapter: another job's published version, JOB@vN, read from the weight "
+                           "sync of the stack this job runs on (`lorarl run --attach RUN_DIR` of the run JOB trained "
+                           "in, or `lorarl train --weightsync`): an adapter version on this job's base, which weight "
+                           "sync still keeps (the job's newest versions, 3 by default, and its active one).")
     domain: str = setting("", doc="With distill.route 'domain': the value of each data row's distill.route_key that "
                                   "sends its prompt to this teacher.")
     weight: float = setting(1.0, check=in_range(0.0), doc="With distill.route 'mixture': this teacher's weight "
@@ -597,7 +603,7 @@ class JobFileConfig:
 
         ranks = []
         for teacher in self.distill.teachers:
-            if teacher.model:  # served by an engine of its own, not in a slot here
+            if not teacher.adapter:  # a full model (an engine of its own) or a job's version (sized by its stack)
                 continue
             try:
                 ranks.append(int(read_peft_config(job_path(self, teacher.adapter))["r"]))
@@ -626,9 +632,10 @@ class JobFileConfig:
             if teacher.name in seen:
                 raise ConfigError(f"{key}.name", f"{teacher.name!r} names teacher {seen[teacher.name]} too")
             seen[teacher.name] = i
-            if bool(teacher.adapter) == bool(teacher.model):
-                raise ConfigError(f"{key}.adapter", "and .model: set exactly one — a PEFT LoRA adapter on the job's "
-                                                    "base (scored in the student's engine), or a full model directory "
+            if sum(map(bool, (teacher.adapter, teacher.model, teacher.job))) != 1:
+                raise ConfigError(f"{key}.adapter", "and .model and .job: set exactly one — a PEFT LoRA adapter on "
+                                                    "the job's base (scored in the student's engine), another job's "
+                                                    "published adapter version (JOB@vN), or a full model directory "
                                                     "(served by an engine of its own)")
             if teacher.model:
                 self._check_model_teacher(f"{key}.model")
@@ -640,10 +647,16 @@ class JobFileConfig:
             raise ConfigError("distill.teachers", f"two teachers share a domain ({domains}): each domain has one")
         if d.route == "mixture" and not sum(t.weight for t in d.teachers) > 0:
             raise ConfigError("distill.teachers", "every weight is 0: a mixture needs one above 0")
-        if any(t.adapter for t in d.teachers) and (self.sync.mode == "merged" or self.rollout.enable_lora is False):
+        adapters = any(t.adapter or t.job for t in d.teachers)
+        if adapters and (self.sync.mode == "merged" or self.rollout.enable_lora is False):
             raise ConfigError("sync.mode" if self.sync.mode == "merged" else "rollout.enable_lora",
                               "teachers are adapters on the pristine base, served beside the student's versions: "
                               "they need sync.mode adapter (or auto) and rollout.enable_lora")
+
+    def version_teacher_key(self) -> str:
+        """The key of the first teacher that is another job's version (distill.teachers[i].job), '' when none: for
+        the launchers that start a stack of their own (no other job's versions on it) to refuse the job by it."""
+        return next((f"distill.teachers[{i}].job" for i, t in enumerate(self.distill.teachers) if t.job), "")
 
     def model_teacher_key(self) -> str:
         """The key of the first full-model teacher (distill.teachers[i].model), '' when none: for the launchers that

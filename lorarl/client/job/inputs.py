@@ -34,11 +34,14 @@ class Teacher:
     lora: LoraSpec | None
     domain: str
     weight: float
+    #: another job's published version (JOB, N) still to be read from the stack's weight sync
+    #: (lorarl.client.rl.teacher_versions), then an adapter teacher like the others; None otherwise
+    version_of: tuple[str, int] | None = None
 
     @property
     def own_engine(self) -> bool:
         """A full model, scored by an engine of its own (rollout.teacher_engines), not an adapter slot."""
-        return self.lora is None
+        return self.lora is None and self.version_of is None
 
     def job_id(self, student: str) -> str:
         """The trainer job (and weight-sync job) that holds and publishes this teacher's adapter."""
@@ -59,6 +62,9 @@ def job_teachers(cfg: JobFileConfig) -> list[Teacher]:
     for i, t in enumerate(cfg.distill.teachers):
         if t.model:
             teachers.append(model_teacher(cfg, i))
+            continue
+        if t.job:
+            teachers.append(version_teacher(cfg, i))
             continue
         key = f"distill.teachers[{i}].adapter"
         path = str(Path(job_path(cfg, t.adapter)).resolve())
@@ -110,6 +116,17 @@ def model_teacher(cfg: JobFileConfig, i: int) -> Teacher:
                                    f"token ids alike: {mismatch}. A teacher scores the student's sampled token ids as "
                                    "they are: it needs the student's tokenizer")
     return Teacher(t.name, str(path), None, t.domain, t.weight)
+
+
+def version_teacher(cfg: JobFileConfig, i: int) -> Teacher:
+    """distill.teachers[i], another job's version JOB@vN: read from the stack's weight sync when the job starts (its
+    adapter and rank are known then), so here only what the job file says."""
+    t = cfg.distill.teachers[i]
+    if cfg.trainer.engine != "torch":
+        raise ConfigError(f"distill.teachers[{i}].job", "teachers are loaded by the torch engine (trainer.engine="
+                                                         "torch): Megatron cannot load a PEFT adapter yet")
+    job, _, version = t.job.rpartition("@v")
+    return Teacher(t.name, "", None, t.domain, t.weight, version_of=(job, int(version)))
 
 
 def domain_teacher(cfg: JobFileConfig, example: Example) -> int | None:
@@ -282,6 +299,9 @@ def distill_lines(cfg: JobFileConfig, train_rows: list[Example], missing_ok: boo
         have = teachers.get(t.name)
         if have is None:
             adapter = f"{t.adapter or t.model} (not there yet)"
+        elif have.version_of is not None:
+            adapter = (f"{have.version_of[0]} v{have.version_of[1]} (another job's version, read from the stack's "
+                       "weight sync when the run starts)")
         elif have.lora is None:
             adapter = f"{have.path} (a full model on an engine of its own; the job's tokenizer)"
         else:

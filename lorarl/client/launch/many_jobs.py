@@ -25,7 +25,13 @@ from lorarl.client.job.plan import rollout_lora_blocker
 from lorarl.client.launch.attach import wait_for_attached
 from lorarl.client.launch.launcher_record import launcher_recorded
 from lorarl.client.launch.local import lorarl_command
-from lorarl.client.launch.services import decode_wave, local_stack, metrics_line, stack_sections
+from lorarl.client.launch.services import (
+    decode_wave,
+    local_stack,
+    metrics_line,
+    stack_sections,
+    version_teacher_refusal,
+)
 from lorarl.common.config import ConfigError, to_dict
 from lorarl.common.parent_watch import child_env
 from lorarl.contract import sharing, staleness
@@ -45,6 +51,8 @@ def check_shareable(cfgs: Sequence[Any]) -> None:
             raise ConfigError(key, f"job {cfg.job_id}: a full-model teacher's engine is started for a job of its own "
                                    "only, not on a stack several jobs share (not built): make the teacher an adapter "
                                    "of the job's base, or run the job alone")
+        if key := cfg.version_teacher_key():
+            raise ConfigError(key, version_teacher_refusal(cfg))
     if problem := sharing.disagreement([(cfg.job_id, to_dict(cfg)) for cfg in cfgs]):
         raise ConfigError(*problem)
     for cfg in cfgs:  # a rollout without LoRA would merge each job's adapter over the base they all sample from

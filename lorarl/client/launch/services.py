@@ -143,6 +143,17 @@ def check_startable(cfg) -> None:
     """ConfigError for a job the plan accepts but `lorarl run` cannot start yet (a co-located job on CUDA)."""
     if cfg.placement.colocate and device_kind(cfg.trainer.device) != "cpu":
         raise ConfigError("placement.colocate", COLOCATE_NOT_BUILT)
+    if key := cfg.version_teacher_key():
+        raise ConfigError(key, version_teacher_refusal(cfg))
+
+
+def version_teacher_refusal(cfg) -> str:
+    """Why a job whose teacher is another job's version (JOB@vN) cannot run on a stack it starts itself."""
+    job = next(t.job for t in cfg.distill.teachers if t.job)
+    return (f"job {cfg.job_id}: {job} is read from the weight sync its job published to, and a stack this run starts "
+            "holds no other job's versions: run this job on that stack (`lorarl run JOB.yaml --attach RUN_DIR` of "
+            "the run it trains or trained in, while its services are up; or `lorarl train --weightsync ...`), or "
+            "give the teacher as an export of that job (adapter:)")
 
 
 def local_stack(cfg, out: Path, sections: dict[str, dict[str, Any]] | None = None):

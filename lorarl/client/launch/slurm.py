@@ -23,6 +23,7 @@ import yaml
 from lorarl.client.job.config import METRICS_PORT_OFFSET
 from lorarl.client.launch.local import metrics_url
 from lorarl.client.launch.log_files import MIB
+from lorarl.client.launch.services import version_teacher_refusal
 from lorarl.common.config import ConfigError
 
 WEIGHTSYNC_PORT, TRAINER_PORT, ROLLOUT_PORT = 50053, 50051, 50052
@@ -225,6 +226,8 @@ def write(cfg, config_path: str, overrides: list[str], script: Path, **kwargs: s
     if key := cfg.model_teacher_key():
         raise ConfigError(key, "the Slurm script does not start a full-model teacher's engine (not built): make the "
                                "teacher an adapter of the job's base, or run the job with `lorarl run` on one host")
+    if key := cfg.version_teacher_key():
+        raise ConfigError(key, version_teacher_refusal(cfg))
     run_dir = Path(cfg.output.dir).resolve()
     text, configs = sbatch_script(cfg, str(Path(config_path).resolve()), overrides, run_dir, **kwargs)
     folder = run_dir / "slurm"

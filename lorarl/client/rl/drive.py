@@ -31,6 +31,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
     from lorarl.client.rl.run_log import RunLog, wandb_init
     from lorarl.client.rl.session import JobSession
     from lorarl.client.rl.stall import CallTracker, run_watched
+    from lorarl.client.rl.teacher_versions import read_version_teachers
     from lorarl.common.channel import aio_channel
     from lorarl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2_grpc
 
@@ -79,6 +80,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
                                   busy_wait_s=busy_wait)
         session = JobSession(cfg, trainer, out)
         state = await session.start(fresh=fresh)
+        teachers = await read_version_teachers(cfg, teachers, weightsync, token, out)  # JOB@vN: now adapters
         await session.serve_teachers(teachers)
         if not rollout_addresses:
             await rollout.wait_members(cfg.recovery.wait_s)

@@ -108,7 +108,10 @@ class JobSession:
         launcher's (nothing to load here)."""
         model_path = str(Path(self.cfg.model.path).resolve())
         for teacher in teachers:
-            if teacher.lora is None:  # a full model on an engine of its own (lorarl.client.launch.local)
+            if teacher.version_of is not None:
+                raise ValueError(f"teacher {teacher.name!r} ({teacher.version_of}) is served once read from weight "
+                                 "sync (lorarl.client.rl.teacher_versions)")
+            if teacher.own_engine:  # a full model on an engine of its own (lorarl.client.launch.local)
                 print(f"lorarl: teacher {teacher.name} serves on its own engine ({teacher.path})", flush=True)
                 continue
             job_id = teacher.job_id(self.cfg.job_id)

@@ -272,3 +272,56 @@ def test_the_launchers_that_do_not_start_a_teachers_engine_refuse_a_full_model_t
     with pytest.raises(ConfigError, match="not for a job that attaches") as refused:
         check_attachable(cfg, owner)
     assert refused.value.key == "distill.teachers[1].model"
+
+
+def version_student(tmp_path: Path, job: str = "expert-add@v40", **changes: object) -> Path:
+    """The example's student with its add teacher another job's version, ``job``."""
+    path = student(tmp_path, str(teacher_dir(tmp_path / "sort")), "b", **changes)
+    raw = yaml.safe_load(path.read_text())
+    raw["distill"]["teachers"][1] = {"name": "add", "job": job, "domain": "add"}
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_teacher_that_is_another_jobs_version_is_planned_for_the_stack_it_attaches_to(tmp_path: Path) -> None:
+    """JOB@vN is read from the stack's weight sync when the run starts: the plan says so, and a run that starts a
+    stack of its own (which holds no other job's versions) is refused by the teacher's key — at --dry-run too —
+    as are a Slurm script and several jobs started together."""
+    from lorarl.client.cli import main
+    from lorarl.client.launch import slurm
+    from lorarl.client.launch.many_jobs import check_shareable
+    from lorarl.client.launch.services import check_startable
+
+    job = version_student(tmp_path)
+    cfg = load_job_config(str(job), [])
+    sort, add = job_teachers(cfg)
+    assert add.version_of == ("expert-add", 40) and not add.own_engine and add.lora is None
+    assert sort.version_of is None and sort.lora is not None
+    lines = check_inputs(cfg)
+    assert any(line.startswith("teacher add: expert-add v40 (another job's version, read from the stack's weight "
+                               "sync when the run starts), route domain task=add") for line in lines), lines
+    assert stack_sections(cfg, tmp_path)["trainer"]["max_jobs"] == 6  # the student, 2 teachers, room beside
+    for refuse in (check_startable, check_shareable, lambda c: slurm.write(c, str(job), [], tmp_path / "j.sbatch")):
+        with pytest.raises(ConfigError, match="--attach RUN_DIR") as refused:
+            refuse(cfg if refuse is not check_shareable else [cfg])
+        assert refused.value.key == "distill.teachers[1].job"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["run", str(job), "--dry-run"])
+    assert code == 2 and "distill.teachers[1].job" in out.getvalue() and "--attach" in out.getvalue(), out.getvalue()
+
+
+@pytest.mark.parametrize(("job", "teacher", "words"), [
+    ("expert-add@v0", {}, "JOB@vN"),
+    ("expert-add", {}, "JOB@vN"),
+    ("expert add@v3", {}, "JOB@vN"),
+    ("expert-add@v3", {"adapter": "x"}, "set exactly one"),
+])
+def test_what_a_job_version_teacher_refuses(tmp_path: Path, job: str, teacher: dict, words: str) -> None:
+    path = version_student(tmp_path, job)
+    raw = yaml.safe_load(path.read_text())
+    raw["distill"]["teachers"][1].update(teacher)
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as refused:
+        load_job_config(str(path), [])
+    assert refused.value.key.startswith("distill.teachers[1]") and words in str(refused.value), refused.value

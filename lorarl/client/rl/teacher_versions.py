@@ -1,0 +1,72 @@
+"""Teachers that are another job's published version (``distill.teachers[].job: JOB@vN``), read once at the start.
+
+Weight sync keeps each job's newest versions and its active one, adapters as the trainer published them. A
+distilling job on the same stack (attached to the run JOB trained in, or `lorarl train` against its services)
+fetches version N of JOB from there, checks it is an adapter on this job's base, and writes it as a PEFT directory
+in its own output folder (``teachers/<name>``; a few MB): from then on it is an adapter teacher like any other,
+held on the trainer as ``<job_id>.teacher.<name>`` and published to the replicas, so a restart, a resume or a later
+pruning of JOB's versions changes nothing for the student. What cannot be served is refused naming the teacher's
+key: no weight sync to read from, a version weight sync does not hold (its message names the ones it keeps), one on
+another base. A job that syncs merged versions teaches too: weight sync keeps each version as its adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from lorarl.client.calls import ServiceCallError
+from lorarl.client.job.inputs import Teacher
+from lorarl.common.config import ConfigError
+from lorarl.contract.fingerprint import base_model_fingerprint
+from lorarl.contract.lora import LoraSpec
+from lorarl.contract.peft import adapted_leaves, write_peft_files
+from lorarl.v1 import common_pb2
+from lorarl.weightsync.client.fetch import fetch_version
+from lorarl.weightsync.wire.payload import PayloadError
+
+FOLDER = "teachers"
+
+
+async def read_version_teachers(cfg: Any, teachers: list[Teacher], weightsync: Any, token: str | None, out: Path
+                                ) -> list[Teacher]:
+    """``teachers`` with each JOB@vN one read from ``weightsync`` (a WeightSyncService stub) into
+    ``out/teachers/<name>`` and turned into an adapter teacher; the others as they are."""
+    model_path = str(Path(cfg.model.path).resolve())
+    fingerprint = None
+    resolved = []
+    for i, teacher in enumerate(teachers):
+        if teacher.version_of is None:
+            resolved.append(teacher)
+            continue
+        key, (job, version) = f"distill.teachers[{i}].job", teacher.version_of
+        if weightsync is None:
+            raise ConfigError(key, f"teacher {teacher.name!r} is {job}@v{version}, read from the stack's weight sync, "
+                                   "and this run has none (lorarl train: pass --weightsync)")
+        try:
+            manifest, tensors = await fetch_version(weightsync, job, version, token)
+        except ServiceCallError as e:
+            if e.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            raise ConfigError(key, f"teacher {teacher.name!r}: the stack's weight sync does not hold {job} v{version} "
+                                   f"({e.details}); it keeps each job's newest versions and its active one: name one "
+                                   "of those, or an export of the job (adapter:)") from None
+        except PayloadError as e:
+            raise ConfigError(key, f"teacher {teacher.name!r}: {job} v{version} did not arrive whole: {e}") from None
+        if manifest.mode != common_pb2.SYNC_MODE_ADAPTER or not manifest.lora.rank:  # weight sync keeps adapters
+            raise ConfigError(key, f"teacher {teacher.name!r}: {job} v{version} is not an adapter on weight sync "
+                                   "(a merged payload): export the job and give it as model:")
+        fingerprint = fingerprint or base_model_fingerprint(model_path)
+        if manifest.base_model_fingerprint != fingerprint:
+            raise ConfigError(key, f"teacher {teacher.name!r}: {job} v{version} was trained on another base model "
+                                   f"than this job's {cfg.model.path!r}")
+        lora = LoraSpec.from_proto(manifest.lora)
+        folder = write_peft_files(out / FOLDER / teacher.name, tensors,
+                                  lora.peft_config(model_path, adapted_leaves(tensors)))
+        print(f"lorarl: teacher {teacher.name} is {job} v{version} from weight sync (rank {lora.rank}), kept in "
+              f"{folder}", flush=True)
+        resolved.append(dataclasses.replace(teacher, path=str(folder), lora=lora, version_of=None))
+    return resolved
