@@ -8,7 +8,8 @@ tests/unit/test_docs_commands.py; its 40-step learning is in bench/RESULTS.md): 
 3 minutes, so its checks (tool replies masked, the guard probing every version, no alarm) run here. While they
 run, a third job attaches to their stack (`--attach`) and trains on it, and the owner keeps the services up until it
 ends; then, the stack still up, a fourth job attaches and distils from the sort job's last version (`sort@v20`, read
-from the stack's weight sync: on-policy distillation from another job's published version, #47). One stack for both checks: starting a second one would cost the suite a minute (#29's budget). The jobs
+from the stack's weight sync: on-policy distillation from another job's published version, #47). One stack for both
+checks: starting a second one would cost the suite a minute (#29's budget). The jobs
 run the first 20 (sorting) and 12 (the agent) of their 40 steps here: sorting was past +50 at step 10 in every
 run, the agent at +40 and +45 (their 40 steps cost the suite two more minutes)."""
 
