@@ -2,11 +2,13 @@
 one task each of the demo's (examples/distill/expert-*.yaml), then a fresh student distilled from both
 (examples/distill/student.yaml: each prompt scored by its task's expert, adapters in the student's own rollout
 engine), and the same student trained by RL from scratch instead (the same job with loss grpo and no teachers),
-for the same steps. Per task: the expert's held-out accuracy, each student's, and the first evaluated step at
-which each student reaches 90% of the expert.
+for the same steps and the same 64 completions a step: the distilled student samples 64 prompts once each (its
+advantage is per token, no group), RL 16 prompts 4 times each (its advantage needs the group). Each student twice,
+on two data orders (data.seed 0 and 1). Per task and order: the expert's held-out accuracy, each student's, and the
+first evaluated step at which each student reaches 90% of the expert.
 
-    python bench/distill_vs_rl.py                   # ~4 minutes on 2 CPU cores
-    python bench/distill_vs_rl.py --steps 20 --no-write
+    python bench/distill_vs_rl.py                   # ~6 minutes on 2 CPU cores
+    python bench/distill_vs_rl.py --steps 20 --seeds 0 --no-write
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ TASKS = ("sort", "add")
 #: A student "reaches" an expert at this share of the expert's held-out accuracy (the issue's bar).
 REACH = 0.9
 QUIET = ["output.tensorboard=false", "output.progress=false", "--fresh"]
+#: RL's samples per prompt (GRPO's group, the demo's); the distilled student takes the same samples a step as
+#: prompts of one sample each.
+RL_GROUP = 4
 
 
 def lorarl() -> list[str]:
@@ -62,19 +67,23 @@ def first_reach(curve: list[tuple[int, float]], target: float) -> str:
     return next((str(step) for step, accuracy in curve if accuracy >= target), "-")
 
 
-def student_job(tmp: Path, experts: dict[str, Path], steps: int, distil: bool) -> Path:
-    """examples/distill/student.yaml with the experts at ``experts``; without ``distil``: the same job by RL (grpo,
-    no teachers), its held-out accuracy per task reported all the same (data.eval_by: task)."""
+def student_job(tmp: Path, experts: dict[str, Path], steps: int, distil: bool, seed: int) -> Path:
+    """examples/distill/student.yaml with the experts at ``experts`` and data order ``seed``; without ``distil``: the
+    same job by RL (grpo, no teachers; 16 prompts x 4 samples a step: the distilled student's 64 completions as
+    groups), its held-out accuracy per task reported all the same (data.eval_by: task)."""
     raw = yaml.safe_load((ROOT / "examples" / "distill" / "student.yaml").read_text())
     for teacher in raw["distill"]["teachers"]:
         teacher["adapter"] = str(experts[teacher["name"]])
     raw["loop"].update(steps=steps, eval_every=5, checkpoint_every=0)
-    raw["data"]["eval_by"] = "task"
-    name = "distilled" if distil else "rl"
+    raw["data"].update(eval_by="task", seed=seed)
+    name = f"{'distilled' if distil else 'rl'}-{seed}"
     raw["job_id"], raw["output"] = f"student-{name}", {"dir": str(tmp / name)}
     if not distil:
+        samples = raw["loop"]["prompts_per_step"] * raw["rollout"]["group_size"]
         raw["trainer"]["loss"] = {"type": "grpo"}
         raw["distill"]["teachers"] = []
+        raw["rollout"]["group_size"] = RL_GROUP
+        raw["loop"]["prompts_per_step"] = samples // RL_GROUP
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -83,8 +92,10 @@ def student_job(tmp: Path, experts: dict[str, Path], steps: int, distil: bool) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="each student's steps (default 40)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="data orders (data.seed), each a run")
     parser.add_argument("--no-write", action="store_true", help="print, leave bench/RESULTS.md as it is")
     args = parser.parse_args(argv)
+    labels = ("distilled", "rl")
     with tempfile.TemporaryDirectory(prefix="lorarl-distill-") as name:
         tmp = Path(name)
         experts, expert_score, expert_s = {}, {}, {}
@@ -94,26 +105,35 @@ def main(argv: list[str] | None = None) -> int:
             experts[task] = out / "exports" / f"expert-{task}" / "final-adapter"
             expert_score[task] = evaluations(out)[-1]["eval/accuracy"]  # its held-out rows are its task's only
             print(f"expert {task}: {expert_score[task]:.3f} held out ({expert_s[task]:.0f} s)", flush=True)
-        walls, curves = {}, {}
-        for distil in (True, False):
-            label = "distilled" if distil else "rl"
-            walls[label] = run(student_job(tmp, experts, args.steps, distil))
-            curves[label] = {t: per_task(evaluations(tmp / label), t) for t in TASKS}
-            print(f"student {label}: {curves[label]} ({walls[label]:.0f} s)", flush=True)
-    body = ["| task | expert (40 steps) | student distilled | reaches 90% at step | student by RL | reaches 90% at "
-            "step |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        walls: dict[tuple[str, int], float] = {}
+        curves: dict[tuple[str, int], dict[str, list[tuple[int, float]]]] = {}
+        for seed in args.seeds:
+            for label in labels:
+                walls[label, seed] = run(student_job(tmp, experts, args.steps, label == "distilled", seed))
+                curves[label, seed] = {t: per_task(evaluations(tmp / f"{label}-{seed}"), t) for t in TASKS}
+                print(f"student {label}, data.seed {seed}: {curves[label, seed]} ({walls[label, seed]:.0f} s)",
+                      flush=True)
+    body = ["| task | expert (40 steps) | data.seed | student distilled | reaches 90% at step | student by RL | "
+            "reaches 90% at step |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for task in TASKS:
         target = REACH * expert_score[task]
-        d, r = curves["distilled"][task], curves["rl"][task]
-        body.append(f"| {task} | {expert_score[task]:.3f} | {d[-1][1]:.3f} | {first_reach(d, target)} | "
-                    f"{r[-1][1]:.3f} | {first_reach(r, target)} |")
+        for seed in args.seeds:
+            d, r = curves["distilled", seed][task], curves["rl", seed][task]
+            body.append(f"| {task} | {expert_score[task]:.3f} | {seed} | {d[-1][1]:.3f} | {first_reach(d, target)} | "
+                        f"{r[-1][1]:.3f} | {first_reach(r, target)} |")
     for label, title in (("distilled", "distilled"), ("rl", "by RL")):
-        body += ["", f"Student {title}, held out at steps " + ", ".join(str(s) for s, _ in curves[label]["sort"]) + ": "
-                 + "; ".join(f"{t} " + " ".join(f"{a:.2f}" for _, a in curves[label][t]) for t in TASKS) + "."]
+        for seed in args.seeds:
+            c = curves[label, seed]
+            body += ["", f"Student {title}, data.seed {seed}, held out at steps "
+                     + ", ".join(str(s) for s, _ in c["sort"]) + ": "
+                     + "; ".join(f"{t} " + " ".join(f"{a:.2f}" for _, a in c[t]) for t in TASKS) + "."]
+    each = ", ".join(f"distilled {walls['distilled', s]:.0f} s and RL {walls['rl', s]:.0f} s (data.seed {s})"
+                     for s in args.seeds)
     body += ["", f"Held-out greedy accuracy on each task's 150 test problems, evaluated every 5 steps; each student "
-                 f"{args.steps} steps of 16 prompts x 4 samples from a fresh adapter (sync loop). Whole commands: "
-                 f"experts {expert_s['sort']:.0f} s and {expert_s['add']:.0f} s, distilled student "
-                 f"{walls['distilled']:.0f} s, RL student {walls['rl']:.0f} s, service start-up included."]
+                 f"{args.steps} steps from a fresh adapter (sync loop), 64 completions a step: distilled 64 prompts x "
+                 f"1 sample, RL 16 prompts x {RL_GROUP} samples. 'reaches 90%': the first evaluated step at or above "
+                 f"0.9 x the expert's score. Whole commands: experts {expert_s['sort']:.0f} s and "
+                 f"{expert_s['add']:.0f} s; students {each}; service start-up included."]
     print("\n".join(body))
     if not args.no_write:
         from bench.results import write_results

@@ -534,7 +534,9 @@ class JobFileConfig:
 
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
             raise ConfigError("job_id", f"1-64 letters, digits, '_', '.', '-'; got {self.job_id!r}")
-        if self.rollout.group_size == 1 and not self.trainer.loss.takes_token_advantages:
+        # (pure distillation reads no group: each token's advantage is its reverse KL to the teacher)
+        if self.rollout.group_size == 1 and not self.trainer.loss.takes_token_advantages and \
+                self.trainer.loss.reward_scale:
             raise ConfigError("rollout.group_size", f"is 1 with trainer.loss.type {self.trainer.loss.type!r}, whose "
                                                     "advantages are relative to the other samples of the same prompt: "
                                                     "every advantage would be 0 and nothing would train; use 2 or more")

@@ -83,7 +83,7 @@ def test_a_teacher_not_trained_yet_is_a_warning_naming_its_command_and_lorarl_ru
 
 
 @pytest.mark.parametrize(("changes", "key", "words"), [
-    ({"trainer__loss": {"type": "grpo"}}, "trainer.loss.type", "does not read the 2 teacher"),
+    ({"trainer__loss": {"type": "grpo"}, "rollout__group_size": 4}, "trainer.loss.type", "does not read the 2 teacher"),
     ({"sync__mode": "merged"}, "sync.mode", "need sync.mode adapter"),
     ({"distill__route_key": "task", "distill__route": "domain", "distill__teachers": [
         {"name": "a", "adapter": "x", "domain": "sort"}, {"name": "a", "adapter": "y", "domain": "add"}]},
@@ -325,3 +325,15 @@ def test_what_a_job_version_teacher_refuses(tmp_path: Path, job: str, teacher: d
     with pytest.raises(ConfigError) as refused:
         load_job_config(str(path), [])
     assert refused.value.key.startswith("distill.teachers[1]") and words in str(refused.value), refused.value
+
+
+def test_pure_distillation_samples_one_completion_per_prompt_and_a_reward_mix_needs_a_group(tmp_path: Path) -> None:
+    """opd reads no group (each token's advantage its reverse KL to the teacher): group_size 1 is accepted; with the
+    reward's group advantage mixed in (rl_weight), one sample per prompt would give it nothing: refused."""
+    sort, add = str(teacher_dir(tmp_path / "sort")), str(teacher_dir(tmp_path / "add"))
+    cfg = load_job_config(str(student(tmp_path, sort, add, rollout__group_size=1)), [])
+    assert cfg.rollout.group_size == 1 and cfg.trainer.loss.reward_scale == 0
+    mixed = student(tmp_path, sort, add, rollout__group_size=1, trainer__loss={"type": "opd", "rl_weight": 1.0})
+    with pytest.raises(ConfigError, match="is 1 with trainer.loss.type 'opd'") as refused:
+        load_job_config(str(mixed), [])
+    assert refused.value.key == "rollout.group_size"
