@@ -334,6 +334,6 @@ def test_pure_distillation_samples_one_completion_per_prompt_and_a_reward_mix_ne
     cfg = load_job_config(str(student(tmp_path, sort, add, rollout__group_size=1)), [])
     assert cfg.rollout.group_size == 1 and cfg.trainer.loss.reward_scale == 0
     mixed = student(tmp_path, sort, add, rollout__group_size=1, trainer__loss={"type": "opd", "rl_weight": 1.0})
-    with pytest.raises(ConfigError, match="is 1 with trainer.loss.type 'opd'") as refused:
+    with pytest.raises(ConfigError, match=r"is 1 with trainer\.loss\.type 'opd'") as refused:
         load_job_config(str(mixed), [])
     assert refused.value.key == "rollout.group_size"
