@@ -270,6 +270,8 @@ SINGLE_DEFINITIONS = {
     # endpoint reads, named once
     "agent session headers": (re.compile(r"[\"'](?i:x-session-id|x-lorarl-teachers)[\"']"),
                               "lorarl.contract.agent_sessions"),
+    # a teacher that is another job's version (JOB@vN): one reader of a stored version outside the replicas
+    "teacher from a job's version": (re.compile(r"(?<!def )\bfetch_version\("), "lorarl.client.rl.teacher_versions"),
 }
 
 
