@@ -63,8 +63,9 @@ def job(model: Path, out: Path, teachers: list[Path]):
     if teachers:
         for teacher, path in zip(raw["distill"]["teachers"], teachers, strict=True):
             teacher["adapter"] = str(path)
-    else:  # the same student by RL: no teachers, a loss that reads none
+    else:  # the same student by RL: no teachers, a loss that reads none, its 64 completions a step as groups of 4
         raw["distill"]["teachers"], raw["trainer"]["loss"] = [], {"type": "grpo"}
+        raw["rollout"]["group_size"], raw["loop"]["prompts_per_step"] = 4, raw["loop"]["prompts_per_step"] // 4
     file = out.parent / f"{out.name}.yaml"
     file.write_text(yaml.safe_dump(raw))
     return load_job_config(str(file), overrides)
