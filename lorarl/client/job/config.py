@@ -458,7 +458,7 @@ class TeacherSection:
                                  "student's (`lorarl run`'s local launcher, a CPU job; its own copy of the weights: "
                                  "for a teacher that is not an adapter of the job's base). Relative paths from the "
                                  "job file's folder first.")
-    job: str = setting("", check=matches(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,127}@v[1-9][0-9]{0,17})?",
+    job: str = setting("", check=matches(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63}@v[1-9][0-9]{0,17})?",
                                          "JOB@vN: a job id, '@v' and a version number from 1"),
                        doc="Instead of an adapter: another job's published version, JOB@vN, read from the weight "
                            "sync of the stack this job runs on (`lorarl run --attach RUN_DIR` of the run JOB trained "
@@ -641,6 +641,9 @@ class JobFileConfig:
                                                     "(served by an engine of its own)")
             if teacher.model:
                 self._check_model_teacher(f"{key}.model")
+            if teacher.job and teacher.job.rpartition("@v")[0] == self.job_id:
+                raise ConfigError(f"{key}.job", f"names this job's own version ({teacher.job}): a teacher is another "
+                                                "job's (this one's versions move as it trains, and --fresh drops them)")
             if d.route == "domain" and not teacher.domain:
                 raise ConfigError(f"{key}.domain", f"is empty: with distill.route 'domain' each teacher names the "
                                                    f"value of the data's {d.route_key!r} column it scores")

@@ -1,18 +1,23 @@
-"""Teachers that are another job's published version (``distill.teachers[].job: JOB@vN``), read once at the start.
+"""Teachers that are another job's published version (``distill.teachers[].job: JOB@vN``), read once.
 
 Weight sync keeps each job's newest versions and its active one, adapters as the trainer published them. A
 distilling job on the same stack (attached to the run JOB trained in, or `lorarl train` against its services)
-fetches version N of JOB from there, checks it is an adapter on this job's base, and writes it as a PEFT directory
-in its own output folder (``teachers/<name>``; a few MB): from then on it is an adapter teacher like any other,
-held on the trainer as ``<job_id>.teacher.<name>`` and published to the replicas, so a restart, a resume or a later
-pruning of JOB's versions changes nothing for the student. What cannot be served is refused naming the teacher's
-key: no weight sync to read from, a version weight sync does not hold (its message names the ones it keeps), one on
-another base. A job that syncs merged versions teaches too: weight sync keeps each version as its adapter.
+fetches version N of JOB from there at its first start, checks it is an adapter on this job's base, and keeps it as
+a PEFT directory in its own output folder (``teachers/<name>``, a few MB, written whole or not at all, with the
+version it holds beside it): from then on it is an adapter teacher like any other, held on the trainer as
+``<job_id>.teacher.<name>`` and published to the replicas. A later start (a resume, a restart) reuses the kept copy,
+so JOB's later versions, their pruning or the owner's stack being gone change nothing for the student; ``--fresh``
+reads it again. What cannot be served is refused naming the teacher's key, before the student's job is created: no
+weight sync to read from, a version weight sync does not hold (its message names the ones it keeps), one on another
+base. A job that syncs merged versions teaches too: weight sync keeps each version as its adapter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +28,42 @@ from lorarl.client.job.inputs import Teacher
 from lorarl.common.config import ConfigError
 from lorarl.contract.fingerprint import base_model_fingerprint
 from lorarl.contract.lora import LoraSpec
-from lorarl.contract.peft import adapted_leaves, write_peft_files
+from lorarl.contract.peft import adapted_leaves, read_peft_config, write_peft_files
 from lorarl.v1 import common_pb2
 from lorarl.weightsync.client.fetch import fetch_version
 from lorarl.weightsync.wire.payload import PayloadError
 
 FOLDER = "teachers"
+SOURCE = "lorarl-teacher.json"  # which job and version a kept copy holds
 
 
-async def read_version_teachers(cfg: Any, teachers: list[Teacher], weightsync: Any, token: str | None, out: Path
-                                ) -> list[Teacher]:
-    """``teachers`` with each JOB@vN one read from ``weightsync`` (a WeightSyncService stub) into
-    ``out/teachers/<name>`` and turned into an adapter teacher; the others as they are."""
+def keep(folder: Path, tensors: dict, config: dict, job: str, version: int) -> None:
+    """The adapter written beside ``folder`` and renamed into place: a crash leaves the old copy or none."""
+    scratch = folder.with_name(f".{folder.name}.{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    write_peft_files(scratch, tensors, config)
+    (scratch / SOURCE).write_text(json.dumps({"job": job, "version": version}))
+    shutil.rmtree(folder, ignore_errors=True)
+    scratch.rename(folder)
+
+
+def kept(folder: Path, job: str, version: int) -> LoraSpec | None:
+    """The LoRA spec of the copy of ``job`` v``version`` an earlier start kept in ``folder``; None when there is
+    none (or it holds another version: the job file changed)."""
+    try:
+        source = json.loads((folder / SOURCE).read_text())
+        if (source.get("job"), source.get("version")) != (job, version):
+            return None
+        return LoraSpec.from_peft_config(read_peft_config(folder))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+async def read_version_teachers(cfg: Any, teachers: list[Teacher], weightsync: Any, token: str | None, out: Path,
+                                fresh: bool = False) -> list[Teacher]:
+    """``teachers`` with each JOB@vN one turned into an adapter teacher: the copy an earlier start kept in
+    ``out/teachers/<name>`` (unless ``fresh``), else read from ``weightsync`` (a WeightSyncService stub) and kept
+    there; the others as they are."""
     model_path = str(Path(cfg.model.path).resolve())
     fingerprint = None
     resolved = []
@@ -43,6 +72,12 @@ async def read_version_teachers(cfg: Any, teachers: list[Teacher], weightsync: A
             resolved.append(teacher)
             continue
         key, (job, version) = f"distill.teachers[{i}].job", teacher.version_of
+        folder = out / FOLDER / teacher.name
+        if not fresh and (lora := kept(folder, job, version)) is not None:
+            print(f"lorarl: teacher {teacher.name} is {job} v{version}, kept in {folder} at an earlier start",
+                  flush=True)
+            resolved.append(dataclasses.replace(teacher, path=str(folder), lora=lora, version_of=None))
+            continue
         if weightsync is None:
             raise ConfigError(key, f"teacher {teacher.name!r} is {job}@v{version}, read from the stack's weight sync, "
                                    "and this run has none (lorarl train: pass --weightsync)")
@@ -63,9 +98,9 @@ async def read_version_teachers(cfg: Any, teachers: list[Teacher], weightsync: A
         if manifest.base_model_fingerprint != fingerprint:
             raise ConfigError(key, f"teacher {teacher.name!r}: {job} v{version} was trained on another base model "
                                    f"than this job's {cfg.model.path!r}")
-        lora = LoraSpec.from_proto(manifest.lora)
-        folder = write_peft_files(out / FOLDER / teacher.name, tensors,
-                                  lora.peft_config(model_path, adapted_leaves(tensors)))
+        published = LoraSpec.from_proto(manifest.lora)
+        keep(folder, tensors, published.peft_config(model_path, adapted_leaves(tensors)), job, version)
+        lora = LoraSpec.from_peft_config(read_peft_config(folder))  # as any adapter teacher's: from its folder
         print(f"lorarl: teacher {teacher.name} is {job} v{version} from weight sync (rank {lora.rank}), kept in "
               f"{folder}", flush=True)
         resolved.append(dataclasses.replace(teacher, path=str(folder), lora=lora, version_of=None))

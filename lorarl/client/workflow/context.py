@@ -154,9 +154,9 @@ class RolloutContext(EpisodeContext):
             return []
         reply.raise_for_status()
         turns = reply.json()["turns"]
-        if forget:
+        if forget:  # read for the last time: its scoring time counted once
             await http.delete(url, headers=headers, timeout=60)
-        self.teacher_seconds += sum(float(t.get("teacher_seconds", 0.0)) for t in turns)
+            self.teacher_seconds += sum(float(t.get("teacher_seconds", 0.0)) for t in turns)
         return session_episodes(turns)
 
     def render(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,

@@ -469,6 +469,7 @@ async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, m
     logprobs: list[list[float]] = [[] for _ in range(n)]
     versions: list[list[int]] = [[] for _ in range(n)]
     sent = [0] * n  # characters of content already sent
+    finished: list[tuple[Completion, dict, str]] = []  # recorded once the stream is done (and its room freed)
     for index in range(n):
         yield _sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
@@ -499,9 +500,20 @@ async def stream_chat(endpoint: Endpoint, request_input: Any, request_id: str, m
             reason = finish_reason(chunk.finish, calls)
             reply = {"role": "assistant", "content": content if (content or not calls) else None,
                      **({"tool_calls": calls} if calls else {})}
-            await remember(Completion(tokens[i], logprobs[i], versions[i]), reply, reason)
+            finished.append((Completion(tokens[i], logprobs[i], versions[i]), reply, reason))
             yield _sse({**base, "choices": [{"index": i, "delta": {}, "finish_reason": reason,
                                              "lorarl": {"token_ids": tokens[i], "versions": versions[i]}}]})
+    for completion, reply, reason in finished:  # a scored session's turn is scored here: before [DONE]
+        try:
+            await remember(completion, reply, reason)
+        except Exception as e:  # the 200 is sent: the stream ends with OpenAI's error event, the turn unrecorded
+            field = getattr(e, "field", None)
+            message = f"{TEACHERS_HEADER}: the turn was sampled but its teachers could not score it, so the " \
+                      f"session does not record it: {f'{field}: ' if field else ''}{e}"
+            logger.warning("stream %s: %s", request_id, message)
+            yield _sse({"error": {"message": message, "type": "server_error", "param": TEACHERS_HEADER,
+                                  "code": STATUS.get(type(e), 500)}})
+            return
     if include_usage:
         completion = sum(len(t) for t in tokens)
         prompt = len(request_input.prompts[0])

@@ -29,6 +29,9 @@ async def fetch_version(stub: Any, job_id: str, version: int, token: str | None
             if not response.HasField("manifest"):
                 raise PayloadError("FetchWeights sent a chunk before its manifest")
             manifest = response.manifest
+            if (manifest.job_id, manifest.version) != (job_id, version):
+                raise PayloadError(f"FetchWeights for {job_id} v{version} answered with {manifest.job_id} "
+                                   f"v{manifest.version}")
             validate_manifest(manifest)
             assembler = BucketAssembler(manifest)
         else:

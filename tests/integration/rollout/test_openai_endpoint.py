@@ -381,3 +381,20 @@ def test_a_scored_turn_without_a_session_or_with_a_bad_teacher_is_refused_by_its
     _, server = served
     gone = httpx.get(f"http://127.0.0.1:{server.port}/v1/sessions/bad", headers={"Authorization": f"Bearer {TOKEN}"})
     assert gone.status_code == 404
+
+
+def test_a_turn_its_teachers_cannot_score_is_not_recorded_and_says_why(served, client, teacher) -> None:
+    """A teacher version the replica does not hold is found when the turn is scored, after sampling: a whole turn is
+    refused (404), a streamed one (its 200 already sent) ends with OpenAI's error event; neither is recorded."""
+    headers = {"X-Session-Id": "unscored", **teacher_header({"job_id": teacher, "version": 9, "weight": 1.0})}
+    with pytest.raises(openai.NotFoundError, match=r"version 9|v9"):
+        client.chat.completions.create(model="base", messages=QUESTION, max_tokens=3, extra_headers=headers)
+    with pytest.raises(openai.APIError, match="could not score it") as ended:
+        for _ in client.chat.completions.create(model="base", messages=QUESTION, max_tokens=3, stream=True,
+                                                extra_headers=headers):
+            pass
+    assert "X-Lorarl-Teachers" in str(ended.value)
+    _, server = served
+    gone = httpx.get(f"http://127.0.0.1:{server.port}/v1/sessions/unscored",
+                     headers={"Authorization": f"Bearer {TOKEN}"})
+    assert gone.status_code == 404

@@ -2,7 +2,8 @@
 from the real weight-sync service (on loopback) by the real client code the loop runs at its start, written as a
 PEFT directory in the student's output folder, and refused by the teacher's key when weight sync cannot give it: a
 version no longer kept (the message names the kept ones), a job it never heard of, one trained on another base, no
-weight sync at all. A job that syncs merged versions teaches too: weight sync keeps its versions' adapters."""
+weight sync at all. A later start reuses the copy it kept. A job that syncs merged versions teaches too: weight sync
+keeps its versions' adapters."""
 
 from __future__ import annotations
 
@@ -69,9 +70,9 @@ def test_a_jobs_published_version_becomes_the_students_teacher_adapter(tmp_path:
             async with aio_channel(running.address, token=TOKEN) as channel:
                 stub = NamedStub(weightsync_pb2_grpc.WeightSyncServiceStub(channel), "weightsync", running.address)
 
-                async def read(job: str, token: str | None = TOKEN, weightsync=stub):
+                async def read(job: str, token: str | None = TOKEN, weightsync=stub, out: str = "out"):
                     cfg = student_config(tmp_path, job)
-                    return await read_version_teachers(cfg, job_teachers(cfg), weightsync, token, tmp_path / "out")
+                    return await read_version_teachers(cfg, job_teachers(cfg), weightsync, token, tmp_path / out)
 
                 sort, add = await read("expert@v3")
                 assert sort.version_of is None and sort.path.endswith("sort")  # an adapter teacher: as it was
@@ -92,15 +93,24 @@ def test_a_jobs_published_version_becomes_the_students_teacher_adapter(tmp_path:
                 ]
                 for job, words in refusals:
                     with pytest.raises(ConfigError) as refused:
-                        await read(job)
+                        await read(job, out="elsewhere")
                     assert refused.value.key == "distill.teachers[1].job" and words in str(refused.value), refused.value
                 with pytest.raises(ConfigError, match="does not hold expert v1") as refused:
-                    await read("expert@v1")
+                    await read("expert@v1", out="elsewhere")
                 assert "[2, 3]" in str(refused.value)  # the versions it keeps, named
-                # a job that syncs merged versions: weight sync keeps each version's adapter, which teaches as well
-                _, merged = await read("merged@v1")
-                assert all(torch.equal(read_peft_tensors(merged.path)[k], versions[1][k]) for k in versions[1])
+                # a later start reuses the copy it kept (no weight sync needed: the owner's stack may be gone);
+                # another version in the job file, or --fresh, reads it again
+                (_, again) = await read("expert@v3", weightsync=None)
+                assert again.path == add.path and again.lora == add.lora
                 with pytest.raises(ConfigError, match="has none"):
-                    await read("expert@v3", weightsync=None)
+                    await read("expert@v2", weightsync=None)
+                with pytest.raises(ConfigError, match="has none"):
+                    cfg = student_config(tmp_path, "expert@v3")
+                    await read_version_teachers(cfg, job_teachers(cfg), None, TOKEN, tmp_path / "out", fresh=True)
+                # a job that syncs merged versions: weight sync keeps each version's adapter, which teaches as well
+                _, merged = await read("merged@v1", out="merged")
+                assert all(torch.equal(read_peft_tensors(merged.path)[k], versions[1][k]) for k in versions[1])
+                with pytest.raises(ConfigError, match="has none"):  # nothing kept, nowhere to read it from
+                    await read("expert@v3", weightsync=None, out="new")
 
     asyncio.run(scenario())

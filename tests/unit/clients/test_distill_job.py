@@ -316,6 +316,8 @@ def test_a_teacher_that_is_another_jobs_version_is_planned_for_the_stack_it_atta
     ("expert-add", {}, "JOB@vN"),
     ("expert add@v3", {}, "JOB@vN"),
     ("expert-add@v3", {"adapter": "x"}, "set exactly one"),
+    ("x" * 65 + "@v3", {}, "JOB@vN"),  # longer than any job id
+    ("student@v3", {}, "this job's own version"),
 ])
 def test_what_a_job_version_teacher_refuses(tmp_path: Path, job: str, teacher: dict, words: str) -> None:
     path = version_student(tmp_path, job)
