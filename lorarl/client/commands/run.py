@@ -361,6 +361,9 @@ def drive_services(cfg, args: argparse.Namespace, trainer: str, rollouts: list[s
     except KeyboardInterrupt:
         print("lorarl: interrupted. Run the same command again to resume.", file=sys.stderr)
         return 130
+    except ConfigError as e:  # found once the services answer: a teacher weight sync cannot give (JOB@vN)
+        print(f"lorarl: bad config: {e}", file=sys.stderr)
+        return 2
     except RUN_ENDING_ERRORS as e:
         return report(e, out)
 

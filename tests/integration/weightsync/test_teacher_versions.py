@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from lorarl.client.calls import NamedStub
 from lorarl.client.job.config import load_job_config
 from lorarl.client.job.inputs import job_teachers
+from lorarl.client.launch.local import lorarl_command
 from lorarl.client.rl.teacher_versions import read_version_teachers
 from lorarl.common.channel import aio_channel
 from lorarl.common.config import ConfigError
@@ -112,5 +113,19 @@ def test_a_jobs_published_version_becomes_the_students_teacher_adapter(tmp_path:
                 assert all(torch.equal(read_peft_tensors(merged.path)[k], versions[1][k]) for k in versions[1])
                 with pytest.raises(ConfigError, match="has none"):  # nothing kept, nowhere to read it from
                     await read("expert@v3", weightsync=None, out="new")
+                # the CLI: `lorarl train` against these services ends by the teacher's key, before any job exists
+                cfg_file = tmp_path / "student.yaml"
+                student_config(tmp_path, "expert@v1")  # rewrites cfg_file: a version weight sync no longer keeps
+                token_file = tmp_path / "token"
+                token_file.write_text(TOKEN)
+                done = await asyncio.create_subprocess_exec(
+                    *lorarl_command(), "train", str(cfg_file), f"output.dir={tmp_path / 'cli'}", "--trainer",
+                    "127.0.0.1:9", "--rollout", "127.0.0.1:9", "--weightsync", running.address, "--token-file",
+                    str(token_file), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                out, err = await done.communicate()
+                assert done.returncode == 2, out.decode()[-2000:] + err.decode()[-2000:]
+                assert "bad config: distill.teachers[1].job" in err.decode() and "does not hold expert v1" in \
+                    err.decode(), err.decode()[-2000:]
+                assert not (tmp_path / "cli" / "state.json").exists()  # no job was started
 
     asyncio.run(scenario())

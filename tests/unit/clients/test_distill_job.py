@@ -339,3 +339,4 @@ def test_pure_distillation_samples_one_completion_per_prompt_and_a_reward_mix_ne
     with pytest.raises(ConfigError, match=r"is 1 with trainer\.loss\.type 'opd'") as refused:
         load_job_config(str(mixed), [])
     assert refused.value.key == "rollout.group_size"
+
