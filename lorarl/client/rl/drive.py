@@ -78,7 +78,7 @@ async def drive(cfg, trainer_address: str, rollout_addresses: str | list[str] | 
         else:
             rollout = RolloutPool(discover=weightsync_fleet(weightsync, cfg.job_id), connect=connect_rollout,
                                   busy_wait_s=busy_wait)
-        # JOB@vN teachers become adapters first: one weight sync cannot give refuses the run before its job exists
+        # JOB@vN teachers become adapters first, so a version weight sync cannot give ends the run before its job exists
         teachers = await read_version_teachers(cfg, teachers, weightsync, token, out, fresh=fresh)
         session = JobSession(cfg, trainer, out)
         state = await session.start(fresh=fresh)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +36,13 @@ SOURCE = "lorarl-teacher.json"  # which job and version a kept copy holds
 
 
 def keep(folder: Path, tensors: dict, config: dict, job: str, version: int) -> None:
-    """The adapter written beside ``folder`` and renamed into place: a crash leaves the old copy or none."""
-    scratch = folder.with_name(f".{folder.name}.{os.getpid()}")
-    shutil.rmtree(scratch, ignore_errors=True)
-    write_peft_files(scratch, tensors, config)
-    (scratch / SOURCE).write_text(json.dumps({"job": job, "version": version}))
-    shutil.rmtree(folder, ignore_errors=True)
-    scratch.rename(folder)
+    """The adapter written beside ``folder`` and renamed into place as a checkpoint is (the trainer's
+    atomic_directory): a crash leaves the old copy or none."""
+    from lorarl.trainer.engines.checkpoint import atomic_directory
+
+    with atomic_directory(folder) as scratch:
+        write_peft_files(scratch, tensors, config)
+        (scratch / SOURCE).write_text(json.dumps({"job": job, "version": version}))
 
 
 def kept(folder: Path, job: str, version: int) -> LoraSpec | None:
