@@ -59,7 +59,7 @@ def job(model: Path, out: Path, teachers: list[Path]):
 
     overrides = [f"model.path={model}", f"output.dir={out}", "trainer.lora.rank=16", "trainer.lora.alpha=32",
                  f"rollout.max_tokens={TOKENS}", "rollout.kv_cache_gib=1", "data.max_prompt_tokens=32"]
-    raw = yaml.safe_load((ROOT / "examples/distill/student.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "examples/distill/two-tasks/student.yaml").read_text())
     if teachers:
         for teacher, path in zip(raw["distill"]["teachers"], teachers, strict=True):
             teacher["adapter"] = str(path)

@@ -1,13 +1,15 @@
-"""On-policy distillation against RL from scratch, side by side in one run (issue #47): two RL experts trained on
-one task each of the demo's (examples/distill/expert-*.yaml), then a fresh student distilled from both
-(examples/distill/student.yaml: each prompt scored by its task's expert, adapters in the student's own rollout
-engine), and the same student trained by RL from scratch instead (the same job with loss grpo and no teachers),
-for the same steps and the same 64 completions a step: the distilled student samples 64 prompts once each (its
-advantage is per token, no group), RL 16 prompts 4 times each (its advantage needs the group). Each student twice,
-on two data orders (data.seed 0 and 1). Per task and order: the expert's held-out accuracy, each student's, and the
-first evaluated step at which each student reaches 90% of the expert.
+"""On-policy distillation against RL from scratch, side by side in one run (issue #47): the two RL experts of
+examples/multitenant trained on the shipped mixed base (`lorarl run sort.yaml tools.yaml`: digit sorting, single
+turn, and the calculator agent, multi-turn through the rollout's OpenAI-compatible endpoint), then a fresh student
+distilled from both (examples/distill/student.yaml: each row scored by its domain's expert, adapters in the
+student's own rollout engine, the agent's chat turns scored there too), and the same student trained by RL from
+scratch instead (the same job with loss grpo and no teachers), for the same steps and the same 64 episodes a step:
+the distilled student runs 64 prompts once each (its advantage is per token, no group), RL 16 prompts 4 times each
+(its advantage needs the group). Each student twice, on two data orders (data.seed 0 and 1). Per domain and order:
+the expert's held-out accuracy, each student's, and the first evaluated step at which each student reaches 90% of
+the expert.
 
-    python bench/distill_vs_rl.py                   # ~6 minutes on 2 CPU cores
+    python bench/distill_vs_rl.py                   # ~25 minutes on 2 CPU cores
     python bench/distill_vs_rl.py --steps 20 --seeds 0 --no-write
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,9 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 #: The code this benchmark's figures depend on (bench/results.py: a run is stale once it changes).
-MEASURES = ("lorarl", "examples/distill")
+MEASURES = ("lorarl", "examples/distill", "examples/multitenant", "examples/calc_agent.py")
 HEADING = "## On-policy distillation from adapter teachers vs RL from scratch"
-TASKS = ("sort", "add")
+TASKS = ("sort", "tools")
+EXPERTS = ROOT / "examples" / "multitenant"
+STUDENT = ROOT / "examples" / "distill" / "student.yaml"
+#: The workflows' folders (a job's workflow is imported from its job file's folder: these jobs are copied out).
+WORKFLOWS = (EXPERTS, STUDENT.parent)
 #: A student "reaches" an expert at this share of the expert's held-out accuracy (the issue's bar).
 REACH = 0.9
 QUIET = ["output.tensorboard=false", "output.progress=false", "--fresh"]
@@ -43,13 +50,30 @@ def lorarl() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "lorarl.client.cli"]
 
 
-def run(job: Path | str, *overrides: str) -> float:
+def run(*jobs: Path) -> float:
     started = time.perf_counter()
-    done = subprocess.run([*lorarl(), "run", str(job), *overrides, *QUIET], cwd=ROOT, capture_output=True, text=True,
-                          timeout=3600)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, WORKFLOWS), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([*lorarl(), "run", *map(str, jobs), *QUIET], cwd=ROOT, capture_output=True, text=True,
+                          timeout=3600, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"lorarl run {job} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        raise RuntimeError(f"lorarl run exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return time.perf_counter() - started
+
+
+def copied_job(source: Path, out: Path, job_id: str) -> dict:
+    """``source`` as a dict, its model and data by absolute path, its output in ``out`` under ``job_id``."""
+    raw = yaml.safe_load(source.read_text())
+    raw["model"]["path"] = str(ROOT / raw["model"]["path"])
+    for key in ("train_path", "test_path"):
+        raw["data"][key] = str((source.parent / raw["data"][key]).resolve())
+    raw["job_id"], raw["output"] = job_id, {"dir": str(out / job_id)}
+    return raw
+
+
+def write_job(raw: dict, out: Path) -> Path:
+    path = out / f"{raw['job_id']}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
 
 
 def evaluations(out: Path) -> list[dict]:
@@ -58,7 +82,7 @@ def evaluations(out: Path) -> list[dict]:
 
 
 def per_task(evals: list[dict], task: str) -> list[tuple[int, float]]:
-    """(step, held-out accuracy on ``task``) at each evaluation of a two-task run."""
+    """(step, held-out accuracy on ``task``) at each evaluation of a two-domain run."""
     key = f"eval/{task}/accuracy"
     return [(int(r["step"]), r[key]) for r in evals if key in r]
 
@@ -69,24 +93,21 @@ def first_reach(curve: list[tuple[int, float]], target: float) -> str:
 
 def student_job(tmp: Path, experts: dict[str, Path], steps: int, distil: bool, seed: int) -> Path:
     """examples/distill/student.yaml with the experts at ``experts`` and data order ``seed``; without ``distil``: the
-    same job by RL (grpo, no teachers; 16 prompts x 4 samples a step: the distilled student's 64 completions as
-    groups), its held-out accuracy per task reported all the same (data.eval_by: task)."""
-    raw = yaml.safe_load((ROOT / "examples" / "distill" / "student.yaml").read_text())
+    same job by RL (grpo, no teachers; 16 prompts x 4 episodes a step: the distilled student's 64 episodes as
+    groups), its held-out accuracy per domain reported all the same (data.eval_by: task)."""
+    name = f"{'distilled' if distil else 'rl'}-{seed}"
+    raw = copied_job(STUDENT, tmp, name)
     for teacher in raw["distill"]["teachers"]:
         teacher["adapter"] = str(experts[teacher["name"]])
     raw["loop"].update(steps=steps, eval_every=5, checkpoint_every=0)
     raw["data"].update(eval_by="task", seed=seed)
-    name = f"{'distilled' if distil else 'rl'}-{seed}"
-    raw["job_id"], raw["output"] = f"student-{name}", {"dir": str(tmp / name)}
     if not distil:
         samples = raw["loop"]["prompts_per_step"] * raw["rollout"]["group_size"]
         raw["trainer"]["loss"] = {"type": "grpo"}
         raw["distill"]["teachers"] = []
         raw["rollout"]["group_size"] = RL_GROUP
         raw["loop"]["prompts_per_step"] = samples // RL_GROUP
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return write_job(raw, tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,13 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     labels = ("distilled", "rl")
     with tempfile.TemporaryDirectory(prefix="lorarl-distill-") as name:
         tmp = Path(name)
-        experts, expert_score, expert_s = {}, {}, {}
-        for task in TASKS:
-            out = tmp / f"expert-{task}"
-            expert_s[task] = run(f"examples/distill/expert-{task}.yaml", f"output.dir={out}")
-            experts[task] = out / "exports" / f"expert-{task}" / "final-adapter"
-            expert_score[task] = evaluations(out)[-1]["eval/accuracy"]  # its held-out rows are its task's only
-            print(f"expert {task}: {expert_score[task]:.3f} held out ({expert_s[task]:.0f} s)", flush=True)
+        # the two experts as the multitenant example trains them: one command, one stack, the first job's export
+        # folder holding both adapters
+        expert_s = run(*(write_job(copied_job(EXPERTS / f"{task}.yaml", tmp, task), tmp) for task in TASKS))
+        experts = {task: tmp / TASKS[0] / "exports" / task / "final-adapter" for task in TASKS}
+        expert_score = {task: evaluations(tmp / task)[-1]["eval/accuracy"] for task in TASKS}  # its domain's rows
+        print(f"experts {expert_score} held out ({expert_s:.0f} s)", flush=True)
         walls: dict[tuple[str, int], float] = {}
         curves: dict[tuple[str, int], dict[str, list[tuple[int, float]]]] = {}
         for seed in args.seeds:
@@ -113,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 curves[label, seed] = {t: per_task(evaluations(tmp / f"{label}-{seed}"), t) for t in TASKS}
                 print(f"student {label}, data.seed {seed}: {curves[label, seed]} ({walls[label, seed]:.0f} s)",
                       flush=True)
-    body = ["| task | expert (40 steps) | data.seed | student distilled | reaches 90% at step | student by RL | "
+    body = ["| domain | expert (40 steps) | data.seed | student distilled | reaches 90% at step | student by RL | "
             "reaches 90% at step |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for task in TASKS:
         target = REACH * expert_score[task]
@@ -129,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
                      + "; ".join(f"{t} " + " ".join(f"{a:.2f}" for _, a in c[t]) for t in TASKS) + "."]
     each = ", ".join(f"distilled {walls['distilled', s]:.0f} s and RL {walls['rl', s]:.0f} s (data.seed {s})"
                      for s in args.seeds)
-    body += ["", f"Held-out greedy accuracy on each task's 150 test problems, evaluated every 5 steps; each student "
-                 f"{args.steps} steps from a fresh adapter (sync loop), 64 completions a step: distilled 64 prompts x "
-                 f"1 sample, RL 16 prompts x {RL_GROUP} samples. 'reaches 90%': the first evaluated step at or above "
-                 f"0.9 x the expert's score. Whole commands: experts {expert_s['sort']:.0f} s and "
-                 f"{expert_s['add']:.0f} s; students {each}; service start-up included."]
+    body += ["", f"Held-out greedy accuracy on each domain's whole test split (sort 150 problems, tools 200 agent "
+                 f"episodes: lorarl.assets.mixed_task), evaluated every 5 steps; each student {args.steps} steps from "
+                 f"a fresh adapter (sync loop), 64 episodes a step: distilled 64 prompts x 1, RL 16 prompts x "
+                 f"{RL_GROUP}. 'reaches 90%': the first evaluated step at or above 0.9 x the expert's score. Whole "
+                 f"commands: both experts {expert_s:.0f} s (`lorarl run examples/multitenant/sort.yaml "
+                 f"examples/multitenant/tools.yaml`, one stack); students {each}; service start-up included."]
     print("\n".join(body))
     if not args.no_write:
         from bench.results import write_results

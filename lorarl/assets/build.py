@@ -167,9 +167,11 @@ def build_assets(parts: Sequence[str] = PARTS) -> None:
     if "tokenizer" in parts:
         print(f"tokenizer -> {save_tokenizer(TOKENIZER_DIR)}")
     if "tasks" in parts:
+        from lorarl.assets.mixed_task import write_splits as write_mixed_splits
         from lorarl.assets.tool_task import write_splits as write_tool_splits
 
-        for split, path in [*write_splits(TASKS_DIR).items(), *write_tool_splits().items()]:
+        tasks, tools = write_splits(TASKS_DIR), write_tool_splits()
+        for split, path in [*tasks.items(), *tools.items(), *write_mixed_splits().items()]:  # mixed: of the two
             print(f"{split} split -> {path}")
     models = [name for name in RECIPES if name in parts and RECIPES[name].start_from is None]
     if models:

@@ -60,8 +60,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lorarl` console script; returns the process exit code."""
+    from lorarl.client.interrupt import leave_if_signalled
+
     args = parse(argv)
-    return int(args.handler(args))
+    code = int(args.handler(args))
+    leave_if_signalled(code)  # stopped by SIGTERM or Ctrl-C: its exit code, not the interpreter teardown's
+    return code
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""On-policy distillation end to end (#47): `lorarl run examples/distill/student.yaml` with its two teachers (the
+"""On-policy distillation end to end (#47): `lorarl run examples/distill/two-tasks/student.yaml` with its two teachers (the
 shipped RL experts on the demo's sort and add tasks, tests/e2e/distill_experts), each prompt scored by its task's
 teacher. The sort expert is an adapter beside the student in its own rollout engine; the add expert is served as a
 full model (the base with its adapter merged in, as a teacher that is not an adapter of the job's base would be) by
@@ -42,7 +42,7 @@ def merged_model(adapter: Path, out: Path) -> Path:
 
 
 def test_a_student_distilled_from_an_adapter_and_a_full_model_teacher_learns_both_domains(tmp_path: Path) -> None:
-    raw = yaml.safe_load((ROOT / "examples" / "distill" / "student.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "examples" / "distill" / "two-tasks" / "student.yaml").read_text())
     sort, add = raw["distill"]["teachers"]
     sort["adapter"] = str(EXPERTS / "sort")
     del add["adapter"]

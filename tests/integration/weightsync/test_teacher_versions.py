@@ -36,11 +36,11 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def student_config(tmp_path: Path, job: str):
-    """examples/distill/student.yaml on the shipped tiny model, its add teacher ``job`` (its sort teacher an
+    """examples/distill/two-tasks/student.yaml on the shipped tiny model, its add teacher ``job`` (its sort teacher an
     adapter directory, left as it is by the read)."""
     from tests.unit.clients.test_distill_job import teacher_dir
 
-    raw = yaml.safe_load((ROOT / "examples" / "distill" / "student.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "examples" / "distill" / "two-tasks" / "student.yaml").read_text())
     raw["model"]["path"] = str(dense_model_dir())
     raw["distill"]["teachers"][0]["adapter"] = str(teacher_dir(tmp_path / "sort"))
     raw["distill"]["teachers"][1] = {"name": "add", "job": job, "domain": "add"}

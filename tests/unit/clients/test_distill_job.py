@@ -26,7 +26,7 @@ from lorarl.contract.peft import tensor_name, write_peft_files
 from lorarl.contract.staleness import adapter_window
 
 ROOT = Path(__file__).resolve().parents[3]
-STUDENT = ROOT / "examples" / "distill" / "student.yaml"
+STUDENT = ROOT / "examples" / "distill" / "two-tasks" / "student.yaml"
 
 
 def teacher_dir(folder: Path, rank: int = 16) -> Path:
@@ -37,7 +37,7 @@ def teacher_dir(folder: Path, rank: int = 16) -> Path:
 
 
 def student(tmp_path: Path, sort: str, add: str, **changes: object) -> Path:
-    """examples/distill/student.yaml with its teachers at ``sort`` and ``add`` (and top-level ``changes``)."""
+    """examples/distill/two-tasks/student.yaml with its teachers at ``sort`` and ``add`` (and top-level ``changes``)."""
     raw = yaml.safe_load(STUDENT.read_text())
     raw["model"]["path"] = str(ROOT / raw["model"]["path"])
     raw["distill"]["teachers"][0]["adapter"], raw["distill"]["teachers"][1]["adapter"] = sort, add
@@ -77,7 +77,7 @@ def test_a_teacher_not_trained_yet_is_a_warning_naming_its_command_and_lorarl_ru
     cfg = load_job_config(str(student(tmp_path, str(tmp_path / "nowhere"), str(teacher_dir(tmp_path / "add")))), [])
     lines = check_inputs(cfg, missing_ok=True)
     warning = lines.index(next(line for line in lines if line.startswith("WARNING distill.teachers[0].adapter")))
-    assert lines[warning + 1] == "  hint: make it with: lorarl run examples/distill/expert-sort.yaml"
+    assert lines[warning + 1] == "  hint: make it with: lorarl run examples/distill/two-tasks/expert-sort.yaml"
     with pytest.raises(ConfigError, match="no adapter at"):
         check_inputs(cfg)
 
