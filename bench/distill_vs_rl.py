@@ -65,7 +65,8 @@ def copied_job(source: Path, out: Path, job_id: str) -> dict:
     raw = yaml.safe_load(source.read_text())
     raw["model"]["path"] = str(ROOT / raw["model"]["path"])
     for key in ("train_path", "test_path"):
-        raw["data"][key] = str((source.parent / raw["data"][key]).resolve())
+        if key in raw["data"]:  # a jsonl job's (the shipped tasks need none)
+            raw["data"][key] = str((source.parent / raw["data"][key]).resolve())
     raw["job_id"], raw["output"] = job_id, {"dir": str(out / job_id)}
     return raw
 
