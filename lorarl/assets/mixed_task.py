@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from lorarl.assets.paths import DATA_DIR
+from lorarl.assets.paths import DATA_DIR, write_jsonl_splits
 from lorarl.assets.tasks import exact_format_reward, load_split
 from lorarl.assets.tool_task import load_tool_split, tool_reward
 
@@ -41,13 +41,8 @@ def build_splits(seed: int = SPLITS_SEED, train_per_task: int = TRAIN_PER_TASK) 
 
 def write_splits(out_dir: Path = MIXED_TASKS_DIR, seed: int = SPLITS_SEED) -> dict[str, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` under ``out_dir``; returns their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, rows in build_splits(seed).items():
-        path = out_dir / f"{split}.jsonl"
-        path.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
-        paths[split] = path
-    return paths
+    return write_jsonl_splits(out_dir, {split: [json.dumps(row, sort_keys=True) for row in rows]
+                                        for split, rows in build_splits(seed).items()})
 
 
 def sort_or_tool_reward(prompt: Any, completion: str, answer: Any, task: str, **columns: Any) -> float:

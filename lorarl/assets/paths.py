@@ -14,3 +14,15 @@ MOE_MODEL_DIR = MODELS_DIR / "qwen3-moe-tiny"
 TOOLS_MODEL_DIR = MODELS_DIR / "qwen3-tiny-tools"
 #: the tool policy warm-started on the single-turn tasks too: one base for both (examples/multitenant)
 MIXED_MODEL_DIR = MODELS_DIR / "qwen3-tiny-mixed"
+
+
+def write_jsonl_splits(out_dir: Path, lines: dict[str, list[str]]) -> dict[str, Path]:
+    """``<split>.jsonl`` under ``out_dir`` for each split's JSON lines; returns their paths (every shipped split
+    folder is written this way, so a rebuild leaves the files byte-identical)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in lines.items():
+        path = out_dir / f"{split}.jsonl"
+        path.write_text("".join(row + "\n" for row in rows))
+        paths[split] = path
+    return paths

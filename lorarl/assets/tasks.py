@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from lorarl.assets.paths import TASKS_DIR
+from lorarl.assets.paths import TASKS_DIR, write_jsonl_splits
 
 SPLITS_SEED = 20240601
 """Seed of the generator that draws the fixed train/test splits."""
@@ -162,13 +162,8 @@ def build_splits(
 
 def write_splits(out_dir: Path = TASKS_DIR, seed: int = SPLITS_SEED) -> dict[str, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` under ``out_dir``; returns their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, problems in build_splits(seed).items():
-        path = out_dir / f"{split}.jsonl"
-        path.write_text("".join(problem.to_json() + "\n" for problem in problems))
-        paths[split] = path
-    return paths
+    return write_jsonl_splits(out_dir, {split: [p.to_json() for p in problems]
+                                        for split, problems in build_splits(seed).items()})
 
 
 def load_split(split: str, tasks_dir: Path = TASKS_DIR) -> list[Problem]:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lorarl.assets.paths import DATA_DIR
+from lorarl.assets.paths import DATA_DIR, write_jsonl_splits
 
 TOOL_TASKS_DIR = DATA_DIR / "tools"
 SPLITS_SEED = 20261202
@@ -73,13 +73,8 @@ def build_splits(seed: int = SPLITS_SEED) -> dict[str, list[ToolProblem]]:
 
 
 def write_splits(out_dir: Path = TOOL_TASKS_DIR) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, problems in build_splits().items():
-        path = out_dir / f"{split}.jsonl"
-        path.write_text("".join(json.dumps(asdict(p), sort_keys=True) + "\n" for p in problems))
-        paths[split] = path
-    return paths
+    return write_jsonl_splits(out_dir, {split: [json.dumps(asdict(p), sort_keys=True) for p in problems]
+                                        for split, problems in build_splits().items()})
 
 
 def load_tool_split(split: str, tasks_dir: Path = TOOL_TASKS_DIR) -> list[ToolProblem]:

@@ -1,9 +1,9 @@
-"""On-policy distillation end to end (#47): `lorarl run examples/distill/two-tasks/student.yaml` with its two teachers (the
-shipped RL experts on the demo's sort and add tasks, tests/e2e/distill_experts), each prompt scored by its task's
-teacher. The sort expert is an adapter beside the student in its own rollout engine; the add expert is served as a
-full model (the base with its adapter merged in, as a teacher that is not an adapter of the job's base would be) by
-an engine of its own that the launcher starts beside the student's. The fresh student gains on each domain held
-out, the reverse KL to each teacher falls, and the per-teacher metrics are in metrics.jsonl."""
+"""On-policy distillation end to end (#47): `lorarl run examples/distill/two-tasks/student.yaml` with its two teachers
+(the shipped RL experts on the demo's sort and add tasks, tests/e2e/distill_experts), each prompt scored by its
+task's teacher. The sort expert is an adapter beside the student in its own rollout engine; the add expert is served
+as a full model (the base with its adapter merged in, as a teacher that is not an adapter of the job's base would
+be) by an engine of its own that the launcher starts beside the student's. The fresh student gains on each domain
+held out, the reverse KL to each teacher falls, and the per-teacher metrics are in metrics.jsonl."""
 
 from __future__ import annotations
 

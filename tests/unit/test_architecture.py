@@ -272,6 +272,11 @@ SINGLE_DEFINITIONS = {
                               "lorarl.contract.agent_sessions"),
     # a teacher that is another job's version (JOB@vN): one reader of a stored version outside the replicas
     "teacher from a job's version": (re.compile(r"(?<!def )\bfetch_version\("), "lorarl.client.rl.teacher_versions"),
+    # the distillation example's data (#47): the mixed base's two domains in one dataset, built in one place from
+    # the shipped splits
+    "mixed-domain rows": (re.compile(r"DATA_DIR\s*/\s*[\"']mixed[\"']"), "lorarl.assets.mixed_task"),
+    # a launcher a signal stopped leaves with its own exit code: one place decides, after its command returned
+    "launcher exit after a signal": (re.compile(r"(?<!def )\bleave_if_signalled\("), "lorarl.client.cli"),
 }
 
 
