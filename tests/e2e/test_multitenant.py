@@ -122,9 +122,11 @@ def test_two_jobs_on_one_base_both_learn_and_a_third_attaches(tmp_path: Path) ->
         time.sleep(3)
         assert owner.poll() is None, "the owner stopped its services while a lease was held"
         # while the stack stays up, a fourth job attaches: examples/distill's student, distilling both domains from
-        # the two jobs' last versions (sort@v20, tools@v12), which it reads from this stack's weight sync; `late` is
-        # deleted first: the trainer holds 4 jobs, and the pupil brings its teachers'
-        delete_job(tmp_path / "sort" / "services", "late")
+        # the two jobs' last versions (sort@v20, tools@v12), which it reads from this stack's weight sync; `late` and
+        # the ended `tools` are deleted from the trainer first (their versions stay in weight sync): the trainer
+        # holds 4 jobs, and the pupil brings two teachers' beside its own
+        for ended in ("late", "tools"):
+            delete_job(tmp_path / "sort" / "services", ended)
         pupil_env = {**env, "PYTHONPATH": os.pathsep.join([str(STUDENT.parent), env["PYTHONPATH"]])}
         pupil = subprocess.run([*lorarl_command(), "run", str(pupil_file(tmp_path)), "--attach",
                                 str(tmp_path / "sort"), "recovery.wait_s=30", *quiet, "--fresh"],
