@@ -59,12 +59,17 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `lorarl` console script; returns the process exit code."""
-    from lorarl.client.interrupt import leave_if_signalled
+    """Entry point of the `lorarl` console script; returns the process exit code. As the process's own command
+    (``argv`` None: the console script, `python -m lorarl.client.cli`) a run a signal stopped leaves at once with
+    that code (lorarl.client.interrupt.leave_if_signalled); called with ``argv`` (a test, a program driving lorarl
+    in its own process) it always returns."""
+    from lorarl.client.interrupt import forget_signals, leave_if_signalled
 
+    forget_signals()  # a signal an earlier command in this process took is not this one's
     args = parse(argv)
     code = int(args.handler(args))
-    leave_if_signalled(code)  # stopped by SIGTERM or Ctrl-C: its exit code, not the interpreter teardown's
+    if argv is None:
+        leave_if_signalled(code)  # stopped by SIGTERM or Ctrl-C: its exit code, not the interpreter teardown's
     return code
 
 

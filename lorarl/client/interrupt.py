@@ -36,6 +36,12 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def forget_signals() -> None:
+    """A new command starts: no signal has stopped it yet."""
+    global _signalled
+    _signalled = False
+
+
 def leave_if_signalled(code: int) -> None:
     """After a command a signal stopped (its cleanup done): flush what it printed and exit with ``code`` now,
     without the interpreter's teardown (see the module docstring). Returns when no signal stopped it."""

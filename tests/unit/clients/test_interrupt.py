@@ -75,9 +75,17 @@ def test_a_signal_cancels_the_loop_and_raises_keyboard_interrupt_where_it_was_ru
 
 
 def test_raising_keyboard_interrupt_in_a_child_task_is_what_printed_the_traceback() -> None:
-    """The case this module exists for, shown with plain asyncio.run: the test above is not vacuous."""
-    done = stopped_by(signal.SIGTERM, run="asyncio.run")
-    assert "KeyboardInterrupt" in done.stderr and "Traceback" in done.stderr, done.stderr  # asyncio's log of it
+    """The case this module exists for, shown with plain asyncio.run: the test above is not vacuous. The signal
+    lands in a child task's own code nearly always, but now and then between two of its steps, in the loop's code,
+    where plain asyncio.run raises it cleanly (about 1 run in 10 here): the traceback is asserted for one of up to
+    five runs. The test above takes one run: run_interruptible must never print it."""
+    tries = []
+    for _ in range(5):
+        done = stopped_by(signal.SIGTERM, run="asyncio.run")
+        tries.append(done.stderr)
+        if "KeyboardInterrupt" in done.stderr and "Traceback" in done.stderr:  # asyncio's log of it
+            return
+    raise AssertionError(f"no traceback in five runs: {tries}")
 
 
 def test_a_loop_that_ends_normally_returns_its_value_and_gives_the_handlers_back() -> None:
@@ -104,3 +112,32 @@ def test_a_loop_that_swallows_the_cancellation_is_still_a_stop() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         run_interruptible(stubborn())
+
+
+TEARDOWN = textwrap.dedent("""
+    import atexit, os, signal, sys
+    from lorarl.client.interrupt import leave_if_signalled, stop_on_sigterm
+
+    # what the interpreter's teardown did to a stopped `lorarl tinker` in CI: a SIGINT at exit, after the launcher
+    # had stopped its services and chosen its exit code
+    atexit.register(lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), os.kill(os.getpid(), signal.SIGINT)))
+    stop_on_sigterm()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()
+    except KeyboardInterrupt:
+        print("services stopped", flush=True)
+    {LEAVE}
+    sys.exit(130)
+""")
+
+
+@pytest.mark.parametrize("leave", [True, False], ids=["left", "teardown"])
+def test_a_launcher_a_signal_stopped_exits_with_its_own_code_not_by_its_teardown(leave: bool) -> None:
+    """leave_if_signalled (what `lorarl`'s entry point calls once a command returns): a launcher SIGTERM stopped
+    exits 130 with what it printed, whatever its interpreter's teardown would do; without it the same process dies
+    by the SIGINT its teardown sends (the check that this test can fail)."""
+    code = TEARDOWN.replace("{LEAVE}", "leave_if_signalled(130)" if leave else "")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "services stopped\n", done.stdout + done.stderr
+    assert done.returncode == (130 if leave else -signal.SIGINT), done.returncode
