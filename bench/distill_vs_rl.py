@@ -82,14 +82,15 @@ def evaluations(out: Path) -> list[dict]:
     return [r for r in rows if "eval/accuracy" in r]
 
 
-def per_task(evals: list[dict], task: str) -> list[tuple[int, float]]:
-    """(step, held-out accuracy on ``task``) at each evaluation of a two-domain run."""
+def per_task(evals: list[dict], task: str) -> list[tuple[int, float, float]]:
+    """(step, held-out accuracy on ``task``, the loop's seconds by then) at each evaluation of a two-domain run."""
     key = f"eval/{task}/accuracy"
-    return [(int(r["step"]), r[key]) for r in evals if key in r]
+    return [(int(r["step"]), r[key], float(r["time_s"])) for r in evals if key in r]
 
 
-def first_reach(curve: list[tuple[int, float]], target: float) -> str:
-    return next((str(step) for step, accuracy in curve if accuracy >= target), "-")
+def first_reach(curve: list[tuple[int, float, float]], target: float) -> str:
+    """'step (seconds)' of the first evaluation at or above ``target``; '-' when none is."""
+    return next((f"{step} ({seconds:.0f} s)" for step, accuracy, seconds in curve if accuracy >= target), "-")
 
 
 def student_job(tmp: Path, experts: dict[str, Path], steps: int, distil: bool, seed: int) -> Path:
@@ -127,15 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         expert_score = {task: evaluations(tmp / task)[-1]["eval/accuracy"] for task in TASKS}  # its domain's rows
         print(f"experts {expert_score} held out ({expert_s:.0f} s)", flush=True)
         walls: dict[tuple[str, int], float] = {}
-        curves: dict[tuple[str, int], dict[str, list[tuple[int, float]]]] = {}
+        curves: dict[tuple[str, int], dict[str, list[tuple[int, float, float]]]] = {}
         for seed in args.seeds:
             for label in labels:
                 walls[label, seed] = run(student_job(tmp, experts, args.steps, label == "distilled", seed))
                 curves[label, seed] = {t: per_task(evaluations(tmp / f"{label}-{seed}"), t) for t in TASKS}
                 print(f"student {label}, data.seed {seed}: {curves[label, seed]} ({walls[label, seed]:.0f} s)",
                       flush=True)
-    body = ["| domain | expert (40 steps) | data.seed | student distilled | reaches 90% at step | student by RL | "
-            "reaches 90% at step |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    body = ["| domain | expert (40 steps) | data.seed | student distilled | reaches 90% at step (s) | student by RL | "
+            "reaches 90% at step (s) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for task in TASKS:
         target = REACH * expert_score[task]
         for seed in args.seeds:
@@ -146,14 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:
             c = curves[label, seed]
             body += ["", f"Student {title}, data.seed {seed}, held out at steps "
-                     + ", ".join(str(s) for s, _ in c["sort"]) + ": "
-                     + "; ".join(f"{t} " + " ".join(f"{a:.2f}" for _, a in c[t]) for t in TASKS) + "."]
+                     + ", ".join(str(s) for s, _, _ in c["sort"]) + ": "
+                     + "; ".join(f"{t} " + " ".join(f"{a:.2f}" for _, a, _ in c[t]) for t in TASKS) + "."]
     each = ", ".join(f"distilled {walls['distilled', s]:.0f} s and RL {walls['rl', s]:.0f} s (data.seed {s})"
                      for s in args.seeds)
     body += ["", f"Held-out greedy accuracy on each domain's whole test split (sort 150 problems, tools 200 agent "
                  f"episodes: lorarl.assets.mixed_task), evaluated every 5 steps; each student {args.steps} steps from "
                  f"a fresh adapter (sync loop), 64 episodes a step: distilled 64 prompts x 1, RL 16 prompts x "
-                 f"{RL_GROUP}. 'reaches 90%': the first evaluated step at or above 0.9 x the expert's score. Whole "
+                 f"{RL_GROUP}. 'reaches 90%': the first evaluated step at or above 0.9 x the expert's score, and "
+                 f"the loop's seconds by then (service start-up not counted). Whole "
                  f"commands: both experts {expert_s:.0f} s (`lorarl run examples/multitenant/sort.yaml "
                  f"examples/multitenant/tools.yaml`, one stack); students {each}; service start-up included."]
     print("\n".join(body))
