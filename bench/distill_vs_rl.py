@@ -126,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         expert_s = run(*(write_job(copied_job(EXPERTS / f"{task}.yaml", tmp, task), tmp) for task in TASKS))
         experts = {task: tmp / TASKS[0] / "exports" / task / "final-adapter" for task in TASKS}
         expert_score = {task: evaluations(tmp / task)[-1]["eval/accuracy"] for task in TASKS}  # its domain's rows
+        for task in TASKS:  # an expert that collapsed (the agent did once in four runs: 0.87 -> 0 after step 25)
+            start = evaluations(tmp / task)[0]["eval/accuracy"]  # makes a bar of 90% of nothing: no comparison
+            if expert_score[task] <= start:
+                raise SystemExit(f"expert {task} did not learn ({start:.3f} -> {expert_score[task]:.3f} held out): "
+                                 "run the bench again")
         print(f"experts {expert_score} held out ({expert_s:.0f} s)", flush=True)
         walls: dict[tuple[str, int], float] = {}
         curves: dict[tuple[str, int], dict[str, list[tuple[int, float, float]]]] = {}
