@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         # folder holding both adapters
         expert_s = run(*(write_job(copied_job(EXPERTS / f"{task}.yaml", tmp, task), tmp) for task in TASKS))
         experts = {task: tmp / TASKS[0] / "exports" / task / "final-adapter" for task in TASKS}
-        expert_score = {task: evaluations(tmp / task)[-1]["eval/accuracy"] for task in TASKS}  # its domain's rows
+        expert_evals = {task: evaluations(tmp / task) for task in TASKS}  # each on its domain's rows only
+        expert_score = {task: evals[-1]["eval/accuracy"] for task, evals in expert_evals.items()}
         for task in TASKS:  # an expert that collapsed (the agent did once in four runs: 0.87 -> 0 after step 25)
-            start = evaluations(tmp / task)[0]["eval/accuracy"]  # makes a bar of 90% of nothing: no comparison
+            start = expert_evals[task][0]["eval/accuracy"]  # makes a bar of 90% of nothing: no comparison
             if expert_score[task] <= start:
                 raise SystemExit(f"expert {task} did not learn ({start:.3f} -> {expert_score[task]:.3f} held out): "
                                  "run the bench again")
